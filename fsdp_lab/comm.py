@@ -1,0 +1,256 @@
+"""Collectives with byte and time accounting: every message a lab sends goes through here.
+
+Each wrapper calls the real `torch.distributed` collective and, while a `CommLog` is active,
+records one `CommRecord`: the op, the process group, the bytes this rank moved and how long it
+took. While a `fsdp_lab.trace.Timeline` is active it also adds a "comm" span, so compute and
+communication can be drawn side by side.
+
+Bytes moved per rank follow the bandwidth-optimal (ring) algorithms, the convention of
+nccl-tests' "bus bandwidth" and of the theory in DESIGN.md, with N the group size:
+
+    all_gather_into_tensor   (N-1)/N x output bytes     each rank receives N-1 shards
+    reduce_scatter_tensor    (N-1)/N x input bytes      each rank sends N-1 partial shards
+    all_reduce             2 (N-1)/N x tensor bytes     = a reduce-scatter then an all-gather
+    broadcast, send, recv            tensor bytes
+
+Async ops (``async_op=True``) return a `CommWork`; its ``wait()`` closes the record, so the
+recorded duration runs from issue to completion — what a prefetching mechanism overlaps.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_lab.trace.timeline import active_timeline
+
+_ACTIVE: contextvars.ContextVar[CommLog | None] = contextvars.ContextVar(
+    "fsdp_lab_comm_log", default=None
+)
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; the old names warn.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+@dataclass
+class CommRecord:
+    op: str
+    group: str  # e.g. "ranks 0,1,2,3"
+    group_size: int
+    bytes: float  # moved by this rank, see the module docstring
+    payload_bytes: int  # size of the tensor argument the formula scales
+    dtype: str
+    start: float  # perf_counter seconds relative to the log's origin
+    end: float
+    async_op: bool
+
+
+class CommLog:
+    """Records the collectives run on this rank while active (``with CommLog() as log:``)."""
+
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+        self._origin = time.perf_counter()
+        self._token: contextvars.Token | None = None
+
+    def __enter__(self) -> CommLog:
+        self._token = _ACTIVE.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _ACTIVE.reset(self._token)
+            self._token = None
+
+    def bytes_by_op(self) -> dict[str, float]:
+        """Total bytes this rank moved, per op name."""
+        totals: dict[str, float] = {}
+        for r in self.records:
+            totals[r.op] = totals.get(r.op, 0.0) + r.bytes
+        return totals
+
+    def calls_by_op(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in self.records:
+            counts[r.op] = counts.get(r.op, 0) + 1
+        return counts
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"records": [asdict(r) for r in self.records], "bytes_by_op": self.bytes_by_op()}
+
+
+def bus_bytes(op: str, payload_bytes: int, group_size: int) -> float:
+    """Bytes one rank moves for `op` on a tensor of `payload_bytes` (ring algorithms)."""
+    n = group_size
+    factors = {
+        "all_gather_into_tensor": (n - 1) / n,
+        "reduce_scatter_tensor": (n - 1) / n,
+        "all_reduce": 2 * (n - 1) / n,
+        "broadcast": 1.0 if n > 1 else 0.0,
+        "send": 1.0,
+        "recv": 1.0,
+    }
+    if op not in factors:
+        raise ValueError(f"unknown collective {op!r}; known: {sorted(factors)}")
+    return payload_bytes * factors[op]
+
+
+def _group_label(group: dist.ProcessGroup | None) -> tuple[str, int]:
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return "ranks " + ",".join(map(str, ranks)), len(ranks)
+
+
+class CommWork:
+    """Handle of an async collective; `wait()` blocks and closes its record."""
+
+    def __init__(self, work: Any, finish: Any) -> None:
+        self._work = work
+        self._finish = finish
+        self._done = False
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+        if not self._done:
+            self._done = True
+            self._finish()
+
+
+def _run(
+    op: str,
+    call: Any,
+    tensor: torch.Tensor,
+    payload_bytes: int,
+    group: dist.ProcessGroup | None,
+    async_op: bool,
+) -> CommWork | None:
+    log, timeline = _ACTIVE.get(), active_timeline()
+    start = time.perf_counter()
+    work = call()
+    if log is None and timeline is None:
+        return CommWork(work, lambda: None) if async_op else None
+    label, size = _group_label(group)
+    moved = bus_bytes(op, payload_bytes, size)
+
+    def finish() -> None:
+        end = time.perf_counter()
+        if log is not None:
+            log.records.append(
+                CommRecord(
+                    op,
+                    label,
+                    size,
+                    moved,
+                    payload_bytes,
+                    str(tensor.dtype).removeprefix("torch."),
+                    start - log._origin,
+                    end - log._origin,
+                    async_op,
+                )
+            )
+        if timeline is not None:
+            timeline.add("comm", op, start, end, int(moved))
+
+    if async_op:
+        return CommWork(work, finish)
+    finish()
+    return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> CommWork | None:
+    """Concatenate every rank's `input` into `output` (N x input.numel() elements)."""
+    return _run(
+        "all_gather_into_tensor",
+        lambda: _all_gather_single(output, input, group=group, async_op=async_op),
+        output,
+        _nbytes(output),
+        group,
+        async_op,
+    )
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> CommWork | None:
+    """Reduce `input` (N x output.numel() elements) over ranks; rank r keeps chunk r in `output`."""
+    return _run(
+        "reduce_scatter_tensor",
+        lambda: _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op),
+        input,
+        _nbytes(input),
+        group,
+        async_op,
+    )
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> CommWork | None:
+    """Reduce `tensor` over ranks in place; every rank ends with the result."""
+    return _run(
+        "all_reduce",
+        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+        tensor,
+        _nbytes(tensor),
+        group,
+        async_op,
+    )
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> CommWork | None:
+    """Copy `tensor` from global rank `src` to every rank of the group, in place."""
+    return _run(
+        "broadcast",
+        lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
+        tensor,
+        _nbytes(tensor),
+        group,
+        async_op,
+    )
+
+
+def send(
+    tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> CommWork | None:
+    """Point-to-point send to global rank `dst` (``async_op=True`` is `isend`)."""
+    call = dist.isend if async_op else dist.send
+    return _run(
+        "send", lambda: call(tensor, dst=dst, group=group), tensor, _nbytes(tensor), group, async_op
+    )
+
+
+def recv(
+    tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> CommWork | None:
+    """Point-to-point receive from global rank `src` into `tensor` (``async_op=True`` is `irecv`)."""
+    call = dist.irecv if async_op else dist.recv
+    return _run(
+        "recv", lambda: call(tensor, src=src, group=group), tensor, _nbytes(tensor), group, async_op
+    )
