@@ -14,13 +14,14 @@ import argparse
 import contextlib
 import importlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from fsdp_lab.cluster import BACKENDS, open_cluster, rank
+from fsdp_lab.cluster import BACKENDS, open_cluster
 
 # CLI name -> module in fsdp_lab.labs. Each module has a frozen `*Config` dataclass accepted
 # by `run(config, cluster=None) -> LabResult`, plus `figures(result)` and `summary(result)`.
@@ -28,6 +29,11 @@ LABS: dict[str, tuple[str, str]] = {
     "collectives": ("fsdp_lab.labs.collectives", "CollectivesConfig"),
 }
 DEFAULT_OUT = "fsdp_lab_out"
+
+
+def _is_main_process() -> bool:
+    # Under torchrun every rank runs this CLI; only global rank 0 prints and writes files.
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def _positive_int(text: str) -> int:
@@ -49,7 +55,9 @@ def _common(p: argparse.ArgumentParser) -> None:
         metavar="module:factory",
         help="a factory returning an nn.Module over token ids (for labs that train a model)",
     )
-    p.add_argument("--out", default=None, help=f"folder for figures and JSON (default {DEFAULT_OUT}/)")
+    p.add_argument(
+        "--out", default=None, help=f"folder for figures and JSON (default {DEFAULT_OUT}/)"
+    )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
 
 
@@ -84,7 +92,10 @@ def _config(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
     from_args = getattr(module, "config_from_args", None)
     if from_args is not None:
         overrides.update(from_args(args))
-    return module, config_cls(**overrides)
+    try:
+        return module, config_cls(**overrides)
+    except ValueError as exc:
+        raise SystemExit(f"fsdp-lab {name}: {exc}") from None
 
 
 def _save(module: ModuleType, result: Any, out: Path) -> list[Path]:
@@ -105,7 +116,7 @@ def run_lab(name: str, args: argparse.Namespace, out: Path | None) -> Any:
         result = module.run(config, cluster=cluster)
     finally:
         cluster.close()
-    if out is not None and rank() == 0:
+    if out is not None and _is_main_process():
         _save(module, result, out)
     return result
 
@@ -123,7 +134,7 @@ def tour(args: argparse.Namespace) -> dict[str, Any]:
         summary[name] = {"seconds": round(seconds, 2), "result": result.to_dict()}
         markdown += [f"## {name} ({seconds:.1f} s)", "", module.summary(result), ""]
         print(f"[{i}/{len(LABS)}] {name} done in {seconds:.1f} s -> {out / name}/", file=sys.stderr)
-    if rank() == 0:
+    if _is_main_process():
         (out / "summary.md").write_text("\n".join(markdown))
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         print(f"summary: {out / 'summary.md'}, {out / 'summary.json'}", file=sys.stderr)
@@ -138,13 +149,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.lab == "tour":
             payload: Any = tour(args)
         else:
-            out = Path(args.out) if args.out else (None if args.json else Path(DEFAULT_OUT) / args.lab)
+            out = (
+                Path(args.out)
+                if args.out
+                else (None if args.json else Path(DEFAULT_OUT) / args.lab)
+            )
             result = run_lab(args.lab, args, out)
             payload = result.to_dict()
-            if not args.json and rank() == 0:
+            if not args.json and _is_main_process():
                 print(importlib.import_module(LABS[args.lab][0]).summary(result))
                 if out is not None:
                     print(f"figures and {args.lab}.json written to {out}/")
-    if args.json and rank() == 0:
+    if args.json and _is_main_process():
         print(json.dumps(payload))
     return 0

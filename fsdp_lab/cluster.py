@@ -38,8 +38,9 @@ import sys
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 import torch
@@ -146,7 +147,11 @@ def _worker_main(
             "127.0.0.1", port, world_size + 1, False, timeout=timedelta(seconds=timeout)
         )
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
         )
     except BaseException:  # report, then exit: the parent turns this into an error
         conn.send_bytes(pickle.dumps(("error", "failed to join", traceback.format_exc(), "")))
@@ -165,7 +170,9 @@ def _worker_main(
                 fn, args, kwargs = cloudpickle.loads(message)
                 result = fn(*args, **kwargs)
         except BaseException as exc:  # any failure goes back to the caller; the loop lives on
-            reply = pickle.dumps(("error", f"raised {exc!r}", traceback.format_exc(), out.getvalue()))
+            reply = pickle.dumps(
+                ("error", f"raised {exc!r}", traceback.format_exc(), out.getvalue())
+            )
         else:
             try:
                 reply = cloudpickle.dumps(("ok", result, "", out.getvalue()))
@@ -234,7 +241,9 @@ class Cluster:
     def _start(self) -> None:
         t0 = time.perf_counter()
         # The notebook hosts the rendezvous store; port 0 lets the OS choose a free port.
-        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, True, wait_for_workers=False)
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, self.world_size + 1, True, wait_for_workers=False
+        )
         ctx = mp.get_context("spawn")
         with _main_module_hidden():
             self._spawn_ranks(ctx)
@@ -254,8 +263,18 @@ class Cluster:
     def _spawn_ranks(self, ctx: Any) -> None:
         for r in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
-            args = (r, self.world_size, self.backend, self._store.port, self.timeout, child_end, os.getpid())
-            proc = ctx.Process(target=_worker_main, args=args, daemon=True, name=f"fsdp_lab-rank{r}")
+            args = (
+                r,
+                self.world_size,
+                self.backend,
+                self._store.port,
+                self.timeout,
+                child_end,
+                os.getpid(),
+            )
+            proc = ctx.Process(
+                target=_worker_main, args=args, daemon=True, name=f"fsdp_lab-rank{r}"
+            )
             proc.start()
             child_end.close()
             self._procs.append(proc)
@@ -354,8 +373,10 @@ class Cluster:
         broken = bool(dead or pending)
         if broken or what == "start":
             self._teardown()
-        after = " All ranks were stopped; the next run() starts fresh ones." if broken else (
-            " The other ranks answered; the cluster is still usable."
+        after = (
+            " All ranks were stopped; the next run() starts fresh ones."
+            if broken
+            else (" The other ranks answered; the cluster is still usable.")
         )
         if errors:
             r = min(errors)
@@ -364,7 +385,9 @@ class Cluster:
         if dead:
             r = min(dead)
             code = dead[r]
-            how = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
+            how = (
+                f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
+            )
             raise RankError(r, f"the rank process died ({how}) while running {what}.{after}")
         stuck = sorted(pending)
         raise RankError(

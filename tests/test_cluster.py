@@ -172,7 +172,10 @@ def test_close_leaves_no_child_process():
 
 
 def test_two_clusters_at_once_do_not_collide():
-    with Cluster(2, backend="gloo", verbose=False) as a, Cluster(2, backend="gloo", verbose=False) as b:
+    with (
+        Cluster(2, backend="gloo", verbose=False) as a,
+        Cluster(2, backend="gloo", verbose=False) as b,
+    ):
         assert a._store.port != b._store.port
         assert a.run(_sum_of_ranks) == [3.0, 3.0]
         assert b.run(_sum_of_ranks) == [3.0, 3.0]

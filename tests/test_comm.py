@@ -64,7 +64,12 @@ def test_values_and_bytes_of_every_collective(cluster_of, n):
             assert res["got"] == [float((r - 1) % n)] * 2
 
         ops = [rec["op"] for rec in res["log"]["records"]]
-        expected_ops = ["all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast"]
+        expected_ops = [
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+            "all_reduce",
+            "broadcast",
+        ]
         expected_ops += ["all_gather_into_tensor"] + (["send", "recv"] if n > 1 else [])
         assert ops == expected_ops
         # Ring-algorithm bytes per rank, written out from DESIGN.md's formulas.
@@ -72,7 +77,9 @@ def test_values_and_bytes_of_every_collective(cluster_of, n):
         expected = [12 * (n - 1), 12 * (n - 1), 2 * (n - 1) / n * 40, 16 if n > 1 else 0]
         expected += [12 * (n - 1)] + ([8, 8] if n > 1 else [])
         assert moved == pytest.approx(expected, abs=0)
-        assert all(rec["group"] == "ranks " + ",".join(map(str, range(n))) for rec in res["log"]["records"])
+        assert all(
+            rec["group"] == "ranks " + ",".join(map(str, range(n))) for rec in res["log"]["records"]
+        )
         assert [rec["async_op"] for rec in res["log"]["records"]][3:5] == [False, True]
         assert res["open_records"] == 4
 

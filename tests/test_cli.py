@@ -1,0 +1,110 @@
+"""The command line: one JSON object with --json, figures with --out, the tour, torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ENV = {**os.environ, "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"}
+
+
+def fsdp_lab(
+    *args: str, cwd: Path | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp_lab", *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=cwd,
+        timeout=timeout,
+    )
+
+
+def test_json_prints_exactly_one_object_with_measured_bytes():
+    proc = fsdp_lab("collectives", "--world-size", "3", "--numel", "999", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)  # fails if anything else was printed on stdout
+    assert result["lab"] == "collectives" and result["world_size"] == 3
+    shard = 999 * 4
+    assert (
+        result["comm_bytes_per_rank"]
+        == [
+            {
+                "broadcast": shard,
+                "all_gather_into_tensor": 2 * shard,
+                "reduce_scatter_tensor": 2 * shard,
+                "all_reduce": 2 * 2 / 3 * shard,
+            }
+        ]
+        * 3
+    )
+    assert result["matches_theory"] is True
+    assert "rank(s) up on gloo" in proc.stderr  # progress went to stderr, not stdout
+
+
+def test_out_writes_png_figures_and_the_json(tmp_path):
+    proc = fsdp_lab("collectives", "--world-size", "2", "--numel", "256", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "measured equals theory on every rank: True" in proc.stdout
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert {"bytes_vs_theory.png", "memory_trace.png", "timeline.png"} <= set(pngs)
+    for png in tmp_path.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "collectives.json").read_text())["world_size"] == 2
+
+
+def test_tour_runs_every_lab_with_progress_and_summary(tmp_path):
+    proc = fsdp_lab("tour", "--world-size", "2", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    from fsdp_lab.cli import LABS
+
+    for i, lab in enumerate(LABS, 1):
+        assert f"[{i}/{len(LABS)}] {lab} done in" in proc.stderr
+        assert any((tmp_path / lab).glob("*.png"))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary) == set(LABS)
+    assert summary["collectives"]["result"]["matches_theory"] is True
+    assert "| all_reduce |" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["collectives", "--world-size", "0"], "0 is not >= 1"),
+        (["collectives", "--world-size", "two"], "'two' is not an integer"),
+        (["collectives", "--backend", "mpi"], "invalid choice: 'mpi'"),
+        (["collectives", "--numel", "0"], "numel=0: expected an int >= 1"),
+        (["collectives", "--model", "m:f"], "--model is not used by this lab"),
+        (["nonsense"], "invalid choice: 'nonsense'"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args, message):
+    proc = fsdp_lab(*args, timeout=60)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_the_same_lab_runs_under_torchrun():
+    proc = subprocess.run(
+        ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "fsdp_lab", "collectives"]
+        + ["--numel", "64", "--json"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # only rank 0 prints the result
+    result = json.loads(lines[0])
+    assert result["world_size"] == 2 and result["matches_theory"] is True
+    assert result["contents"]["all_gather_into_tensor"]["after"] == [[1.0, 1.0, 2.0, 2.0]] * 2

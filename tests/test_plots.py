@@ -1,0 +1,203 @@
+"""The figures show what was measured: stacks sum to totals, one bar per span, cells hold values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from matplotlib.colors import to_rgba
+from matplotlib.figure import Figure
+
+from fsdp_lab.plots import (
+    CATEGORY_COLORS,
+    KIND_COLORS,
+    format_bytes,
+    plot_measured_vs_theory,
+    plot_memory_trace,
+    plot_rank_contents,
+    plot_timeline,
+    save_figure,
+)
+
+MiB = 2**20
+CATS = list(CATEGORY_COLORS)
+
+
+@pytest.fixture(autouse=True)
+def _agg_backend(monkeypatch):
+    # The plots never use pyplot, but a stray display must not be needed either.
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+
+
+def make_trace(rank: int, scale: int = 1, n_markers: int = 2) -> dict:
+    """Parameters constant, activations rising then falling, gradients appearing late."""
+    t = [0.0, 0.1, 0.2, 0.3, 0.4]
+    b = {c: [0] * len(t) for c in CATS}
+    b["parameters"] = [4 * MiB * scale] * 5
+    b["activations"] = [0, 2 * MiB * scale, 3 * MiB * scale, 1 * MiB * scale, 0]
+    b["gradients"] = [0, 0, 0, 4 * MiB * scale, 4 * MiB * scale]
+    total = [sum(b[c][i] for c in CATS) for i in range(len(t))]
+    markers = [
+        {"t": 0.4 * k / max(1, n_markers - 1), "label": f"mark {k}", "total": 0}
+        for k in range(n_markers)
+    ]
+    return {
+        "rank": rank,
+        "device": "cpu",
+        "source": "storages",
+        "categories": CATS,
+        "t": t,
+        "bytes": b,
+        "total": total,
+        "markers": markers,
+        "peak_bytes": max(total),
+        "peak_by_category": {c: max(b[c]) for c in CATS},
+    }
+
+
+def test_format_bytes_picks_binary_units():
+    assert format_bytes(1.5 * MiB) == "1.50 MiB"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(2048) == "2.00 KiB"
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
+    assert format_bytes(-MiB) == "-1.00 MiB"
+
+
+def test_memory_trace_stack_reaches_totals_with_markers_and_peak():
+    traces = [make_trace(0), make_trace(1, scale=2)]
+    fig = plot_memory_trace(traces, title="two ranks", theory={"budget": 10 * MiB})
+    assert isinstance(fig, Figure)
+    assert len(fig.axes) == 2
+    for ax, tr in zip(fig.axes, traces, strict=True):
+        # The top of the stack is the measured total (in MiB, the unit chosen for 16 MiB).
+        tops = [p.vertices[:, 1].max() for c in ax.collections for p in c.get_paths()]
+        assert max(tops) == pytest.approx(max(tr["total"]) / MiB)
+        assert "MiB" in ax.get_ylabel()
+        texts = {t.get_text().strip() for t in ax.texts}
+        assert {"mark 0", "mark 1"} <= texts
+        dashed = [ln for ln in ax.lines if ln.get_linestyle() == "--"]
+        assert [ln.get_ydata()[0] for ln in dashed] == [pytest.approx(tr["peak_bytes"] / MiB)]
+        dotted = [ln for ln in ax.lines if ln.get_linestyle() == ":"]
+        assert [ln.get_ydata()[0] for ln in dotted] == [pytest.approx(10.0)]
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert f"peak {format_bytes(tr['peak_bytes'])}" in legend
+        # Categories that never hold bytes stay out of the legend.
+        assert "parameters" in legend and "optimizer_state" not in legend
+    # Shared y axis: rank 1's 16 MiB peak sets the scale for rank 0 as well.
+    assert fig.axes[0].get_ylim() == fig.axes[1].get_ylim()
+
+
+def test_memory_trace_single_dict_small_units_and_thinned_markers():
+    tr = make_trace(0, n_markers=100)
+    for c in CATS:
+        tr["bytes"][c] = [v // 1024 for v in tr["bytes"][c]]  # KiB-sized now
+    tr["total"] = [v // 1024 for v in tr["total"]]
+    tr["peak_bytes"] //= 1024
+    fig = plot_memory_trace(tr)
+    (ax,) = fig.axes
+    assert "KiB" in ax.get_ylabel()
+    vertical = [ln for ln in ax.lines if ln.get_xdata()[0] == ln.get_xdata()[1]]
+    assert len(vertical) == 100  # every marker keeps its line...
+    assert 0 < len(ax.texts) <= 30  # ...but only some keep a label
+
+
+def timelines() -> list[dict]:
+    def spans(origin: float) -> list[dict]:
+        return [
+            {
+                "kind": "comm",
+                "name": "all_gather",
+                "start": origin,
+                "end": origin + 0.4,
+                "bytes": 8,
+            },
+            {
+                "kind": "compute",
+                "name": "fwd",
+                "start": origin + 0.3,
+                "end": origin + 0.8,
+                "bytes": 0,
+            },
+            {"kind": "comm", "name": "rs", "start": origin + 0.8, "end": origin + 0.81, "bytes": 8},
+        ]
+
+    # Rank 1's clock has a different origin: the plot aligns each rank to its first span.
+    return [{"rank": 0, "spans": spans(0.0)}, {"rank": 1, "spans": spans(100.0)}]
+
+
+def test_timeline_one_bar_per_span_in_separate_lanes():
+    tls = timelines()
+    fig = plot_timeline(tls, title="t")
+    (ax,) = fig.axes
+    bars = [p for c in ax.collections for p in c.get_paths()]
+    assert len(bars) == sum(len(tl["spans"]) for tl in tls)
+    # Lane of each kind, per rank: compute and comm never share a row.
+    lanes: dict[str, set[float]] = {"compute": set(), "comm": set()}
+    for c in ax.collections:
+        (kind,) = [
+            k for k, col in KIND_COLORS.items() if np.allclose(c.get_facecolor()[0], to_rgba(col))
+        ]
+        lanes[kind] |= {round(float(p.vertices[:, 1].mean()), 3) for p in c.get_paths()}
+    assert len(lanes["comm"]) == 2 and len(lanes["compute"]) == 2
+    assert lanes["comm"].isdisjoint(lanes["compute"])
+    # Both ranks start at x = 0 (aligned separately), and the axis is in ms for a 0.81 s run.
+    starts = sorted(round(float(p.vertices[:, 0].min()), 6) for p in bars)
+    assert starts[:2] == [0.0, 0.0]
+    assert "ms" in ax.get_xlabel() and "aligned" in ax.get_xlabel()
+    # The wide all-gather is labelled; the 10 ms reduce-scatter is too narrow for its name.
+    names = [t.get_text() for t in ax.texts]
+    assert names.count("all_gather") == 2 and "rs" not in names
+
+
+def test_measured_vs_theory_bars_equal_inputs_and_ratio_shown():
+    measured = {"params": 4 * MiB, "grads": 4.2 * MiB, "peak": 12 * MiB}
+    theory = {"params": 4 * MiB, "grads": 4 * MiB, "activations": 2 * MiB}
+    fig = plot_measured_vs_theory(measured, theory)
+    (ax,) = fig.axes
+    solid = [p.get_height() for p in ax.patches if not p.get_hatch()]
+    hatched = [p.get_height() for p in ax.patches if p.get_hatch()]
+    assert solid == pytest.approx(list(measured.values()))
+    assert hatched == pytest.approx(list(theory.values()))
+    texts = [t.get_text() for t in ax.texts]
+    assert "1.00×" in texts and "1.05×" in texts
+    assert len([t for t in texts if t.endswith("×")]) == 2  # only keys present in both
+    assert "4.20 MiB" in texts  # value labels in human units
+    assert [t.get_text() for t in ax.get_xticklabels()] == [
+        "params",
+        "grads",
+        "peak",
+        "activations",
+    ]
+
+
+def test_measured_vs_theory_plain_units():
+    fig = plot_measured_vs_theory({"t": 0.5}, {"t": 0.25}, ylabel="seconds")
+    (ax,) = fig.axes
+    assert ax.get_ylabel() == "seconds"
+    assert "2.00×" in [t.get_text() for t in ax.texts]
+
+
+def test_rank_contents_one_panel_per_stage_with_values_in_cells():
+    stages = {
+        "before": [[0], [1], [2]],
+        "after all_gather": [[0, 1, 2]] * 3,
+        "after reduce_scatter": [[0.5], [1.25], [2]],
+    }
+    fig = plot_rank_contents(stages, title="collectives")
+    assert [ax.get_title() for ax in fig.axes] == list(stages)
+    for ax, rows in zip(fig.axes, stages.values(), strict=True):
+        cells = [t.get_text() for t in ax.texts]
+        assert cells == [str(v).removesuffix(".0") for row in rows for v in row]
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1", "rank 2"]
+        image = ax.images[0].get_array()
+        assert image.shape == (3, 3)  # short rows padded to the widest stage
+        assert int(np.ma.count_masked(image)) == sum(3 - len(row) for row in rows)
+    # Same value, same colour across panels: all panels share one colour scale.
+    assert len({ax.images[0].get_clim() for ax in fig.axes}) == 1
+
+
+def test_save_figure_writes_png(tmp_path):
+    fig = plot_measured_vs_theory({"a": 1.0}, {"a": 2.0}, ylabel="x")
+    out = save_figure(fig, tmp_path / "deep" / "dir" / "fig")
+    assert out == tmp_path / "deep" / "dir" / "fig.png"
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
