@@ -151,7 +151,10 @@ def _worker_main(
             store=store,
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout),
+            # The backend's own collective timeout is only a backstop: the notebook's watchdog
+            # (`Cluster.timeout`) must fire first, so that a hang is reported as a hang and the
+            # ranks are restarted, not left with a half-failed process group.
+            timeout=timedelta(seconds=2 * timeout + 30),
         )
     except BaseException:  # report, then exit: the parent turns this into an error
         conn.send_bytes(pickle.dumps(("error", "failed to join", traceback.format_exc(), "")))

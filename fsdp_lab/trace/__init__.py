@@ -5,7 +5,7 @@
 timing figure a lab reports comes from here, never from a mechanism's own bookkeeping.
 """
 
-from fsdp_lab.trace.memory import CATEGORIES, MemoryTracker, category
+from fsdp_lab.trace.memory import CATEGORIES, MemoryTracker, category, mark
 from fsdp_lab.trace.timeline import Timeline, compute_span
 
-__all__ = ["CATEGORIES", "MemoryTracker", "Timeline", "category", "compute_span"]
+__all__ = ["CATEGORIES", "MemoryTracker", "Timeline", "category", "compute_span", "mark"]

@@ -51,12 +51,22 @@ _INDEX = {name: i for i, name in enumerate(CATEGORIES)}
 _OTHER = _INDEX["other"]
 
 _ACTIVE_CATEGORY = contextvars.ContextVar("fsdp_lab_memory_category", default=_OTHER)
+# The trackers running in this context, so a mechanism can mark() them without a reference.
+_RUNNING: contextvars.ContextVar[tuple[MemoryTracker, ...]] = contextvars.ContextVar(
+    "fsdp_lab_running_trackers", default=()
+)
 
 
 def _category_index(name: str) -> int:
     if name not in _INDEX:
         raise ValueError(f"unknown memory category {name!r}; allowed: {', '.join(CATEGORIES)}")
     return _INDEX[name]
+
+
+def mark(label: str) -> None:
+    """Mark every tracker running in this context (no-op without one): "all-gather unit 3"."""
+    for tracker in _RUNNING.get():
+        tracker.mark(label)
 
 
 @contextmanager
@@ -143,6 +153,7 @@ class MemoryTracker:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._watcher = _StorageWatcher(self)
         self._watcher.__enter__()
+        _RUNNING.set((*_RUNNING.get(), self))
         with self._lock:
             self._sweep_remembered()
             self._record_sample()
@@ -155,6 +166,7 @@ class MemoryTracker:
         self._refresh()
         self._watcher.__exit__(None, None, None)
         self._watcher = None
+        _RUNNING.set(tuple(t for t in _RUNNING.get() if t is not self))
         with self._lock:
             # A weakref object that dies first never calls back: dropping them detaches every
             # storage from this tracker (and breaks the record <-> callback reference cycles).
@@ -379,6 +391,8 @@ def _roles(obj: Any, cat: int | None) -> Iterator[tuple[torch.Tensor, int, bool]
     """(tensor, category, by_role) for a tracked object; by_role re-tags a known storage."""
     if isinstance(obj, torch.Tensor):
         yield obj, _OTHER if cat is None else cat, cat is not None
+        if obj.grad is not None:  # e.g. the gradient of FSDP's unsharded flat parameter
+            yield obj.grad, _INDEX["gradients"], True
         return
     if isinstance(obj, torch.nn.Module):
         params, buffers, states = list(obj.parameters()), list(obj.buffers()), []
