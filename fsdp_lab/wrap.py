@@ -134,7 +134,7 @@ def _unit_of(module_name: str, roots: Iterable[str]) -> str:
 def _common_parent(names: list[str]) -> str:
     parts = [n.split(".") if n else [] for n in names]
     prefix = []
-    for level in zip(*parts):
+    for level in zip(*parts, strict=False):
         if len(set(level)) != 1:
             break
         prefix.append(level[0])
@@ -154,14 +154,12 @@ def build_plan(model: nn.Module, units: Units = None) -> WrapPlan:
     else:
         roots = _unit_roots(model, units)
     owners: dict[int, list[tuple[str, str]]] = {}
-    params: dict[int, nn.Parameter] = {}
     for mname, module in model.named_modules(remove_duplicate=False):
         for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
             if (mname, pname) not in owners.setdefault(id(p), []):
                 owners[id(p)].append((mname, pname))
-            params[id(p)] = p
     by_unit: dict[str, list[ParamRef]] = {u: [] for u in [ROOT, *roots]}
-    for pid, owned_by in owners.items():
+    for owned_by in owners.values():
         units_hit = {m: _unit_of(m, roots) for m, _ in owned_by}
         first = owned_by[0]
         full_name = f"{first[0]}.{first[1]}" if first[0] else first[1]
