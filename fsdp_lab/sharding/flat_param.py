@@ -1,0 +1,137 @@
+"""Flat parameters: one unit's parameters as one padded 1-D buffer, cut into N equal shards.
+
+This is FSDP1's `FlatParameter` (and DeepSpeed ZeRO-3's partitioned parameters) reduced to
+its idea:
+
+    params of the unit      w1 (4x3)   b1 (4)   w2 (2x4)        a tied one appears once
+    flatten + concatenate   [ w1 ........ | b1 .. | w2 ...... | pad ]   padded to a multiple of N
+    rank r keeps            shard r = flat[r*S : (r+1)*S]               S = padded / N
+
+The shard is the only persistent storage (an `nn.Parameter`, so `model.parameters()` and any
+`torch.optim` optimizer see it). Before the unit runs, the shards are all-gathered into the
+*unsharded* buffer, and every original parameter becomes a view into it: `w1` is
+``unsharded[0:12].view(4, 3)``. Freeing resizes that buffer's storage to 0 bytes — the views
+stay valid Python objects (autograd saved some of them), and they come back to life when the
+same storage is refilled for backward. FSDP1 and FSDP2 free exactly this way.
+
+Where real FSDP goes further: FSDP2 keeps one DTensor per original parameter (sharded on
+dim 0) instead of a flat buffer, so parameters keep their names and shapes, and copies them
+in and out of a flat all-gather buffer; it also manages CUDA streams for the overlap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from fsdp_lab.trace import category
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Where one original parameter lives in the flat buffer."""
+
+    name: str  # first fully qualified name
+    offset: int
+    shape: torch.Size
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+class FlatParameter:
+    """The flat, padded, sharded storage of one unit's parameters.
+
+    Args:
+        names: fully qualified names of the unit's parameters (a tied one once).
+        params: the parameters, in the same order (their values are copied in).
+        shard_rank: this rank's index in the shard group.
+        shard_size: ranks the buffer is split over (1 = replicated, as in DDP).
+        compute_dtype: dtype of the unsharded buffer (bf16 for mixed precision).
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        params: list[torch.Tensor],
+        shard_rank: int,
+        shard_size: int,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
+        dtype, device = params[0].dtype, params[0].device
+        self.segments: list[Segment] = []
+        offset = 0
+        for name, p in zip(names, params, strict=True):
+            self.segments.append(Segment(name, offset, p.shape))
+            offset += p.numel()
+        self.numel = offset  # real elements
+        self.shard_rank, self.shard_size = shard_rank, shard_size
+        self.padded_numel = -(-self.numel // shard_size) * shard_size  # ceil to a multiple of N
+        self.shard_numel = self.padded_numel // shard_size
+        self.compute_dtype = compute_dtype or dtype
+
+        with torch.no_grad():
+            flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+            for seg, p in zip(self.segments, params, strict=True):
+                flat[seg.offset : seg.offset + seg.numel].copy_(p.reshape(-1))
+            start = shard_rank * self.shard_numel
+            with category("parameters"):
+                # The rank's persistent shard, in the parameters' own dtype (fp32 master copy).
+                self.shard = nn.Parameter(flat[start : start + self.shard_numel].clone())
+        del flat
+
+        # Replicated and not cast: the parameter itself is the unsharded buffer (plain DDP).
+        self.aliased = shard_size == 1 and self.compute_dtype == dtype
+        if self.aliased:
+            self.unsharded: torch.Tensor = self.shard
+        else:
+            with category("comm_buffers"):
+                self.unsharded = torch.empty(
+                    self.padded_numel, dtype=self.compute_dtype, device=device, requires_grad=True
+                )
+            self.free_unsharded()
+
+    # -- the unsharded buffer's storage: allocated for use, resized to 0 to free ---------------
+
+    @property
+    def is_allocated(self) -> bool:
+        return self.unsharded.untyped_storage().nbytes() > 0
+
+    def alloc_unsharded(self) -> None:
+        storage = self.unsharded.untyped_storage()
+        size = self.padded_numel * self.unsharded.element_size()
+        if storage.nbytes() != size:
+            storage.resize_(size)
+
+    def free_unsharded(self) -> None:
+        if not self.aliased:
+            self.unsharded.untyped_storage().resize_(0)
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def views(self) -> list[torch.Tensor]:
+        """The original parameters as views into the unsharded buffer (autograd flows back)."""
+        return [self.unsharded[s.offset : s.offset + s.numel].view(s.shape) for s in self.segments]
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Split a full (unpadded or padded) flat tensor into named, shaped tensors."""
+        return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.segments}
+
+    def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Inverse of `unflatten`: a padded flat tensor from named full tensors."""
+        flat = torch.zeros(self.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
+        for s in self.segments:
+            flat[s.offset : s.offset + s.numel].copy_(tensors[s.name].reshape(-1))
+        return flat
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a padded flat tensor."""
+        start = self.shard_rank * self.shard_numel
+        return flat[start : start + self.shard_numel]
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel

@@ -1,0 +1,244 @@
+"""`shard(model, ...)`: turn a model into FSDP/ZeRO units, in place.
+
+    plan    = build_plan(model, units)          which modules are gathered together (validated:
+                                                ties inside one unit) — before any message
+    for each unit, root first:
+        flat = FlatParameter(its parameters)    flatten, pad to a multiple of N, keep shard r
+        remove the original parameters          the module will see views while gathered
+        register flat.shard on the unit module  model.parameters() now yields the shards
+        ShardedUnit(...)                        hooks: gather -> compute -> free -> reduce
+
+`ShardingState` is what the units share: the process group, the order units ran in (recorded
+on the first step, used to prefetch), and the end-of-backward callback that finishes the step.
+
+Strategies (DESIGN.md, Ψ parameters, N ranks, fp32 Adam):
+
+    "none"       DDP: replicated, gradients all-reduced                  16Ψ per rank
+    "optimizer"  ZeRO-1: optimizer state sharded, full gradients kept   8Ψ + 8Ψ/N
+    "grad_op"    ZeRO-2: gradients sharded as soon as they are ready    4Ψ + 12Ψ/N
+    "full"       ZeRO-3: parameters sharded too, gathered per unit      16Ψ/N + largest unit
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_lab.sharding.flat_param import FlatParameter
+from fsdp_lab.sharding.unit import STRATEGIES, ShardedUnit, TrainingState
+from fsdp_lab.wrap import ROOT, Units, build_plan
+
+FLAT_PARAM = "flat_param"  # attribute of each unit module holding its shard
+PLANNED = ("hybrid", "hybrid_zero2")  # need a 2-D mesh: the HSDP lab
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Compute in `param_dtype` (all-gathered in it); reduce gradients in `reduce_dtype`.
+
+    The shards, their gradients and the optimizer stay in the parameters' dtype (fp32).
+    """
+
+    param_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype | None = torch.float32
+
+
+class ShardingState:
+    """What the units of one sharded model share."""
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, world: int, rank: int, prefetch: bool, strategy: str
+    ) -> None:
+        self.group, self.world, self.rank = group, world, rank
+        self.prefetch, self.strategy = prefetch, strategy
+        self.units: list[ShardedUnit] = []
+        self.forward_order: list[ShardedUnit] = []
+        self.backward_order: list[ShardedUnit] = []
+        self._forward_recorded = False
+        self._backward_recorded = False
+        self._backward_queued = False
+
+    @property
+    def root(self) -> ShardedUnit:
+        return self.units[0]
+
+    def begin_step(self) -> None:
+        """Root pre-forward: a new step. Shards may have changed (optimizer step)."""
+        if self.forward_order:
+            self._forward_recorded = True
+        for unit in self.units:
+            unit.stale = True
+
+    def record_forward(self, unit: ShardedUnit) -> None:
+        if not self._forward_recorded and unit not in self.forward_order:
+            self.forward_order.append(unit)
+
+    def next_in_forward(self, unit: ShardedUnit) -> ShardedUnit | None:
+        return _after(self.forward_order, unit) if self._forward_recorded else None
+
+    def begin_backward(self, unit: ShardedUnit) -> None:
+        if not self._backward_queued:
+            # Runs once autograd has finished the whole backward pass.
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+            self._backward_queued = True
+        if not self._backward_recorded and unit not in self.backward_order:
+            self.backward_order.append(unit)
+
+    def next_in_backward(self, unit: ShardedUnit) -> ShardedUnit | None:
+        return _after(self.backward_order, unit) if self._backward_recorded else None
+
+    def finish_backward(self) -> None:
+        """End of backward: ZeRO-1 reduces now; anything still gathered is freed."""
+        self._backward_queued = False
+        if self.backward_order:
+            self._backward_recorded = True
+        for unit in reversed(self.units):
+            if unit._grad_ready:  # ZeRO-1 kept every full gradient until here
+                unit._grad_ready = False
+                unit.reduce_grad()
+            unit.wait_unshard()  # a prefetch whose backward never came
+            if unit.strategy.reshard_after_backward:
+                unit.reshard()
+            unit.training_state = TrainingState.IDLE
+
+
+def _after(order: list[ShardedUnit], unit: ShardedUnit) -> ShardedUnit | None:
+    if unit not in order:
+        return None
+    i = order.index(unit)
+    return order[i + 1] if i + 1 < len(order) else None
+
+
+def _resolve_group(mesh: Any) -> tuple[dist.ProcessGroup | None, int, int]:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if mesh is None:
+        return None, world, rank
+    if isinstance(mesh, dist.ProcessGroup):
+        size, group = dist.get_world_size(mesh), mesh
+    elif hasattr(mesh, "get_group") and hasattr(mesh, "ndim"):  # a DeviceMesh
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"mesh has {mesh.ndim} dimensions; strategies {sorted(STRATEGIES)} shard over "
+                "a 1-D mesh (2-D meshes are for the hybrid strategies of the HSDP lab)"
+            )
+        size, group = mesh.size(), mesh.get_group()
+    else:
+        raise TypeError(f"mesh={mesh!r}: expected None, a 1-D DeviceMesh or a ProcessGroup")
+    if size != world:
+        raise ValueError(
+            f"mesh has {size} ranks but the world has {world}: a 1-D sharding mesh must span "
+            f"every rank. Fix: init_device_mesh(device_type, ({world},)), or mesh=None"
+        )
+    return group, world, rank
+
+
+def _check_model(model: nn.Module, strategy: str) -> None:
+    if strategy in PLANNED:
+        raise ValueError(
+            f"strategy={strategy!r} needs a 2-D (replicate x shard) mesh and arrives with the "
+            f"HSDP lab; available now: {sorted(STRATEGIES)}"
+        )
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"strategy={strategy!r} is not one of {sorted(STRATEGIES) + list(PLANNED)}"
+        )
+    if getattr(model, "_fsdp_lab_state", None) is not None:
+        raise ValueError("this model is already sharded; shard() applies once per model")
+    params = list(model.named_parameters())
+    if not params:
+        raise ValueError("the model has no parameters: there is nothing to shard")
+    meta = [n for n, p in params if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"parameter {meta[0]!r} (and {len(meta) - 1} more) is on the meta device: it has "
+            "no values to shard. Fix: model.to_empty(device=...) and initialise the weights "
+            "first."
+        )
+    devices = {p.device for _, p in params}
+    if len(devices) > 1:
+        where = {str(d): next(n for n, p in params if p.device == d) for d in devices}
+        raise ValueError(f"the model's parameters are on several devices {where}: move it to one")
+
+
+def shard(
+    model: nn.Module,
+    units: Units = None,
+    strategy: str = "full",
+    prefetch: bool = True,
+    mixed_precision: MixedPrecision | None = None,
+    mesh: Any = None,
+    reshard_after_forward: bool | Iterable[str] | None = None,
+) -> nn.Module:
+    """Shard `model` in place (FSDP/ZeRO) and return it.
+
+    Args:
+        model: identical on every rank (same init); parameters on one device.
+        units: the wrap plan: module classes, module names, a policy callable, `MinParams`.
+            Everything not claimed is the root unit. Ties must stay inside one unit.
+        strategy: "none" (DDP), "optimizer" (ZeRO-1), "grad_op" (ZeRO-2), "full" (ZeRO-3).
+        prefetch: start the next unit's all-gather while the current one computes.
+        mixed_precision: compute dtype and gradient-reduction dtype; None for fp32 throughout.
+        mesh: None (all ranks), a 1-D DeviceMesh or a ProcessGroup spanning every rank.
+        reshard_after_forward: "full" only — True (default), False, or the unit names to free
+            after forward (e.g. keep the last unit, whose backward comes right next).
+    """
+    _check_model(model, strategy)
+    group, world, rank = _resolve_group(mesh)
+    plan = build_plan(model, units)  # every plan error is raised here, before any collective
+    policy = STRATEGIES[strategy]
+    if policy.reshard_after_forward and reshard_after_forward not in (None, True):
+        free_after = set() if reshard_after_forward is False else set(reshard_after_forward)
+        unknown = free_after - set(plan.units)
+        if unknown:
+            raise ValueError(f"reshard_after_forward names unknown units {sorted(unknown)}")
+    else:
+        free_after = set(plan.units) if policy.reshard_after_forward else set()
+
+    state = ShardingState(group, world, rank, prefetch, strategy)
+    lookup = dict(model.named_parameters(remove_duplicate=False))
+    mp = mixed_precision
+    for name in plan.units:
+        refs = plan.params[name]
+        params = [lookup[r.name] for r in refs]
+        flat = FlatParameter(
+            [r.name for r in refs],
+            params or [torch.empty(0, device=next(iter(lookup.values())).device)],
+            rank if policy.sharded else 0,
+            world if policy.sharded else 1,
+            mp.param_dtype if mp else None,
+        )
+        if not params:
+            flat.segments.clear()
+        owners = [[(model.get_submodule(m), attr) for m, attr in r.owners] for r in refs]
+        for ref_owners in owners:
+            for module, attr in ref_owners:
+                del module._parameters[attr]  # from now on a view, set by the unit
+        module = model.get_submodule(name)
+        module.register_parameter(FLAT_PARAM, flat.shard)
+        unit = ShardedUnit(
+            name,
+            module,
+            flat,
+            owners,
+            policy,
+            state,
+            name in free_after,
+            mp.reduce_dtype if mp else None,
+        )
+        state.units.append(unit)
+    model._fsdp_lab_state = state
+    return model
+
+
+def sharding_state(model: nn.Module) -> ShardingState:
+    """The state `shard` attached to `model` (raises if the model is not sharded)."""
+    state = getattr(model, "_fsdp_lab_state", None)
+    if state is None:
+        raise ValueError("this model is not sharded: call fsdp_lab.shard(model, ...) first")
+    return state

@@ -1,0 +1,250 @@
+"""One wrap unit's life in a training step, in the order it happens.
+
+    forward     pre-forward   unshard: all-gather the shards into the unsharded buffer,
+                              point the module's parameters at views of it
+                              (and start gathering the next unit: prefetch)
+                compute       the module's own forward
+                post-forward  reshard: free the buffer (ZeRO-3), or keep it (ZeRO-1/2)
+    backward    pre-backward  unshard again if it was freed (a hook on the unit's output)
+                              (and start gathering the unit whose backward comes next)
+                compute       autograd: gradients of the views accumulate in the buffer's .grad
+                post-backward reduce-scatter the gradient into the shard's .grad (mean over
+                              ranks), free the unsharded gradient, reshard
+
+The names are FSDP2's (`unshard`, `reshard`, `TrainingState`); every collective goes through
+`fsdp_lab.comm` (counted) and every gather/free is a marker on the memory trace.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from fsdp_lab import comm
+from fsdp_lab.sharding.flat_param import FlatParameter
+from fsdp_lab.trace import category, mark
+from fsdp_lab.trace.timeline import active_timeline
+
+if TYPE_CHECKING:
+    from fsdp_lab.sharding.shard import ShardingState
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What a strategy keeps sharded and when it frees (see `STRATEGIES`)."""
+
+    sharded: bool  # parameters split over ranks (False: replicated, DDP)
+    reshard_after_forward: bool  # ZeRO-3 frees between forward and backward
+    reshard_after_backward: bool  # ZeRO-2/3 free the gathered parameters after backward
+    reduce_at_end: bool  # ZeRO-1: full gradients stay until the end of backward
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "none": Strategy(
+        sharded=False,
+        reshard_after_forward=False,
+        reshard_after_backward=False,
+        reduce_at_end=False,
+    ),
+    "optimizer": Strategy(
+        sharded=True, reshard_after_forward=False, reshard_after_backward=False, reduce_at_end=True
+    ),
+    "grad_op": Strategy(
+        sharded=True, reshard_after_forward=False, reshard_after_backward=True, reduce_at_end=False
+    ),
+    "full": Strategy(
+        sharded=True, reshard_after_forward=True, reshard_after_backward=True, reduce_at_end=False
+    ),
+}
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+class ShardedUnit:
+    """The hooks and collectives of one unit; `flat` holds its storage."""
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        flat: FlatParameter,
+        owners: list[list[tuple[nn.Module, str]]],
+        strategy: Strategy,
+        state: ShardingState,
+        reshard_after_forward: bool,
+        reduce_dtype: torch.dtype | None,
+    ) -> None:
+        self.name, self.module, self.flat, self.owners = name, module, flat, owners
+        self.strategy, self.state = strategy, state
+        self.reshard_after_forward = reshard_after_forward
+        self.reduce_dtype = reduce_dtype or flat.shard.dtype
+        self.training_state = TrainingState.IDLE
+        self.stale = True  # the shard changed (optimizer step) since the last gather
+        self._gather: comm.CommWork | None = None  # an all-gather in flight (prefetch)
+        self._gather_input: torch.Tensor | None = None  # kept alive until the gather ends
+        self._grad_ready = False
+        self._compute_start = 0.0
+        self.label = "root" if name == "" else name
+        flat.unsharded.register_post_accumulate_grad_hook(self._post_backward)
+        module.register_forward_pre_hook(self._pre_forward)
+        module.register_forward_hook(self._post_forward)
+
+    # -- unshard / reshard ----------------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Start gathering the full parameters (no-op if they are already there or on the way)."""
+        if self._gather is not None or (self.flat.is_allocated and not self.stale):
+            return
+        if self.flat.padded_numel == 0:  # a root unit left with no parameters
+            return
+        flat = self.flat
+        flat.alloc_unsharded()
+        self.stale = False
+        with torch.no_grad():
+            if flat.aliased:  # DDP: the parameter is the buffer
+                return
+            with category("comm_buffers"):
+                # Mixed precision: the fp32 shard is cast before it travels (half the bytes).
+                inp = flat.shard.detach().to(flat.compute_dtype)
+            # Written through `.data`: a refill for backward must not bump the version counter
+            # autograd checks on the views it saved in forward (same storage, same values).
+            if not self.strategy.sharded:  # replicated but cast: a local copy, no message
+                flat.unsharded.data.copy_(inp)
+                return
+            self._gather_input = inp
+            self._gather = comm.all_gather_into_tensor(
+                flat.unsharded.data, inp, group=self.state.group, async_op=True
+            )
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather, self._gather_input = None, None
+            mark(f"all-gather {self.label}")
+
+    def reshard(self) -> None:
+        """Free the unsharded buffer for real: its storage goes to 0 bytes."""
+        if self.flat.aliased or not self.flat.is_allocated:
+            return
+        self.wait_unshard()
+        self.flat.free_unsharded()
+        mark(f"free {self.label}")
+
+    def _use_views(self) -> None:
+        for view, owners in zip(self.flat.views(), self.owners, strict=True):
+            for module, attr in owners:  # tied: every owner gets the very same view
+                setattr(module, attr, view)
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        state = self.state
+        if self is state.root:
+            state.begin_step()
+        state.record_forward(self)
+        self.training_state = TrainingState.FORWARD
+        self.unshard()
+        self.wait_unshard()
+        self._use_views()
+        if state.prefetch:  # the next unit's all-gather overlaps this unit's compute
+            nxt = state.next_in_forward(self)
+            if nxt is not None:
+                nxt.unshard(async_op=True)
+        self._compute_start = time.perf_counter()
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        timeline = active_timeline()
+        if timeline is not None and self is not self.state.root:
+            timeline.add(
+                "compute", f"forward {self.label}", self._compute_start, time.perf_counter()
+            )
+        if self.reshard_after_forward:
+            self.reshard()
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        self.training_state = TrainingState.IDLE
+        return output
+
+    # -- backward -------------------------------------------------------------------------------
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.training_state is not TrainingState.PRE_BACKWARD:  # once per backward
+            self.training_state = TrainingState.PRE_BACKWARD
+            self.state.begin_backward(self)
+            self.unshard()
+            self.wait_unshard()
+            if self.state.prefetch:
+                nxt = self.state.next_in_backward(self)
+                if nxt is not None:
+                    nxt.unshard(async_op=True)
+            self._compute_start = time.perf_counter()
+        return grad
+
+    def _post_backward(self, unsharded: torch.Tensor) -> None:
+        """All gradient contributions of this unit are summed in ``unsharded.grad``."""
+        self.training_state = TrainingState.POST_BACKWARD
+        timeline = active_timeline()
+        if timeline is not None and self is not self.state.root:
+            timeline.add(
+                "compute", f"backward {self.label}", self._compute_start, time.perf_counter()
+            )
+        if self.strategy.reduce_at_end:
+            self._grad_ready = True  # ZeRO-1: reduced by finish_backward, all at once
+            return
+        self.reduce_grad()
+        if self.strategy.reshard_after_backward:
+            self.reshard()
+
+    def reduce_grad(self) -> None:
+        """Average the gradient over ranks into the shard's .grad; free the full gradient."""
+        flat, world = self.flat, self.state.world
+        full_grad = flat.unsharded.grad
+        if full_grad is None or flat.padded_numel == 0:
+            return
+        with torch.no_grad():
+            if flat.aliased:  # DDP: all-reduce the parameter's own gradient in place
+                comm.all_reduce(full_grad, group=self.state.group)
+                full_grad.div_(world)
+                return
+            with category("gradients"):
+                grad = full_grad.to(self.reduce_dtype)
+                if self.strategy.sharded:
+                    out = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=grad.device)
+                    comm.reduce_scatter_tensor(out, grad, group=self.state.group)
+                else:
+                    comm.all_reduce(grad, group=self.state.group)
+                    out = grad
+                out = out.div_(world).to(flat.shard.dtype)
+                flat.unsharded.grad = None  # the full gradient is freed here
+                del grad, full_grad
+                if flat.shard.grad is None:
+                    flat.shard.grad = out
+                else:  # gradient accumulation over several backwards
+                    flat.shard.grad += out
+        mark(
+            f"reduce-scatter {self.label}" if self.strategy.sharded else f"all-reduce {self.label}"
+        )
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _tensors(item)]
+    return []
