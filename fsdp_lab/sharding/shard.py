@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from fsdp_lab.sharding.flat_param import FlatParameter
 from fsdp_lab.sharding.unit import STRATEGIES, ShardedUnit, TrainingState
-from fsdp_lab.wrap import ROOT, Units, build_plan
+from fsdp_lab.wrap import Units, build_plan
 
 FLAT_PARAM = "flat_param"  # attribute of each unit module holding its shard
 PLANNED = ("hybrid", "hybrid_zero2")  # need a 2-D mesh: the HSDP lab

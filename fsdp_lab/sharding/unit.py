@@ -79,12 +79,14 @@ class ShardedUnit:
         module: nn.Module,
         flat: FlatParameter,
         owners: list[list[tuple[nn.Module, str]]],
+        aliases: list[tuple[str, ...]],
         strategy: Strategy,
         state: ShardingState,
         reshard_after_forward: bool,
         reduce_dtype: torch.dtype | None,
     ) -> None:
         self.name, self.module, self.flat, self.owners = name, module, flat, owners
+        self.aliases = aliases  # per flat segment: every original name (2+ when tied)
         self.strategy, self.state = strategy, state
         self.reshard_after_forward = reshard_after_forward
         self.reduce_dtype = reduce_dtype or flat.shard.dtype

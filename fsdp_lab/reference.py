@@ -1,0 +1,148 @@
+"""The references every from-scratch mechanism is checked against, on the same model and data.
+
+- `train_steps`: the one training loop everyone uses — next-token cross-entropy on synthetic
+  tokens; with N ranks each rank takes its contiguous slice of the same global batch, so the
+  mean of the rank losses is the single-process loss on the whole batch.
+- `apply_ddp`, `apply_fsdp1`, `apply_fsdp2`: PyTorch's own data parallelism on that model
+  (`DistributedDataParallel`, `FullyShardedDataParallel`, `fully_shard`), wrapped with the same
+  units as ours.
+- `full_parameters`: every parameter by its original name, gathered to full size, whatever
+  wrapped the model — so two runs can be compared element by element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fsdp_lab.models import synthetic_batch
+from fsdp_lab.trace import compute_span, mark
+
+
+def local_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s contiguous share of a global batch (the batch must divide evenly)."""
+    if t.shape[0] % world:
+        raise ValueError(f"global batch {t.shape[0]} does not split evenly over {world} ranks")
+    per = t.shape[0] // world
+    return t[rank * per : (rank + 1) * per]
+
+
+def train_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    *,
+    global_batch: int = 12,
+    seq_len: int = 16,
+    rank: int = 0,
+    world: int = 1,
+    device: torch.device | str = "cpu",
+    clip: Callable[[], Any] | None = None,
+    on_step: Callable[[int], Any] | None = None,
+) -> list[float]:
+    """Train `steps` steps; returns this rank's local losses (their mean is the global loss)."""
+    losses = []
+    vocab = model.vocab_size if hasattr(model, "vocab_size") else model.module.vocab_size
+    for step in range(steps):
+        x, y = synthetic_batch(vocab, global_batch, seq_len, step)
+        x, y = local_slice(x, rank, world).to(device), local_slice(y, rank, world).to(device)
+        with compute_span("forward"):
+            logits = model(x)  # (B, T, V)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        mark(f"step {step} forward done")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        mark(f"step {step} backward done")
+        if clip is not None:
+            clip()
+        with compute_span("optimizer step"):
+            optimizer.step()
+        mark(f"step {step} optimizer step")
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step)
+    return losses
+
+
+def apply_ddp(model: nn.Module) -> nn.Module:
+    """PyTorch's DistributedDataParallel (gradients all-reduced in buckets)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    ddp.vocab_size = model.vocab_size
+    return ddp
+
+
+def apply_fsdp2(
+    model: nn.Module, unit_classes: tuple[type, ...], reshard: bool = True
+) -> nn.Module:
+    """`fully_shard` on every module of `unit_classes`, then on the root (FSDP2's recipe)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    for module in model.modules():
+        if isinstance(module, unit_classes):
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model
+
+
+def apply_fsdp1(
+    model: nn.Module, unit_classes: tuple[type, ...], use_orig_params: bool = True
+) -> nn.Module:
+    """FSDP1 (`FullyShardedDataParallel`) with a module-class auto-wrap policy."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    wrapped = FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy(set(unit_classes)),
+        device_id=device,
+        use_orig_params=use_orig_params,
+    )
+    wrapped.vocab_size = model.vocab_size
+    return wrapped
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full-size copies of every parameter by original name (on CPU), whatever wrapped it."""
+    state = getattr(model, "_fsdp_lab_state", None)
+    if state is not None:  # ours
+        from fsdp_lab.sharding.state_dict import full_state_dict
+
+        names = _param_names(model)
+        full = full_state_dict(model, rank0_only=False)
+        return {k: v.detach().cpu().clone() for k, v in full.items() if k in names}
+    if hasattr(model, "_fsdp_wrapped_module") or type(model).__name__ == "FullyShardedDataParallel":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+            return {_clean(k): p.detach().cpu().clone() for k, p in model.named_parameters()}
+    out = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p  # DTensor (FSDP2)
+        out[_clean(name)] = full.detach().cpu().clone()
+    return out
+
+
+def _param_names(model: nn.Module) -> set[str]:
+    from fsdp_lab.sharding import sharding_state
+
+    return {
+        name for unit in sharding_state(model).units for names in unit.aliases for name in names
+    }
+
+
+def _clean(name: str) -> str:
+    for prefix in ("_fsdp_wrapped_module.", "module.", "_checkpoint_wrapped_module."):
+        name = name.replace(prefix, "")
+    return name
