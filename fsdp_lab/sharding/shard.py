@@ -221,15 +221,10 @@ def shard(
                 del module._parameters[attr]  # from now on a view, set by the unit
         module = model.get_submodule(name)
         module.register_parameter(FLAT_PARAM, flat.shard)
+        aliases = [tuple(f"{m}.{a}" if m else a for m, a in r.owners) for r in refs]
+        reduce_dtype = mp.reduce_dtype if mp else None
         unit = ShardedUnit(
-            name,
-            module,
-            flat,
-            owners,
-            policy,
-            state,
-            name in free_after,
-            mp.reduce_dtype if mp else None,
+            name, module, flat, owners, aliases, policy, state, name in free_after, reduce_dtype
         )
         state.units.append(unit)
     model._fsdp_lab_state = state
