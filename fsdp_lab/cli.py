@@ -27,6 +27,7 @@ from fsdp_lab.cluster import BACKENDS, open_cluster
 # by `run(config, cluster=None) -> LabResult`, plus `figures(result)` and `summary(result)`.
 LABS: dict[str, tuple[str, str]] = {
     "collectives": ("fsdp_lab.labs.collectives", "CollectivesConfig"),
+    "shard": ("fsdp_lab.labs.shard", "ShardConfig"),
 }
 DEFAULT_OUT = "fsdp_lab_out"
 

@@ -119,6 +119,10 @@ def _resolve_group(mesh: Any) -> tuple[dist.ProcessGroup | None, int, int]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if mesh is None:
         return None, world, rank
+    if mesh is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"rank {rank} is not in the given mesh/process group: it must span every rank"
+        )
     if isinstance(mesh, dist.ProcessGroup):
         size, group = dist.get_world_size(mesh), mesh
     elif hasattr(mesh, "get_group") and hasattr(mesh, "ndim"):  # a DeviceMesh

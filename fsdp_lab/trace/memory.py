@@ -419,6 +419,9 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
 def _storage_of(t: torch.Tensor, device: torch.device) -> torch.UntypedStorage | None:
     # Meta tensors, other devices and sparse layouts hold no bytes on `device`; wrapper
     # subclasses such as DTensor have no storage of their own.
+    local = getattr(t, "_local_tensor", None)  # a DTensor (FSDP2): its bytes live in its shard
+    if isinstance(local, torch.Tensor):
+        t = local
     if t.device != device or t.layout != torch.strided:
         return None
     try:

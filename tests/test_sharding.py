@@ -1,0 +1,271 @@
+"""shard(): training on N ranks equals single-process training and PyTorch's FSDP2, for every
+strategy; bytes per collective are exactly the ring formulas; memory behaves as ZeRO says."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fsdp_lab
+from fsdp_lab import comm, reference
+from fsdp_lab.models import Block, tiny_gpt
+from fsdp_lab.sharding import MixedPrecision, shard, sharding_state
+from fsdp_lab.trace import MemoryTracker, Timeline
+from fsdp_lab.wrap import PlanError
+
+STRATEGIES = ("none", "optimizer", "grad_op", "full")
+STEPS = 20
+# SGD with momentum: Adam divides by sqrt(v), which turns last-bit differences of near-zero
+# gradients into lr-sized updates, so it cannot hold rtol 1e-5 against any reordering of sums.
+LR = 0.1
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def _train_every_way() -> dict:
+    r, n = fsdp_lab.rank(), fsdp_lab.world_size()
+    out = {}
+    for strategy in STRATEGIES:
+        model = shard(tiny_gpt(), units={Block}, strategy=strategy)
+        reference.train_steps(model, _sgd(model.parameters()), STEPS, rank=r, world=n)
+        out[strategy] = reference.full_parameters(model)
+    model = reference.apply_fsdp2(tiny_gpt(), (Block,))
+    reference.train_steps(model, _sgd(model.parameters()), STEPS, rank=r, world=n)
+    out["fsdp2"] = reference.full_parameters(model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_process() -> dict[str, torch.Tensor]:
+    model = tiny_gpt()
+    reference.train_steps(model, _sgd(model.parameters()), STEPS)
+    return {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_strategy_matches_single_process_and_fsdp2(cluster_of, single_process, n):
+    results = cluster_of(n).run(_train_every_way)
+    for r, res in enumerate(results):
+        for name, params in res.items():
+            assert set(params) == set(single_process), name
+            for key, expected in single_process.items():
+                torch.testing.assert_close(
+                    params[key], expected, rtol=1e-5, atol=1e-6, msg=f"{name} {key} rank {r}"
+                )
+            # The tie survived 20 steps: one value under both names.
+            assert torch.equal(params["tok_emb.weight"], params["head.weight"]), name
+        for strategy in STRATEGIES:  # ours against FSDP2, directly
+            for key in single_process:
+                torch.testing.assert_close(
+                    res[strategy][key], res["fsdp2"][key], rtol=1e-5, atol=1e-6
+                )
+    # Training moved the weights (a test that compares untouched models proves nothing).
+    assert (
+        single_process["blocks.0.mlp.fc.weight"] - tiny_gpt().blocks[0].mlp.fc.weight
+    ).abs().max() > 1e-3
+
+
+def _unit_numels(n: int) -> list[int]:
+    """Elements per unit for {Block} on tiny_gpt(): the root holds what the blocks do not."""
+    model = tiny_gpt()
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    total = sum(p.numel() for p in model.parameters())  # the tied weight once
+    return [total - 4 * block] + [block] * 4
+
+
+def _bytes_per_step(strategy: str, prefetch: bool, mp: bool) -> dict:
+    model = shard(
+        tiny_gpt(),
+        units={Block},
+        strategy=strategy,
+        prefetch=prefetch,
+        mixed_precision=MixedPrecision(torch.bfloat16, torch.float32) if mp else None,
+    )
+    opt = _sgd(model.parameters())
+    reference.train_steps(model, opt, 1, rank=fsdp_lab.rank(), world=fsdp_lab.world_size())
+    with comm.CommLog() as log:  # the second step: the unit order is known, prefetch is on
+        reference.train_steps(model, opt, 1, rank=fsdp_lab.rank(), world=fsdp_lab.world_size())
+    return {"bytes": log.bytes_by_op(), "calls": log.calls_by_op()}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bytes_per_collective_are_exactly_the_ring_formulas(cluster_of, n, strategy):
+    numels = _unit_numels(n)
+    psi = sum(numels)
+    padded = sum(math.ceil(u / n) * n for u in numels)  # each unit padded to a multiple of N
+    f = (n - 1) / n
+    for prefetch in (True, False):
+        for measured in cluster_of(n).run(_bytes_per_step, strategy, prefetch, False):
+            if strategy == "none":  # DDP: one all-reduce of every gradient, 2(N-1)/N Ψ b
+                assert measured["bytes"] == {"all_reduce": 2 * f * psi * 4}
+                continue
+            gathers = 2 if strategy == "full" else 1  # ZeRO-3 gathers again for backward
+            assert measured["bytes"] == {
+                "all_gather_into_tensor": gathers * f * padded * 4,
+                "reduce_scatter_tensor": f * padded * 4,
+            }
+            assert measured["calls"] == {
+                "all_gather_into_tensor": gathers * 5,
+                "reduce_scatter_tensor": 5,
+            }
+    if n == 2:  # no padding at N=2 for this model: the textbook Ψ formula holds exactly
+        assert padded == psi
+
+
+def test_mixed_precision_gathers_half_the_bytes_and_still_trains(cluster_of):
+    n = 2
+    padded = sum(math.ceil(u / n) * n for u in _unit_numels(n))
+    for measured in cluster_of(n).run(_bytes_per_step, "full", True, True):
+        assert measured["bytes"]["all_gather_into_tensor"] == 2 * 0.5 * padded * 2  # bf16
+        assert measured["bytes"]["reduce_scatter_tensor"] == 0.5 * padded * 4  # fp32 reduce
+
+    def bf16_params():
+        model = shard(tiny_gpt(), units={Block}, mixed_precision=MixedPrecision())
+        reference.train_steps(model, _sgd(model.parameters()), 5, rank=fsdp_lab.rank(), world=n)
+        dtypes = (sharding_state(model).units[1].flat.unsharded.dtype, model.flat_param.dtype)
+        return reference.full_parameters(model), dtypes
+
+    (params, (compute, master)), _ = cluster_of(n).run(bf16_params)
+    assert compute == torch.bfloat16 and master == torch.float32
+    fp32 = tiny_gpt()
+    reference.train_steps(fp32, _sgd(fp32.parameters()), 5)
+    diffs = [(params[k] - p).abs().max().item() for k, p in fp32.named_parameters()]
+    # bf16 compute is visible (not bitwise fp32) but stays close to the fp32 trajectory.
+    assert 0 < max(diffs) < 2e-2, max(diffs)
+
+
+def _memory_of(strategy: str, prefetch: bool = True) -> dict:
+    n = fsdp_lab.world_size()
+    with MemoryTracker(rank=fsdp_lab.rank()) as mem:
+        model = shard(tiny_gpt(), units={Block}, strategy=strategy, prefetch=prefetch)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        mem.track(model)
+        mem.track(opt)
+        for unit in sharding_state(model).units:
+            mem.track(unit.flat.unsharded, "comm_buffers")
+        mem.mark("sharded")
+        reference.train_steps(model, opt, 2, rank=fsdp_lab.rank(), world=n)
+    trace = mem.trace()
+    state = sharding_state(model)
+    cats = ("parameters", "gradients", "optimizer_state", "comm_buffers")
+    model_state = [sum(trace["bytes"][c][i] for c in cats) for i in range(len(trace["t"]))]
+    sample_of = {m["label"]: trace["t"].index(m["t"]) for m in trace["markers"]}
+    return {
+        "peak_model_state": max(model_state),
+        "params_after_shard": trace["bytes"]["parameters"][sample_of["sharded"]],
+        "shard_bytes": sum(u.flat.shard_numel * 4 for u in state.units),
+        "unit_bytes": {u.label: u.flat.padded_numel * 4 for u in state.units},
+        "optimizer_numel": sum(
+            v.numel() for s in opt.state.values() for k, v in s.items() if k != "step"
+        ),
+        "trace": trace,
+    }
+
+
+def test_memory_follows_zero_stages(cluster_of):
+    n = 4
+    per_strategy = {s: cluster_of(n).run(_memory_of, s) for s in STRATEGIES}
+    for r in range(n):
+        peaks = [per_strategy[s][r]["peak_model_state"] for s in STRATEGIES]
+        # DDP > ZeRO-1 > ZeRO-2 > ZeRO-3, measured from the storages that exist.
+        assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4, peaks
+        full = per_strategy["full"][r]
+        # Right after sharding, a rank holds exactly its shards: Ψ_padded / N fp32 elements.
+        assert full["params_after_shard"] == full["shard_bytes"]
+        # Adam's two moments exist only for the shard.
+        assert full["optimizer_numel"] == 2 * full["shard_bytes"] // 4
+        ddp = per_strategy["none"][r]
+        psi_bytes = sum(ddp["unit_bytes"].values())
+        assert ddp["optimizer_numel"] == 2 * psi_bytes // 4
+        # ZeRO-3's peak is far below DDP's 16 Ψ, and above its 16 Ψ / N floor.
+        assert 16 * psi_bytes / 4 / n <= full["peak_model_state"] < ddp["peak_model_state"] / 2
+
+
+def test_zero3_frees_each_gathered_unit_for_real(cluster_of):
+    info = cluster_of(2).run(_memory_of, "full", False)[0]
+    trace = info["trace"]
+    labels = [m["label"] for m in trace["markers"]]
+    assert labels.count("all-gather blocks.2") == 4  # forward and backward, two steps
+    assert labels.count("free blocks.2") == 4
+    comm_buffers = trace["bytes"]["comm_buffers"]
+    at_marker = [comm_buffers[trace["t"].index(m["t"])] for m in trace["markers"]]
+    # Without prefetch nothing else is gathered in between: each free drops exactly the unit.
+    for i, label in enumerate(labels):
+        if label.startswith("free "):
+            unit = label.removeprefix("free ")
+            assert at_marker[i - 1] - at_marker[i] == info["unit_bytes"][unit], label
+        if label.startswith("all-gather "):
+            unit = label.removeprefix("all-gather ")
+            assert at_marker[i] - at_marker[i - 1] == info["unit_bytes"][unit], label
+    assert at_marker[labels.index("step 1 optimizer step")] == 0  # nothing gathered is left
+
+
+def _prefetch_overlaps(prefetch: bool) -> bool:
+    model = shard(tiny_gpt(), units={Block}, strategy="full", prefetch=prefetch)
+    opt = _sgd(model.parameters())
+    reference.train_steps(model, opt, 1, rank=fsdp_lab.rank(), world=fsdp_lab.world_size())
+    with Timeline() as tl:
+        reference.train_steps(model, opt, 1, rank=fsdp_lab.rank(), world=fsdp_lab.world_size())
+    spans = tl.to_dict()["spans"]
+    units = [
+        s
+        for s in spans
+        if s["kind"] == "compute" and s["name"].startswith(("forward b", "backward b"))
+    ]
+    gathers = [s for s in spans if s["kind"] == "comm" and s["name"] == "all_gather_into_tensor"]
+    return any(g["start"] <= c["start"] and c["end"] <= g["end"] for g in gathers for c in units)
+
+
+def test_prefetch_overlaps_the_next_gather_with_compute(cluster_of):
+    assert cluster_of(2).run(_prefetch_overlaps, True) == [True, True]
+    assert cluster_of(2).run(_prefetch_overlaps, False) == [False, False]
+
+
+def _refused(kind: str) -> str:
+    import torch.distributed as dist
+
+    with comm.CommLog() as log:
+        try:
+            if kind == "tie":
+                shard(tiny_gpt(), units=["head"])
+            elif kind == "unknown_module":
+                shard(tiny_gpt(), units=["blocks.9"])
+            elif kind == "strategy":
+                shard(tiny_gpt(), strategy="zero4")
+            elif kind == "hybrid":
+                shard(tiny_gpt(), strategy="hybrid")
+            elif kind == "meta":
+                with torch.device("meta"):
+                    model = tiny_gpt()
+                shard(model)
+            elif kind == "mesh":
+                groups = [dist.new_group([r]) for r in range(fsdp_lab.world_size())]
+                shard(tiny_gpt(), mesh=groups[fsdp_lab.rank()])
+        except (ValueError, TypeError) as exc:
+            assert log.records == []  # refused before any collective
+            return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    "kind, fragments",
+    [
+        ("tie", ["'tok_emb.weight'", "'tok_emb'", "'head'", "different wrap units", "root unit"]),
+        ("unknown_module", ["'blocks.9'", "did you mean"]),
+        ("strategy", ["'zero4'", "'full'", "'grad_op'"]),
+        ("hybrid", ["'hybrid'", "2-D", "HSDP"]),
+        ("meta", ["meta device", "to_empty"]),
+        ("mesh", ["mesh has 1 ranks but the world has 2"]),
+    ],
+)
+def test_bad_input_is_refused_before_any_collective(cluster_of, kind, fragments):
+    for message in cluster_of(2).run(_refused, kind):
+        for fragment in fragments:
+            assert fragment in message, message
+    if kind == "tie":
+        assert PlanError.__mro__[1] is ValueError
