@@ -29,6 +29,8 @@ from typing import Any, Union
 import torch.nn as nn
 
 ROOT = ""  # the root unit's name: the model itself
+# Containers that are never called: hooks on them never fire, so they cannot be units.
+_NO_FORWARD = (nn.ModuleList, nn.ModuleDict)
 
 
 class PlanError(ValueError):
@@ -108,13 +110,26 @@ def _unit_roots(model: nn.Module, units: Units) -> list[str]:
 def _size_based(model: nn.Module, min_params: int) -> list[str]:
     if min_params < 1:
         raise PlanError(f"MinParams({min_params}): the threshold must be >= 1")
+    users: dict[int, set[str]] = {}  # every module that owns each parameter (2+ when tied)
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            users.setdefault(id(p), set()).add(mname)
     chosen: list[str] = []
     claimed: set[int] = set()
     # Post-order (children first), so small modules are units before their parents are asked.
     for name, module in reversed(list(model.named_modules())):
-        if name == ROOT:
+        if name == ROOT or isinstance(module, _NO_FORWARD):
             continue
-        free = [p for p in module.parameters() if id(p) not in claimed]
+
+        def inside(m: str, name: str = name) -> bool:
+            return m == name or m.startswith(name + ".")
+
+        # A tied parameter counts only for a module that holds all of its owners.
+        free = [
+            p
+            for p in module.parameters()
+            if id(p) not in claimed and all(inside(m) for m in users[id(p)])
+        ]
         if sum(p.numel() for p in free) >= min_params:
             chosen.append(name)
             claimed.update(id(p) for p in free)
@@ -171,11 +186,16 @@ def build_plan(model: nn.Module, units: Units = None) -> WrapPlan:
                 f"parameter {full_name!r} is shared by modules {users} (tied weights), "
                 f"but they fall in different wrap units: {where}. A unit gathers, updates "
                 "and frees its own copy, so the tie would break. Fix: put both in one unit "
-                f"(wrap their common parent {_show(parent)} as the unit), or leave them both "
-                "to the root unit (take their units out of the plan)."
+                + (f"(wrap their common parent {parent!r} as the unit), or " if parent else "")
+                + "leave them both to the root unit (take their units out of the plan)."
             )
         by_unit[next(iter(units_hit.values()))].append(ParamRef(full_name, tuple(owned_by)))
     for u in roots:
+        if isinstance(model.get_submodule(u), _NO_FORWARD):
+            raise PlanError(
+                f"wrap unit {u!r} is a {type(model.get_submodule(u)).__name__}, which is never "
+                "called: its hooks would never gather it. Fix: wrap its children instead."
+            )
         if not by_unit[u]:
             raise PlanError(
                 f"wrap unit {u!r} has no parameters of its own (nested units took them all, "
