@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_lab.models import synthetic_batch
-from fsdp_lab.trace import compute_span, mark
+from fsdp_lab.trace import category, compute_span, mark
 
 
 def local_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -51,12 +51,15 @@ def train_steps(
     for step in range(steps):
         x, y = synthetic_batch(vocab, global_batch, seq_len, step)
         x, y = local_slice(x, rank, world).to(device), local_slice(y, rank, world).to(device)
-        with compute_span("forward"):
+        # Memory made by forward and backward is activations (and their gradients); the
+        # tracker re-files parameter gradients by role at the next mark.
+        with compute_span("forward"), category("activations"):
             logits = model(x)  # (B, T, V)
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         mark(f"step {step} forward done")
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        with category("activations"):
+            loss.backward()
         mark(f"step {step} backward done")
         if clip is not None:
             clip()
@@ -126,9 +129,10 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         with FullyShardedDataParallel.summon_full_params(model, writeback=False):
-            return {_clean(k): p.detach().cpu().clone() for k, p in model.named_parameters()}
+            named = model.named_parameters(remove_duplicate=False)
+            return {_clean(k): p.detach().cpu().clone() for k, p in named}
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters(remove_duplicate=False):  # tied: both names
         full = p.full_tensor() if hasattr(p, "full_tensor") else p  # DTensor (FSDP2)
         out[_clean(name)] = full.detach().cpu().clone()
     return out

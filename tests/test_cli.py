@@ -108,3 +108,41 @@ def test_the_same_lab_runs_under_torchrun():
     result = json.loads(lines[0])
     assert result["world_size"] == 2 and result["matches_theory"] is True
     assert result["contents"]["all_gather_into_tensor"]["after"] == [[1.0, 1.0, 2.0, 2.0]] * 2
+
+
+def test_shard_json_has_the_issue_keys_and_exact_bytes():
+    proc = fsdp_lab(
+        "shard",
+        "--world-size",
+        "2",
+        "--strategy",
+        "grad_op",
+        "--steps",
+        "2",
+        "--json",
+        "--model",
+        "fsdp_lab.models:tiny_gpt",
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    for key in (
+        "world_size",
+        "strategy",
+        "max_abs_diff_vs_single_process",
+        "max_abs_diff_vs_fsdp2",
+        "peak_bytes_per_rank",
+        "theory_peak_bytes",
+        "comm_bytes_per_rank",
+        "theory_comm_bytes",
+        "step_time_s",
+        "fsdp2_step_time_s",
+    ):
+        assert key in result, key
+    assert result["strategy"] == "grad_op" and result["world_size"] == 2
+    assert result["comm_bytes_per_rank"][0] == pytest.approx(result["theory_comm_bytes"], rel=1e-12)
+
+
+def test_shard_with_a_bad_model_spec_is_a_clear_error():
+    proc = fsdp_lab("shard", "--world-size", "1", "--model", "fsdp_lab.models:nope", "--json")
+    assert proc.returncode != 0
+    assert "cannot load 'nope'" in proc.stderr
