@@ -20,7 +20,7 @@ def cluster_of():
 
     def get(n: int) -> Cluster:
         if n not in clusters:
-            clusters[n] = Cluster(n, backend="gloo", timeout=120, verbose=False)
+            clusters[n] = Cluster(n, backend="gloo", timeout=600, verbose=False)
         return clusters[n]
 
     yield get

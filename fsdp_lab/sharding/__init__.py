@@ -5,6 +5,23 @@ Read in this order: `flat_param.py` (the storage), `unit.py` (one unit's step, h
 """
 
 from fsdp_lab.sharding.shard import MixedPrecision, shard, sharding_state
+from fsdp_lab.sharding.state_dict import (
+    clip_grad_norm_,
+    full_state_dict,
+    load_full_state_dict,
+    load_sharded,
+    save_sharded,
+)
 from fsdp_lab.sharding.unit import STRATEGIES
 
-__all__ = ["STRATEGIES", "MixedPrecision", "shard", "sharding_state"]
+__all__ = [
+    "STRATEGIES",
+    "MixedPrecision",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "load_full_state_dict",
+    "load_sharded",
+    "save_sharded",
+    "shard",
+    "sharding_state",
+]

@@ -1,0 +1,307 @@
+"""fsdp_lab.sharding.state_dict: full and sharded checkpoints, and clipping across shards.
+
+Every check compares against the unsharded model (its `state_dict()`, single-process
+`clip_grad_norm_`) or against an uninterrupted run, bit for bit where the arithmetic allows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fsdp_lab import RankError, comm, rank, world_size
+from fsdp_lab.models import Block, TinyGPT, synthetic_batch, tiny_gpt
+from fsdp_lab.reference import train_steps
+from fsdp_lab.sharding import shard, sharding_state
+from fsdp_lab.sharding.state_dict import (
+    clip_grad_norm_,
+    full_state_dict,
+    load_full_state_dict,
+    load_sharded,
+    save_sharded,
+)
+
+
+def _sharded(strategy: str = "full", seed: int | None = None, buffers: bool = False):
+    """tiny_gpt (seed None) or the same architecture from another seed, sharded by Block."""
+    if seed is None:
+        model = tiny_gpt()
+    else:
+        torch.manual_seed(seed)
+        model = TinyGPT()
+    if buffers:  # one buffer state_dict() keeps, one it leaves out
+        model.register_buffer("scale", torch.full((3,), float(seed or 0)))
+        model.register_buffer("scratch", torch.zeros(2), persistent=False)
+    return shard(model, units={Block}, strategy=strategy)
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- full_state_dict ----------------------------------------------------------------------------
+
+
+def _full_state_dicts(strategy: str) -> dict:
+    model = _sharded(strategy)
+    with comm.CommLog() as log:
+        sd = full_state_dict(model)
+    everywhere = full_state_dict(model, rank0_only=False)
+    units = sharding_state(model).units
+    return {
+        "sd": sd,
+        "everywhere": everywhere,
+        "tied": everywhere["tok_emb.weight"] is everywhere["head.weight"],
+        "padding": [u.flat.padding for u in units],
+        "padded_bytes": 4 * sum(u.flat.padded_numel for u in units),
+        "bytes": log.bytes_by_op(),
+    }
+
+
+@pytest.mark.parametrize("strategy", ["full", "none"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_full_state_dict_is_the_unsharded_state_dict(cluster_of, n, strategy):
+    expected = tiny_gpt().state_dict()
+    results = cluster_of(n).run(_full_state_dicts, strategy)
+    for r, res in enumerate(results):
+        assert res["tied"]
+        assert list(res["everywhere"]) == list(expected)  # same keys, same order
+        assert _equal(res["everywhere"], expected)
+        assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in res["sd"].values())
+        if r == 0:
+            assert _equal(res["sd"], expected)
+            assert res["sd"]["tok_emb.weight"] is res["sd"]["head.weight"]
+            # Every other tensor owns its storage: torch.save writes each once, only the tie shared.
+            ptrs = [t.untyped_storage().data_ptr() for t in res["sd"].values()]
+            assert len(set(ptrs)) == len(ptrs) - 1
+        else:
+            assert res["sd"] == {}
+        # Counted by comm: each rank receives the n-1 shards it lacks of every unit (ring).
+        gathered = (n - 1) / n * res["padded_bytes"] if strategy == "full" else 0
+        assert res["bytes"].get("all_gather_into_tensor", 0) == pytest.approx(gathered)
+    if n == 3 and strategy == "full":  # 12704 and 2624 elements: both units need a pad element
+        assert all(p > 0 for p in results[0]["padding"])
+
+
+# -- load_full_state_dict -----------------------------------------------------------------------
+
+
+def _train_then_round_trip() -> dict:
+    r, n = rank(), world_size()
+    model = _sharded()
+    train_steps(
+        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 2, rank=r, world=n
+    )
+    sd = full_state_dict(model)
+    fresh = _sharded(seed=1)
+    before = full_state_dict(fresh, rank0_only=False)
+    load_full_state_dict(fresh, sd if r == 0 else None)
+    x, _ = synthetic_batch(64, 4, 16, step=5)
+    with torch.no_grad():  # the loaded model computes with the loaded values
+        same_logits = torch.equal(model(x), fresh(x))
+    return {"sd": sd, "before": before, "after": full_state_dict(fresh), "logits": same_logits}
+
+
+def _load_into_other_world(sd: dict) -> dict:
+    model = _sharded(seed=2, buffers=True)
+    load_full_state_dict(model, sd if rank() == 0 else None)
+    return full_state_dict(model, rank0_only=False)
+
+
+def test_full_round_trip_after_training_keeps_values_and_the_tie(cluster_of, tmp_path):
+    results = cluster_of(2).run(_train_then_round_trip)
+    sd, after = results[0]["sd"], results[0]["after"]
+    assert not torch.equal(sd["blocks.0.attn.qkv.weight"], tiny_gpt().blocks[0].attn.qkv.weight)
+    assert not torch.equal(results[0]["before"]["tok_emb.weight"], sd["tok_emb.weight"])
+    assert _equal(after, sd)
+    assert all(res["logits"] for res in results)
+
+    torch.save(after, tmp_path / "full.pt")
+    loaded = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert _equal(loaded, sd)
+    assert loaded["tok_emb.weight"].data_ptr() == loaded["head.weight"].data_ptr()
+
+    # A full state dict fits any world size: reshard 2 -> 3 ranks (padding changes), buffers too.
+    with_buffer = {**sd, "scale": torch.arange(3.0)}
+    for got in cluster_of(3).run(_load_into_other_world, with_buffer):
+        assert _equal(got, with_buffer)  # "scratch" (not persistent) is never in a state dict
+
+
+def _load_bad_full(kind: str, catch: bool) -> str:
+    model = _sharded()
+    sd = full_state_dict(model) or None  # every rank gathers; rank 0 keeps
+    if sd is not None and kind == "missing":
+        del sd["ln_f.bias"]
+        sd["ln_f.gain"] = torch.ones(32)
+    elif sd is not None:
+        sd["head.weight"] = sd["head.weight"] + 1.0  # breaks the tie
+    untouched = [u.flat.shard.detach().clone() for u in sharding_state(model).units]
+    try:
+        load_full_state_dict(model, sd)
+    except ValueError as exc:
+        if not catch:
+            raise
+        shards = [u.flat.shard for u in sharding_state(model).units]
+        assert all(torch.equal(a, b) for a, b in zip(untouched, shards, strict=True))
+        return str(exc)
+    return "no error"
+
+
+def test_load_full_state_dict_errors_reach_every_rank(cluster_of):
+    cluster = cluster_of(3)
+    for msg in cluster.run(_load_bad_full, "missing", True):
+        assert "'ln_f.bias'" in msg and "'ln_f.gain'" in msg and "Fix:" in msg
+    for msg in cluster.run(_load_bad_full, "tie", True):
+        assert "'tok_emb.weight'" in msg and "'head.weight'" in msg and "tied" in msg
+    # Uncaught: the cluster reports it, and no rank was left waiting in a collective.
+    with pytest.raises(RankError, match="ln_f.bias") as info:
+        cluster.run(_load_bad_full, "missing", False)
+    assert "still usable" in str(info.value)
+    assert cluster.run(world_size) == [3, 3, 3]
+
+
+# -- sharded checkpoints ------------------------------------------------------------------------
+
+
+def _sharded_round_trip(folder: str, strategy: str) -> dict:
+    r, n = rank(), world_size()
+
+    def adam(model):
+        return torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    model = _sharded(strategy)
+    opt = adam(model)
+    train_steps(model, opt, 3, rank=r, world=n)
+    save_sharded(model, folder, opt)
+    train_steps(model, opt, 2, rank=r, world=n)  # data of steps 0, 1 again: so will the resume
+    uninterrupted = full_state_dict(model, rank0_only=False)
+
+    fresh = _sharded(strategy, seed=1)
+    fresh_opt = adam(fresh)
+    load_sharded(fresh, folder, fresh_opt)
+    train_steps(fresh, fresh_opt, 2, rank=r, world=n)
+    resumed = full_state_dict(fresh, rank0_only=False)
+
+    # The same without the optimizer state: Adam restarts and the run diverges.
+    forgetful = _sharded(strategy, seed=1)
+    forgetful_opt = adam(forgetful)
+    load_sharded(forgetful, folder)
+    train_steps(forgetful, forgetful_opt, 2, rank=r, world=n)
+
+    mine = torch.load(Path(folder) / f"rank{r:05d}.pt", weights_only=True)
+    return {
+        "resumed_equal": _equal(resumed, uninterrupted),
+        "forgetful_equal": _equal(full_state_dict(forgetful, rank0_only=False), uninterrupted),
+        "saved_numel": sum(t.numel() for t in mine["shards"].values()),
+        "shard_numel": sum(p.numel() for p in model.parameters()),
+        "full_numel": sum(t.numel() for t in tiny_gpt().parameters()),
+        "adam_steps": [s["step"].item() for s in mine["optimizer"]["state"].values()],
+    }
+
+
+@pytest.mark.parametrize(("n", "strategy"), [(2, "full"), (3, "grad_op")])
+def test_sharded_checkpoint_resumes_training_bitwise(cluster_of, tmp_path, n, strategy):
+    results = cluster_of(n).run(_sharded_round_trip, str(tmp_path), strategy)
+    for res in results:
+        assert res["resumed_equal"]
+        assert not res["forgetful_equal"]
+        assert res["adam_steps"] == [3.0] * len(res["adam_steps"])
+        # Each file holds this rank's slice only: about 1/n of the model (+ padding).
+        assert res["saved_numel"] == res["shard_numel"]
+        assert res["full_numel"] / n <= res["saved_numel"] < res["full_numel"] / n + 8
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["world_size"] == n and meta["strategy"] == strategy
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "meta.json",
+        *(f"rank{r:05d}.pt" for r in range(n)),
+    ]  # no temp file left behind
+
+
+def _save(folder: str) -> None:
+    model = _sharded()
+    save_sharded(model, folder)
+
+
+def _load_catching(folder: str) -> str:
+    try:
+        load_sharded(_sharded(), folder)
+    except (ValueError, FileNotFoundError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_load_sharded_refuses_another_world_or_a_missing_folder(cluster_of, tmp_path):
+    cluster_of(2).run(_save, str(tmp_path / "ckpt"))
+    for msg in cluster_of(3).run(_load_catching, str(tmp_path / "ckpt")):
+        assert msg.startswith("ValueError") and "2 ranks" in msg and "has 3" in msg
+        assert "full state dict" in msg  # the fix
+    missing = tmp_path / "nowhere"
+    for msg in cluster_of(2).run(_load_catching, str(missing)):
+        assert msg.startswith("FileNotFoundError") and str(missing) in msg
+    (tmp_path / "ckpt" / "meta.json").unlink()  # an interrupted save: no commit marker
+    for msg in cluster_of(2).run(_load_catching, str(tmp_path / "ckpt")):
+        assert msg.startswith("FileNotFoundError") and "meta.json" in msg
+
+
+# -- clip_grad_norm_ ----------------------------------------------------------------------------
+
+
+def _reference_clip(norm_type: float) -> tuple[float, float, dict]:
+    """Single process, whole batch: (norm, max_norm, clipped gradients by every name)."""
+    model = tiny_gpt()
+    x, y = synthetic_batch(model.vocab_size, 12, 16, step=0)
+    F.cross_entropy(model(x).reshape(-1, model.vocab_size), y.reshape(-1)).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf, norm_type).item()
+    max_norm = norm / 4  # so that clipping really scales
+    clipped = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type).item()
+    assert clipped == norm
+    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return norm, max_norm, grads
+
+
+def _clip_sharded(strategy: str, max_norm: float, norm_type: float) -> dict:
+    model = _sharded(strategy)
+    norms = []
+
+    def clip() -> None:  # between backward and the (lr=0) optimizer step
+        norms.append(clip_grad_norm_(model, max_norm, norm_type))
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    train_steps(model, opt, 1, rank=rank(), world=world_size(), clip=clip)
+    state = sharding_state(model)
+    grads = {}
+    for unit in state.units:  # gather the clipped gradient back to full size
+        g = unit.flat.shard.grad
+        full = torch.empty(unit.flat.padded_numel) if unit.flat.shard_size > 1 else g
+        if unit.flat.shard_size > 1:
+            dist.all_gather_into_tensor(full, g)
+        for t, names in zip(unit.flat.unflatten(full).values(), unit.aliases, strict=True):
+            grads.update(dict.fromkeys(names, t.clone()))
+    return {"norm": norms[0].item(), "grads": grads}
+
+
+@pytest.mark.parametrize(
+    ("n", "strategy", "norm_type"),
+    [
+        (2, "full", 2.0),
+        (3, "full", 2.0),
+        (2, "none", 2.0),
+        (3, "full", math.inf),
+        (2, "none", math.inf),
+    ],
+)
+def test_clip_grad_norm_matches_single_process(cluster_of, n, strategy, norm_type):
+    norm, max_norm, expected = _reference_clip(norm_type)
+    results = cluster_of(n).run(_clip_sharded, strategy, max_norm, norm_type)
+    assert len({res["norm"] for res in results}) == 1  # one global norm, the same on every rank
+    for res in results:
+        assert res["norm"] == pytest.approx(norm, rel=1e-5)
+        assert res["grads"].keys() == expected.keys()
+        for name, g in expected.items():
+            torch.testing.assert_close(res["grads"][name], g, rtol=1e-5, atol=1e-7)
