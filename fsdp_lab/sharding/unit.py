@@ -184,7 +184,8 @@ class ShardedUnit:
     # -- backward -------------------------------------------------------------------------------
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        if self.training_state is not TrainingState.PRE_BACKWARD:  # once per backward
+        # Once per backward, even if several outputs of the unit get gradients.
+        if self.training_state is TrainingState.IDLE:
             self.training_state = TrainingState.PRE_BACKWARD
             self.state.begin_backward(self)
             self.unshard()
