@@ -281,3 +281,17 @@ def test_cuda_totals_come_from_the_allocator():
     assert trace["source"] == "cuda_allocator" and trace["device"].startswith("cuda")
     assert trace["peak_bytes"] >= baseline + MiB
     assert trace["markers"][-1]["total"] == baseline
+
+
+def test_storage_resize_is_seen_at_once_without_a_mark():
+    # FSDP1/FSDP2 free gathered buffers with UntypedStorage.resize_ and never mark a tracker.
+    with MemoryTracker() as mem:
+        buf = torch.empty(1 << 18)  # 1 MiB
+        view = buf[:10]
+        assert mem.current_bytes == 1 << 20
+        buf.untyped_storage().resize_(0)
+        assert mem.current_bytes == 0
+        buf.untyped_storage().resize_(1 << 19)
+        assert mem.current_bytes == 1 << 19
+        peak = mem.peak_bytes
+    assert peak == 1 << 20 and view.untyped_storage().nbytes() == 1 << 19

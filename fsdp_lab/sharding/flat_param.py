@@ -114,7 +114,14 @@ class FlatParameter:
 
     def views(self) -> list[torch.Tensor]:
         """The original parameters as views into the unsharded buffer (autograd flows back)."""
-        return [self.unsharded[s.offset : s.offset + s.numel].view(s.shape) for s in self.segments]
+        # One split, not a slice per parameter: autograd then builds the unit's gradient with
+        # a single cat (SplitWithSizesBackward) instead of a zero-filled full-size buffer per
+        # parameter (SliceBackward) summed into the accumulator — as FSDP1 does.
+        if not self.segments:
+            return []
+        sizes = [s.numel for s in self.segments]
+        parts = torch.split(self.unsharded, sizes + [self.padding] if self.padding else sizes)
+        return [part.view(s.shape) for part, s in zip(parts, self.segments, strict=False)]
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split a full (unpadded or padded) flat tensor into named, shaped tensors."""

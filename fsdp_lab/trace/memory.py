@@ -23,12 +23,13 @@ storages still split them into categories. On CPU the totals are the sum of live
         loss.backward(); mem.mark("backward")
     mem.trace()  # columnar dict for fsdp_lab.plots
 
-[Note: what is not seen] Storages created before tracking unless `track()`ed; the insides of
-tensor subclasses (DTensor); ops run by threads other than the one that started the tracker
-(autograd's own threads excepted). `UntypedStorage.resize_` is not an operator, so a resize to
-0 — how FSDP frees a gathered buffer while views of it still exist — shows at the next
-`mark()`. On CUDA, autograd's device threads do not inherit the `category` context: gradients
-start as "other" and get their role at the next `mark()`.
+[Note: what is not seen] Storages created before tracking unless `track()`ed (a DTensor counts
+through its local shard); ops run by threads other than the one that started the tracker
+(autograd's own threads excepted) — gloo's internal copy of an all-gather, for one; scratch
+memory inside a single operator. `UntypedStorage.resize_` is not an operator, so the tracker
+wraps it (how every FSDP frees a gathered buffer while views of it still exist). On CUDA,
+autograd's device threads do not inherit the `category` context: gradients start as "other"
+and get their role at the next `mark()`.
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ class MemoryTracker:
         if self._watcher is not None:
             raise RuntimeError("this MemoryTracker is already running")
         _warm_up_dispatch_modes()
+        _report_storage_resizes()
         self._clear_recording()
         if self._use_allocator:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -273,6 +275,13 @@ class MemoryTracker:
                 self._classify(tensor, role, by_role)
         self._remembered = alive
 
+    def _on_resize(self, storage: torch.UntypedStorage) -> None:
+        with self._lock:
+            self._apply_pending_frees()
+            rec = self._lookup(storage)
+            if rec is not None:
+                self._update_nbytes(rec, storage.nbytes())
+
     def _refresh(self) -> None:
         """The full rescan, only at mark()/trace(): frees, storage resizes, roles."""
         with self._lock:
@@ -387,6 +396,23 @@ def _warm_up_dispatch_modes() -> None:
         torch.empty(1) + 1
 
 
+@functools.cache
+def _report_storage_resizes() -> None:
+    # `UntypedStorage.resize_` is no operator, so the dispatch mode never sees it — yet it is
+    # how FSDP (ours, FSDP1, FSDP2) frees and re-allocates a gathered buffer. Wrapped once, for
+    # good: with no tracker running the wrapper only reads a context variable.
+    original = torch.UntypedStorage.resize_
+
+    @functools.wraps(original)
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        out = original(storage, size)
+        for tracker in _RUNNING.get():
+            tracker._on_resize(storage)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+
+
 def _roles(obj: Any, cat: int | None) -> Iterator[tuple[torch.Tensor, int, bool]]:
     """(tensor, category, by_role) for a tracked object; by_role re-tags a known storage."""
     if isinstance(obj, torch.Tensor):
@@ -401,7 +427,7 @@ def _roles(obj: Any, cat: int | None) -> Iterator[tuple[torch.Tensor, int, bool]
         buffers, states = [], [v for state in obj.state.values() for v in state.values()]
     for p in params:
         yield p, _INDEX["parameters"], True
-        if p.grad is not None:
+        if p.is_leaf and p.grad is not None:  # .grad of a non-leaf only warns
             yield p.grad, _INDEX["gradients"], True
     yield from ((b, _OTHER, False) for b in buffers)
     yield from ((s, _INDEX["optimizer_state"], True) for s in states if isinstance(s, torch.Tensor))
