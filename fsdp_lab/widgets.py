@@ -91,3 +91,53 @@ class CollectivesExplorer(_Explorer):
 def collectives_explorer(world_size: int = 2, numel: int = 1 << 16) -> CollectivesExplorer:
     """Controls for world size and shard size; press Run to measure the four collectives."""
     return CollectivesExplorer(world_size, numel)
+
+
+class ShardExplorer(_Explorer):
+    """World size, strategy and prefetch for lab 01; shows memory, bytes, summary, timeline."""
+
+    def __init__(
+        self,
+        world_size: int = 2,
+        strategy: str = "full",
+        prefetch: bool = True,
+        steps: int = 3,
+        backend: str = "auto",
+    ) -> None:
+        from fsdp_lab.sharding import STRATEGIES
+
+        self.world_size = W.IntSlider(value=world_size, min=1, max=4, description="ranks")
+        self.strategy = W.Dropdown(options=list(STRATEGIES), value=strategy, description="strategy")
+        self.prefetch = W.Checkbox(value=prefetch, description="prefetch")
+        self.steps = steps
+        super().__init__([self.world_size, self.strategy, self.prefetch], backend)
+        self.last_result: Any = None
+
+    def show(self) -> None:
+        from IPython.display import Markdown
+
+        from fsdp_lab.labs import shard
+
+        n = self.world_size.value
+        config = shard.ShardConfig(
+            world_size=n,
+            strategy=self.strategy.value,
+            prefetch=self.prefetch.value,
+            steps=self.steps,
+            compare_fsdp2=False,
+            backend=self.backend,
+        )
+        result = shard.run(config, cluster=self.cluster(n))
+        self.last_result = result
+        figures = shard.figures(result)
+        display(figures["memory_trace"])
+        display(figures["bytes_vs_theory"])
+        display(Markdown(shard.summary(result)))
+        display(figures["timeline"])
+
+
+def shard_explorer(
+    world_size: int = 2, strategy: str = "full", prefetch: bool = True
+) -> ShardExplorer:
+    """Controls for ranks, strategy and prefetch; press Run to train and measure 3 steps."""
+    return ShardExplorer(world_size, strategy, prefetch)

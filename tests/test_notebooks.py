@@ -23,6 +23,10 @@ def test_notebook_executes_without_errors(path, tmp_path):
     client = NotebookClient(
         nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     )
+    # nbclient mirrors Output widgets by messaging the kernel while it waits for the same cell's
+    # reply, which can stall until the cell timeout (jupyter/nbclient#312). Without the mirror,
+    # what an Output widget captures is recorded as ordinary cell output.
+    client.widget_registry = {}
     client.execute()  # raises CellExecutionError, naming the cell, on any error
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]

@@ -120,7 +120,8 @@ def _ours(cfg: ShardConfig) -> dict[str, Any]:
         mem.track(opt)
         state = sharding_state(model)
         for unit in state.units:
-            mem.track(unit.flat.unsharded, "comm_buffers")  # and its gradient, as "gradients"
+            if not unit.flat.aliased:  # DDP's buffer is the parameter itself
+                mem.track(unit.flat.unsharded, "comm_buffers")  # its .grad as "gradients"
         mem.mark("sharded")
         losses, _ = _timed_training(cfg, model, opt)
     trace = mem.trace()
@@ -205,7 +206,7 @@ def theory(strategy: str, units: list[dict[str, Any]], n: int) -> dict[str, Any]
         "none": 16 * psi,
         "optimizer": 8 * psi + 8 * psi / n,
         "grad_op": 4 * psi + 12 * psi / n,
-        "full": 16 * psi / n + largest,
+        "full": 16 * psi / n + (largest if n > 1 else 0),  # one rank gathers nothing
     }[strategy]
     return {
         "psi": psi,

@@ -1,0 +1,140 @@
+"""The step-by-step walkthrough shows what the mechanism really holds after every stage."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from fsdp_lab.labs import shard_steps
+
+
+@pytest.fixture(scope="module", params=[(2, (3, 2, 2)), (3, (3, 2, 2)), (3, (4, 1))])
+def walk(request, cluster_of):
+    n, sizes = request.param
+    return shard_steps.walkthrough(cluster_of(n), numel_per_param=sizes, lr=0.2)
+
+
+def _rows(walk, stage):
+    return [torch.tensor(row) for row in walk["stages"][stage]["rows"]]
+
+
+def test_stages_in_the_order_they_happen(walk):
+    assert list(walk["stages"]) == [
+        "flatten",
+        "shard",
+        "gather",
+        "compute",
+        "free",
+        "reduce-scatter",
+        "optimizer step",
+    ]
+    for stage in walk["stages"].values():
+        assert len(stage["rows"]) == walk["world_size"]
+        assert stage["explanation"]
+
+
+def test_flatten_concatenates_the_parameters_and_pads_to_a_multiple_of_n(walk):
+    n, layout = walk["world_size"], walk["layout"]
+    assert layout["padded_numel"] % n == 0
+    assert 0 <= layout["padding"] < n
+    assert layout["numel"] + layout["padding"] == layout["padded_numel"]
+    for params, flat in zip(walk["parameters"], _rows(walk, "flatten"), strict=True):
+        expected = torch.tensor([v for p in params for v in p] + [0.0] * layout["padding"])
+        assert torch.equal(flat, expected)
+    # Values say where they came from: parameter i holds 10*i + 1, 10*i + 2, ...
+    assert walk["parameters"][0][1][0] == 11.0
+
+
+def test_the_shards_concatenated_are_the_flat_buffer(walk):
+    shards = _rows(walk, "shard")
+    assert {len(s) for s in shards} == {walk["layout"]["shard_numel"]}
+    assert torch.equal(torch.cat(shards), _rows(walk, "flatten")[0])
+    assert walk["stages"]["shard"]["unsharded_storage_bytes"] == [0] * walk["world_size"]
+
+
+def test_gather_gives_every_rank_the_full_flat_buffer(walk):
+    flat = _rows(walk, "flatten")[0]
+    for gathered in _rows(walk, "gather"):
+        assert torch.equal(gathered, flat)
+    layout, n = walk["layout"], walk["world_size"]
+    full_bytes = layout["padded_numel"] * layout["element_size"]
+    assert walk["stages"]["gather"]["unsharded_storage_bytes"] == [full_bytes] * n
+    # Ring all-gather: each rank receives the N-1 shards it does not have.
+    assert walk["stages"]["gather"]["comm_bytes"] == [(n - 1) / n * full_bytes] * n
+
+
+def test_compute_gives_each_rank_the_gradient_of_its_own_data(walk):
+    flat = _rows(walk, "flatten")[0]
+    grads = _rows(walk, "compute")
+    for r, (grad, batch) in enumerate(zip(grads, walk["batches"], strict=True)):
+        assert batch == [r + 1.0]
+        assert torch.allclose(grad, batch[0] * flat)  # d/dp of x * 0.5 |p|^2
+    assert not torch.equal(grads[0], grads[1])
+
+
+def test_free_leaves_zero_bytes_of_unsharded_storage_and_keeps_the_shard(walk):
+    assert walk["stages"]["free"]["unsharded_storage_bytes"] == [0] * walk["world_size"]
+    for kept, shard in zip(_rows(walk, "free"), _rows(walk, "shard"), strict=True):
+        assert torch.equal(kept, shard)
+
+
+def test_reduce_scatter_keeps_this_ranks_slice_of_the_mean_gradient(walk):
+    n, s = walk["world_size"], walk["layout"]["shard_numel"]
+    mean_grad = torch.stack(_rows(walk, "compute")).mean(dim=0)
+    for r, shard_grad in enumerate(_rows(walk, "reduce-scatter")):
+        assert torch.allclose(shard_grad, mean_grad[r * s : (r + 1) * s])
+    # = the single-process gradient on the whole batch [1..N]: mean(batch) * p
+    flat = _rows(walk, "flatten")[0]
+    assert torch.allclose(torch.cat(_rows(walk, "reduce-scatter")), (n + 1) / 2 * flat)
+    assert walk["stages"]["reduce-scatter"]["unsharded_storage_bytes"] == [0] * n
+    full_bytes = walk["layout"]["padded_numel"] * walk["layout"]["element_size"]
+    assert walk["stages"]["reduce-scatter"]["comm_bytes"] == [(n - 1) / n * full_bytes] * n
+
+
+def test_optimizer_step_updates_only_the_shard(walk):
+    lr = walk["lr"]
+    shards, grads = _rows(walk, "shard"), _rows(walk, "reduce-scatter")
+    for new, old, grad in zip(_rows(walk, "optimizer step"), shards, grads, strict=True):
+        assert torch.allclose(new, old - lr * grad)
+        assert len(new) == walk["layout"]["shard_numel"]
+
+
+def test_figures_and_table_show_the_measurement(walk):
+    flatten = shard_steps.figure(walk, "flatten")
+    assert len(flatten.axes) == 2  # the separate parameters, then the flat buffer
+    free = shard_steps.figure(walk, "free")
+    zeros = ", ".join(["0"] * walk["world_size"])
+    assert f"after free (unsharded storage: {zeros} B)" == free.axes[1].get_title()
+    table = shard_steps.table(walk).splitlines()
+    assert len(table) == 2 + len(walk["stages"])
+    assert table[2].startswith("| flatten |") and "| free | " in table[6]
+
+
+def test_one_rank_has_nothing_to_shard():
+    with pytest.raises(ValueError, match="2 or more ranks"):
+        shard_steps.walkthrough(types.SimpleNamespace(world_size=1))
+    with pytest.raises(ValueError, match="numel_per_param"):
+        shard_steps.walkthrough(types.SimpleNamespace(world_size=2), numel_per_param=(3, 0))
+
+
+def test_peak_table_reads_the_model_state_peak_not_the_activation_peak():
+    zeros = [0, 0, 0]
+    trace = {
+        "t": [0.0, 1.0, 2.0],
+        "bytes": {
+            "parameters": [100, 100, 100],
+            "gradients": [0, 0, 400],
+            "optimizer_state": [0, 200, 200],
+            "activations": [0, 5000, 0],  # the total peaks here; the model state does not
+            "comm_buffers": [0, 300, 0],
+            "other": zeros,
+        },
+        "markers": [{"t": 0.5, "label": "all-gather x"}, {"t": 1.5, "label": "free x"}],
+    }
+    result = {"memory_traces": [trace], "theory_peak_bytes": 600}
+    header, rule, row = shard_steps.peak_table({"demo": result}).splitlines()
+    assert header.count("|") == rule.count("|") == row.count("|")
+    # t=2: 100 + 400 + 200 + 0 = 700 beats t=1: 100 + 0 + 200 + 300 = 600
+    assert row == "| demo | 600 B | 700 B | 100 B | 400 B | 200 B | 0 B | free x |"
