@@ -211,7 +211,7 @@ def shard(
         refs = plan.params[name]
         params = [lookup[r.name] for r in refs]
         flat = FlatParameter(
-            [r.name for r in refs],
+            [r.name for r in refs] or ["(no parameters)"],
             params or [torch.empty(0, device=next(iter(lookup.values())).device)],
             rank if policy.sharded else 0,
             world if policy.sharded else 1,

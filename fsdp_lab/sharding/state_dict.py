@@ -76,7 +76,8 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
         out[name] = copies.setdefault(id(buf), buf.detach().to("cpu", copy=True))
     # model.state_dict()'s order, module by module (the sort is stable: params, then buffers).
     order = {name: i for i, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
-    return dict(sorted(out.items(), key=lambda item: order[item[0].rpartition(".")[0]]))
+    # Names are those at shard() time; a module wrapped since (checkpointing) sorts last.
+    return dict(sorted(out.items(), key=lambda kv: order.get(kv[0].rpartition(".")[0], len(order))))
 
 
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None) -> None:

@@ -95,6 +95,7 @@ class ShardedUnit:
         self._gather: comm.CommWork | None = None  # an all-gather in flight (prefetch)
         self._gather_input: torch.Tensor | None = None  # kept alive until the gather ends
         self._grad_ready = False
+        self._recomputing = False
         self._compute_start = 0.0
         self.label = "root" if name == "" else name
         flat.unsharded.register_post_accumulate_grad_hook(self._post_backward)
@@ -152,6 +153,13 @@ class ShardedUnit:
     # -- forward --------------------------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            # Activation checkpointing recomputes this unit inside its own backward: the
+            # buffer is already gathered for backward, so no message, and no free afterwards.
+            self._recomputing = True
+            self._use_views()
+            return
+        self._recomputing = False  # a recompute stopped early never reached post-forward
         state = self.state
         if self is state.root:
             state.begin_step()
@@ -167,6 +175,9 @@ class ShardedUnit:
         self._compute_start = time.perf_counter()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self._recomputing:
+            self._recomputing = False
+            return output
         timeline = active_timeline()
         if timeline is not None and self is not self.state.root:
             timeline.add(
