@@ -28,6 +28,7 @@ from fsdp_lab.cluster import BACKENDS, open_cluster
 LABS: dict[str, tuple[str, str]] = {
     "collectives": ("fsdp_lab.labs.collectives", "CollectivesConfig"),
     "shard": ("fsdp_lab.labs.shard", "ShardConfig"),
+    "checkpoint": ("fsdp_lab.labs.checkpoint", "CheckpointConfig"),
 }
 DEFAULT_OUT = "fsdp_lab_out"
 

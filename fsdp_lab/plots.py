@@ -325,3 +325,58 @@ def save_figure(fig: Figure, path: str | os.PathLike) -> pathlib.Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, format="png", bbox_inches="tight")
     return path
+
+
+def plot_memory_vs_compute(chains: dict[str, dict], *, title: str | None = None) -> Figure:
+    """Checkpointing schedules: measured peak bytes vs calls, beside the counted theory.
+
+    Args:
+        chains: the checkpoint lab's ``chains``: per N, ``rows`` (one per schedule, measured)
+            and ``frontier`` (optimal(b) for every budget b, from the dynamic programme).
+    """
+    fig = Figure(figsize=(12, 4.8), layout="constrained")
+    measured_ax, theory_ax = fig.subplots(1, 2)
+    markers = "os^Dv*P"
+    for color, (n, chain) in zip(_palette(len(chains)), chains.items(), strict=True):
+        for marker, row in zip(markers, chain["rows"], strict=False):
+            measured_ax.scatter(
+                row["forward_calls"],
+                row["peak_activation_bytes"],
+                color=color,
+                marker=marker,
+                label=f"N={n} {row['schedule']}",
+            )
+            theory_ax.scatter(
+                row["forward_calls"], row["stored_activations"], color=color, marker=marker
+            )
+        front = sorted(chain["frontier"], key=lambda f: f["forward_calls"])
+        theory_ax.plot(
+            [f["forward_calls"] for f in front],
+            [f["stored_activations"] for f in front],
+            color=color,
+            lw=1,
+            label=f"N={n} optimal(b) frontier (DP)",
+        )
+    measured_ax.set(
+        xscale="log",
+        xlabel="layer forward calls (measured, hooks)",
+        ylabel="peak activation bytes (measured, tracker)",
+        title="measured",
+    )
+    measured_ax.yaxis.set_major_formatter(lambda v, _: format_bytes(v))
+    theory_ax.set(
+        xscale="log",
+        xlabel="layer forward calls",
+        ylabel="layer inputs kept at once",
+        title="counted, with the optimal frontier",
+    )
+    measured_ax.legend(fontsize=6, ncol=2)
+    theory_ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def _palette(n: int) -> list:
+    cmap = colormaps["viridis"]
+    return [cmap(i / max(1, n - 1) * 0.85) for i in range(n)]

@@ -146,3 +146,23 @@ def test_shard_with_a_bad_model_spec_is_a_clear_error():
     proc = fsdp_lab("shard", "--world-size", "1", "--model", "fsdp_lab.models:nope", "--json")
     assert proc.returncode != 0
     assert "cannot load 'nope'" in proc.stderr
+
+
+def test_checkpoint_json_has_per_schedule_figures():
+    proc = fsdp_lab("checkpoint", "--layers", "8", "--every", "2", "--world-size", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    per_schedule = result["schedules"]["8"]
+    assert {"store_all", "full_recompute", "every(2)", "segments(3)", "optimal(4)"} == set(
+        per_schedule
+    )
+    for row in per_schedule.values():
+        assert set(row) == {"peak_activation_bytes", "forward_calls", "time_s", "max_abs_grad_diff"}
+        assert row["max_abs_grad_diff"] == 0.0
+    assert per_schedule["every(2)"]["forward_calls"] == 8 - 4 + 2 * (4 * 5 // 2)
+
+
+def test_checkpoint_with_an_out_of_range_argument_is_a_clear_error():
+    proc = fsdp_lab("checkpoint", "--layers", "8", "--every", "9", "--json")
+    assert proc.returncode != 0
+    assert "every=9 is out of range: allowed 1..8" in proc.stderr

@@ -324,51 +324,18 @@ def test_a_unit_with_several_outputs_is_gathered_once_per_pass(cluster_of):
             torch.testing.assert_close(res["params"][name], p.detach(), rtol=1e-5, atol=1e-6)
 
 
-def _checkpointed(mode: str) -> dict:
-    from fsdp_lab.checkpointing import CheckpointWrapper, checkpoint
-    from fsdp_lab.models import Chain, ChainLayer
-
-    torch.manual_seed(0)
-    model = Chain(4, 16)
-    if mode == "unit_wraps_checkpoint":  # checkpoint inside each unit: AC first, then shard
-        for i, layer in enumerate(model.layers):
-            model.layers[i] = CheckpointWrapper(layer)
-        shard(model, units={CheckpointWrapper})
-    else:
-        shard(model, units={ChainLayer})
-    if mode == "checkpoint_spans_two_units":  # one checkpoint over two units at a time
-        layers = list(model.layers)
-
-        def forward(x):
-            for a in range(0, len(layers), 2):
-                x = checkpoint(lambda y, pair=layers[a : a + 2]: pair[1](pair[0](y)), x)
-            return x
-
-        model.forward = forward
-    r, n = fsdp_lab.rank(), fsdp_lab.world_size()
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    opt = _sgd(model.parameters())
-    with comm.CommLog() as log:
-        for _ in range(2):
-            opt.zero_grad()
-            model(reference.local_slice(x, r, n)).pow(2).mean().backward()
-            opt.step()
-    params = {k.replace("module.", ""): v for k, v in reference.full_parameters(model).items()}
-    return {"gathers": log.calls_by_op()["all_gather_into_tensor"], "params": params}
-
-
 def test_checkpointing_a_sharded_unit_costs_a_gather_only_across_units(cluster_of):
-    runs = {
-        m: cluster_of(2).run(_checkpointed, m)[0]
-        for m in ("plain", "unit_wraps_checkpoint", "checkpoint_spans_two_units")
-    }
-    # 4 units, 2 steps, ZeRO-3: a gather in forward and one in backward per unit and step.
-    assert runs["plain"]["gathers"] == 16
+    from fsdp_lab.labs.checkpoint import MODES, sharded_chain_worker
+
+    runs = {m: cluster_of(2).run(sharded_chain_worker, m, 4, 16, 2)[0] for m in MODES}
+    gathers = {m: r["all_gather_calls_per_step"] for m, r in runs.items()}
+    # 4 units, ZeRO-3: a gather in forward and one in backward per unit and step.
+    assert gathers["plain"] == 8
     # The recompute runs inside the unit's own backward: the buffer is already there.
-    assert runs["unit_wraps_checkpoint"]["gathers"] == 16
+    assert gathers["unit_wraps_checkpoint"] == 8
     # A checkpoint spanning two units recomputes the first before its backward gather:
     # one extra all-gather per checkpointed pair per step.
-    assert runs["checkpoint_spans_two_units"]["gathers"] == 16 + 2 * 2
+    assert gathers["checkpoint_spans_two_units"] == 8 + 2
     for mode in ("unit_wraps_checkpoint", "checkpoint_spans_two_units"):
         for name, value in runs["plain"]["params"].items():
             assert torch.equal(runs[mode]["params"][name], value), (mode, name)

@@ -1,0 +1,72 @@
+"""Lab 02: every schedule measured, equal gradients, counts equal theory, torch comparison."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_lab.labs import checkpoint as lab
+
+
+def test_lab_measures_every_schedule_and_matches_torch(cluster_of):
+    config = lab.CheckpointConfig(layers=(8, 16), dim=32, batch=16, world_size=2)
+    result = lab.run(config, cluster=cluster_of(2))
+    for n, chain in result["chains"].items():
+        rows = {r["schedule"].split("(")[0]: r for r in chain["rows"]}
+        assert set(rows) == {"store_all", "full_recompute", "every", "segments", "optimal"}
+        for r in chain["rows"]:
+            assert r["max_abs_grad_diff"] == 0.0, r  # recomputation is bitwise the same
+            assert r["forward_calls"] == r["theory_forward_calls"]
+            assert r["stored_activations"] == r["theory_stored_activations"]
+        n = int(n)
+        assert rows["store_all"]["forward_calls"] == n
+        assert rows["full_recompute"]["forward_calls"] == n * (n + 1) // 2
+        # Memory and compute trade off as the table says, measured by the tracker.
+        assert (
+            rows["store_all"]["peak_activation_bytes"] > rows["segments"]["peak_activation_bytes"]
+        )
+        assert (
+            rows["segments"]["peak_activation_bytes"]
+            > rows["full_recompute"]["peak_activation_bytes"]
+        )
+        # The optimal schedule is on the frontier: no other schedule with at most its memory
+        # (in kept layer inputs) makes fewer calls.
+        best = rows["optimal"]
+        for r in chain["rows"]:
+            if r["stored_activations"] <= best["stored_activations"]:
+                assert best["forward_calls"] <= r["forward_calls"], r
+        versus = chain["versus_torch"]
+        assert versus["max_abs_grad_diff_ours_vs_torch"] == 0.0
+        assert versus["peak_ratio_ours_to_torch"] == pytest.approx(1.0, abs=0.05)
+        assert versus["ours_peak_activation_bytes"] < versus["store_all_peak_activation_bytes"]
+    sharding = result["with_sharding"]
+    assert (
+        sharding["checkpoint_spans_two_units"]["all_gather_bytes_per_step"]
+        > sharding["plain"]["all_gather_bytes_per_step"]
+    )
+    assert (
+        sharding["unit_wraps_checkpoint"]["all_gather_bytes_per_step"]
+        == sharding["plain"]["all_gather_bytes_per_step"]
+    )
+    assert all(s["max_abs_param_diff_vs_plain"] == 0.0 for s in sharding.values())
+    assert set(result["schedules"]["8"]["store_all"]) == {
+        "peak_activation_bytes",
+        "forward_calls",
+        "time_s",
+        "max_abs_grad_diff",
+    }
+    assert "memory_vs_compute" in lab.figures(result)
+    assert "| store_all |" in lab.summary(result)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"layers": (8,), "every": 0}, "every=0 is out of range: allowed 1..8"),
+        ({"layers": (8,), "segment": 9}, "segment=9 is out of range: allowed 1..8"),
+        ({"layers": (8,), "budget": 1}, "budget=1 is out of range: allowed 2..8"),
+        ({"layers": (0,)}, "layers=(0,)"),
+    ],
+)
+def test_bad_config_names_the_value_and_the_range(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        lab.CheckpointConfig(**kwargs)
