@@ -432,6 +432,9 @@ class AttachedCluster:
 
     def close(self) -> None:
         if dist.is_initialized():
+            # Every rank leaves together: a rank tearing gloo down while another is still in
+            # a collective makes the other's transport thread abort the process.
+            dist.barrier()
             dist.destroy_process_group()
 
     def __enter__(self) -> AttachedCluster:
