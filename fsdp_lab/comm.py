@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_lab.trace.timeline import active_timeline
+from fsdp_lab.trace.timeline import Recorder, active_timeline
 
 _ACTIVE: contextvars.ContextVar[CommLog | None] = contextvars.ContextVar(
     "fsdp_lab_comm_log", default=None
@@ -51,22 +51,14 @@ class CommRecord:
     async_op: bool
 
 
-class CommLog:
+class CommLog(Recorder):
     """Records the collectives run on this rank while active (``with CommLog() as log:``)."""
 
+    _active = _ACTIVE
+
     def __init__(self) -> None:
+        super().__init__()
         self.records: list[CommRecord] = []
-        self._origin = time.perf_counter()
-        self._token: contextvars.Token | None = None
-
-    def __enter__(self) -> CommLog:
-        self._token = _ACTIVE.set(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._token is not None:
-            _ACTIVE.reset(self._token)
-            self._token = None
 
     def bytes_by_op(self) -> dict[str, float]:
         """Total bytes this rank moved, per op name."""

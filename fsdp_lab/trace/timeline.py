@@ -34,27 +34,39 @@ class Span:
     bytes: int = 0
 
 
-class Timeline:
+class Recorder:
+    """A recorder that is active inside ``with``: code deep in a mechanism finds it through the
+    class's context variable (`_active`), and a re-run notebook cell starts a clean scope."""
+
+    _active: contextvars.ContextVar
+
+    def __init__(self) -> None:
+        self._origin = time.perf_counter()
+        self._token: contextvars.Token | None = None
+
+    def __enter__(self):  # returns the subclass instance
+        self._token = self._active.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            self._active.reset(self._token)
+            self._token = None
+
+
+class Timeline(Recorder):
     """Spans of compute and communication on one rank.
 
     Args:
         rank: the rank this timeline belongs to (stored in the exported dict).
     """
 
+    _active = _ACTIVE
+
     def __init__(self, rank: int | None = None) -> None:
+        super().__init__()
         self.rank = rank
         self.spans: list[Span] = []
-        self._origin = time.perf_counter()
-        self._token: contextvars.Token | None = None
-
-    def __enter__(self) -> Timeline:
-        self._token = _ACTIVE.set(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._token is not None:
-            _ACTIVE.reset(self._token)
-            self._token = None
 
     def now(self) -> float:
         return time.perf_counter() - self._origin
