@@ -48,6 +48,10 @@ def test_lab_measures_every_schedule_and_matches_torch(cluster_of):
         == sharding["plain"]["all_gather_bytes_per_step"]
     )
     assert all(s["max_abs_param_diff_vs_plain"] == 0.0 for s in sharding.values())
+    assert all(
+        s["all_gather_calls_per_step"] == s["theory_all_gather_calls_per_step"]
+        for s in sharding.values()
+    )
     assert set(result["schedules"]["8"]["store_all"]) == {
         "peak_activation_bytes",
         "forward_calls",
