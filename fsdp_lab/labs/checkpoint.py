@@ -336,6 +336,6 @@ def config_from_args(args: Any) -> dict[str, Any]:
         for k in ("every", "segment", "budget")
         if getattr(args, k, None) is not None
     }
-    if args.layers is not None:
+    if getattr(args, "layers", None) is not None:  # the tour's parser has no --layers
         out["layers"] = tuple(args.layers)
     return out
