@@ -339,3 +339,14 @@ def test_checkpointing_a_sharded_unit_costs_a_gather_only_across_units(cluster_o
     for mode in ("unit_wraps_checkpoint", "checkpoint_spans_two_units"):
         for name, value in runs["plain"]["params"].items():
             assert torch.equal(runs[mode]["params"][name], value), (mode, name)
+
+
+def _attribute_after_free() -> tuple:
+    model = shard(tiny_gpt(), units={Block}, strategy="full")
+    reference.train_steps(model, _sgd(model.parameters()), 1, rank=fsdp_lab.rank(), world=2)
+    weight = model.blocks[0].mlp.fc.weight  # freed unit: a shape-only stand-in, not freed memory
+    return weight.device.type, tuple(weight.shape), model.head.weight is model.tok_emb.weight
+
+
+def test_a_freed_unit_shows_shape_only_stand_ins_not_dangling_views(cluster_of):
+    assert cluster_of(2).run(_attribute_after_free) == [("meta", (128, 32), True)] * 2

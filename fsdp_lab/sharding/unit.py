@@ -143,6 +143,12 @@ class ShardedUnit:
             return
         self.wait_unshard()
         self.flat.free_unsharded()
+        # The views now point at 0 bytes; reading one would touch freed memory. The modules get
+        # shape-only stand-ins instead (autograd keeps its own references to the views).
+        for segment, owners in zip(self.flat.segments, self.owners, strict=True):
+            stand_in = torch.empty(segment.shape, dtype=self.flat.compute_dtype, device="meta")
+            for module, attr in owners:  # tied: one stand-in shared, as the view was
+                setattr(module, attr, stand_in)
         mark(f"free {self.label}")
 
     def _use_views(self) -> None:
@@ -201,6 +207,7 @@ class ShardedUnit:
             self.state.begin_backward(self)
             self.unshard()
             self.wait_unshard()
+            self._use_views()  # live again for anything that reruns the module (checkpointing)
             if self.state.prefetch:
                 nxt = self.state.next_in_backward(self)
                 if nxt is not None:
