@@ -185,9 +185,9 @@ def build_plan(model: nn.Module, units: Units = None) -> WrapPlan:
             raise PlanError(
                 f"parameter {full_name!r} is shared by modules {users} (tied weights), "
                 f"but they fall in different wrap units: {where}. A unit gathers, updates "
-                "and frees its own copy, so the tie would break. Fix: put both in one unit "
-                + (f"(wrap their common parent {parent!r} as the unit), or " if parent else "")
-                + "leave them both to the root unit (take their units out of the plan)."
+                "and frees its own copy, so the tie would break. Fix: put both in one unit"
+                + (f" (wrap their common parent {parent!r} as the unit)" if parent else "")
+                + ", or leave them both to the root unit (take their units out of the plan)."
             )
         by_unit[next(iter(units_hit.values()))].append(ParamRef(full_name, tuple(owned_by)))
     for u in roots:
