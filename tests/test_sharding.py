@@ -244,6 +244,16 @@ def _refused(kind: str) -> str:
                 with torch.device("meta"):
                     model = tiny_gpt()
                 shard(model)
+            elif kind == "broken_tie":
+                from fsdp_lab.tying import record_ties
+
+                with torch.device("meta"):
+                    model = tiny_gpt()
+                record_ties(model)
+                model.to_empty(device="cpu")  # unties on this torch, or the check is moot
+                if model.head.weight is model.tok_emb.weight:
+                    return "still tied after to_empty"
+                shard(model)
             elif kind == "mesh":
                 groups = [dist.new_group([r]) for r in range(fsdp_lab.world_size())]
                 shard(tiny_gpt(), mesh=groups[fsdp_lab.rank()])
@@ -262,6 +272,7 @@ def _refused(kind: str) -> str:
         ("hybrid", ["'hybrid'", "2-D", "HSDP"]),
         ("meta", ["meta device", "to_empty"]),
         ("mesh", ["mesh has 1 ranks but the world has 2"]),
+        ("broken_tie", ["recorded weight ties are broken", "'head.weight'", "retie"]),
     ],
 )
 def test_bad_input_is_refused_before_any_collective(cluster_of, kind, fragments):

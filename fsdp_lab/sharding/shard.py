@@ -164,6 +164,16 @@ def _check_model(model: nn.Module, strategy: str) -> None:
             "no values to shard. Fix: model.to_empty(device=...) and initialise the weights "
             "first."
         )
+    from fsdp_lab.tying import recorded_ties, verify_weight_tying
+
+    ties = recorded_ties(model)
+    broken = verify_weight_tying(model, ties) if ties else []
+    if broken:
+        raise ValueError(
+            "the model's recorded weight ties are broken (materialising from meta with "
+            "to_empty unties them): " + "; ".join(broken) + ". Fix: "
+            "fsdp_lab.tying.retie(model, fsdp_lab.tying.recorded_ties(model)) before shard()."
+        )
     devices = {p.device for _, p in params}
     if len(devices) > 1:
         where = {str(d): next(n for n, p in params if p.device == d) for d in devices}
