@@ -24,7 +24,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Union
 
 import torch.nn as nn
 
@@ -208,8 +208,3 @@ def unit_sizes(plan: WrapPlan, model: nn.Module) -> dict[str, int]:
     """Elements per unit (a tied parameter once)."""
     lookup = dict(model.named_parameters(remove_duplicate=False))
     return {u: sum(lookup[r.name].numel() for r in plan.params[u]) for u in plan.units}
-
-
-def describe_units(model: nn.Module, units: Any) -> str:
-    """Human-readable plan, for notebooks and error messages."""
-    return build_plan(model, units).describe()

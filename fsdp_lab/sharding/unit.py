@@ -161,9 +161,9 @@ class ShardedUnit:
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             # Activation checkpointing recomputes this unit inside its own backward: the
-            # buffer is already gathered for backward, so no message, and no free afterwards.
+            # pre-backward hook already gathered it and set the views, so no message, and no
+            # free afterwards.
             self._recomputing = True
-            self._use_views()
             return
         self._recomputing = False  # a recompute stopped early never reached post-forward
         state = self.state

@@ -68,9 +68,6 @@ class Timeline(Recorder):
         self.rank = rank
         self.spans: list[Span] = []
 
-    def now(self) -> float:
-        return time.perf_counter() - self._origin
-
     def add(self, kind: str, name: str, start: float, end: float, nbytes: int = 0) -> None:
         """Record a span whose start/end are `perf_counter()` readings."""
         if kind not in ("compute", "comm"):
