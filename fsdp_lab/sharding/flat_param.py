@@ -51,6 +51,7 @@ class FlatParameter:
         shard_rank: this rank's index in the shard group.
         shard_size: ranks the buffer is split over (1 = replicated, as in DDP).
         compute_dtype: dtype of the unsharded buffer (bf16 for mixed precision).
+        template: dtype and device to use when `params` is empty.
     """
 
     def __init__(
@@ -60,8 +61,13 @@ class FlatParameter:
         shard_rank: int,
         shard_size: int,
         compute_dtype: torch.dtype | None = None,
+        template: torch.Tensor | None = None,
     ) -> None:
-        dtype, device = params[0].dtype, params[0].device
+        # A root unit can be left with no parameters: `template` then gives dtype and device.
+        like = params[0] if params else template
+        if like is None:
+            raise ValueError("a FlatParameter without parameters needs a template tensor")
+        dtype, device = like.dtype, like.device
         self.segments: list[Segment] = []
         offset = 0
         for name, p in zip(names, params, strict=True):

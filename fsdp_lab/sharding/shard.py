@@ -221,14 +221,13 @@ def shard(
         refs = plan.params[name]
         params = [lookup[r.name] for r in refs]
         flat = FlatParameter(
-            [r.name for r in refs] or ["(no parameters)"],
-            params or [torch.empty(0, device=next(iter(lookup.values())).device)],
+            [r.name for r in refs],
+            params,
             rank if policy.sharded else 0,
             world if policy.sharded else 1,
             mp.param_dtype if mp else None,
+            template=next(iter(lookup.values())),
         )
-        if not params:
-            flat.segments.clear()
         owners = [[(model.get_submodule(m), attr) for m, attr in r.owners] for r in refs]
         for ref_owners in owners:
             for module, attr in ref_owners:
