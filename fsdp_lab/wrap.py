@@ -13,6 +13,8 @@ nobody else claimed). A plan is built from
 - a size threshold             MinParams(10_000)            bottom-up, like size_based_auto_wrap_policy
 - a policy callable            lambda name, module: ...     True -> unit
 - an explicit list of names    ["blocks.0", "blocks.1"]
+- a group of modules           [("tok_emb", "head")]        one unit made of several modules
+                                                            (FSDP2: fully_shard([emb, head]))
 
 and validated before any communication: a parameter shared by two modules (tied weights)
 must fall in one unit, otherwise the two units would each gather, update and free their own
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 import torch.nn as nn
@@ -47,6 +49,7 @@ class MinParams:
 Units = Union[
     set, frozenset, tuple, list, Callable[[str, nn.Module], bool], MinParams, "WrapPlan", None
 ]
+GROUP_SEP = "+"  # a group unit's name: its members joined, e.g. "tok_emb+head"
 
 
 @dataclass(frozen=True)
@@ -59,10 +62,18 @@ class ParamRef:
 
 @dataclass(frozen=True)
 class WrapPlan:
-    """Unit roots in module (pre-)order, the root unit first, and each unit's parameters."""
+    """Unit names in module (pre-)order, the root unit first, and each unit's parameters.
+
+    A unit's name is its module's name, or for a group its members joined by "+"
+    ("tok_emb+head"); `members` lists the modules of each unit (the root: ("",)).
+    """
 
     units: tuple[str, ...]
     params: dict[str, tuple[ParamRef, ...]]
+    members: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def members_of(self, unit: str) -> tuple[str, ...]:
+        return self.members.get(unit, (unit,))
 
     def describe(self) -> str:
         lines = []
@@ -78,33 +89,75 @@ def _show(name: str) -> str:
     return "'' (root)" if name == ROOT else repr(name)
 
 
-def _unit_roots(model: nn.Module, units: Units) -> list[str]:
+def _unit_roots(model: nn.Module, units: Units) -> list[tuple[str, ...]]:
+    """The plan's units as tuples of member module names (one member unless grouped)."""
     names = [n for n, _ in model.named_modules()]
     if units is None:
         return []
     if isinstance(units, MinParams):
-        return _size_based(model, units.min_params)
+        return [(n,) for n in _size_based(model, units.min_params)]
     if callable(units) and not isinstance(units, type):
-        return [n for n, m in model.named_modules() if n != ROOT and units(n, m)]
+        return [(n,) for n, m in model.named_modules() if n != ROOT and units(n, m)]
     if isinstance(units, (set, frozenset, tuple, list)):
         items = list(units)
         if all(isinstance(u, type) and issubclass(u, nn.Module) for u in items):
             classes = tuple(items)
-            return [n for n, m in model.named_modules() if n != ROOT and isinstance(m, classes)]
-        if all(isinstance(u, str) for u in items):
-            for u in items:
-                if u not in names:
-                    near = difflib.get_close_matches(u, names, n=3)
-                    hint = f" did you mean {near}?" if near else ""
-                    raise PlanError(
-                        f"unknown module name {u!r} in the wrap plan;{hint} names come from "
-                        "model.named_modules(), e.g. " + ", ".join(repr(n) for n in names[1:6])
-                    )
-            return [n for n in names if n in set(items) and n != ROOT]
+            return [(n,) for n, m in model.named_modules() if n != ROOT and isinstance(m, classes)]
+        if all(isinstance(u, str) or _is_group(u) for u in items):
+            groups = [(u,) if isinstance(u, str) else tuple(u) for u in items]
+            for member in (m for g in groups for m in g):
+                _check_name(member, names)
+            _check_disjoint(groups)
+            # Module order: a unit sits where its first member sits.
+            return sorted(groups, key=lambda g: min(names.index(m) for m in g))
     raise PlanError(
         f"units={units!r} is not a plan: pass a set of module classes, a list of module "
-        "names, a policy callable (name, module) -> bool, MinParams(n), or a WrapPlan"
+        "names (a tuple of names inside it is one unit of several modules), a policy "
+        "callable (name, module) -> bool, MinParams(n), or a WrapPlan"
     )
+
+
+def _is_group(item: object) -> bool:
+    return (
+        isinstance(item, (tuple, list)) and len(item) > 0 and all(isinstance(m, str) for m in item)
+    )
+
+
+def _check_name(name: str, names: list[str]) -> None:
+    if name in names and name != ROOT:
+        return
+    if name == ROOT:
+        raise PlanError("'' is the model itself, the root unit: it is always a unit; drop it")
+    near = difflib.get_close_matches(name, names, n=3)
+    hint = f" did you mean {near}?" if near else ""
+    raise PlanError(
+        f"unknown module name {name!r} in the wrap plan;{hint} names come from "
+        "model.named_modules(), e.g. " + ", ".join(repr(n) for n in names[1:6])
+    )
+
+
+def _check_disjoint(groups: list[tuple[str, ...]]) -> None:
+    seen: dict[str, tuple[str, ...]] = {}
+    for group in groups:
+        for m in group:
+            if m in seen and (seen[m] != group or group.count(m) > 1):
+                raise PlanError(
+                    f"module {m!r} is listed in two units, {seen[m]} and {group}: a module "
+                    "belongs to one unit. Fix: list it once."
+                )
+            seen[m] = group
+        for a in group:  # inside one group, no member may contain another
+            for b in group:
+                if a != b and b.startswith(a + "."):
+                    raise PlanError(
+                        f"unit {group}: member {b!r} is inside member {a!r}; a group joins "
+                        f"separate modules. Fix: list only {a!r}, or make {b!r} its own unit."
+                    )
+
+
+def unit_name(members: tuple[str, ...]) -> str:
+    """A unit's name: its module, or its members joined by "+" for a group."""
+    return GROUP_SEP.join(members)
 
 
 def _size_based(model: nn.Module, min_params: int) -> list[str]:
@@ -137,13 +190,68 @@ def _size_based(model: nn.Module, min_params: int) -> list[str]:
     return sorted(chosen, key=order.index)
 
 
-def _unit_of(module_name: str, roots: Iterable[str]) -> str:
-    """The nearest enclosing unit root of a module (longest prefix match)."""
-    best = ROOT
-    for r in roots:
-        if (module_name == r or module_name.startswith(r + ".")) and len(r) > len(best):
-            best = r
+def _unit_of(module_name: str, roots: Iterable[tuple[str, ...]]) -> str:
+    """The unit of a module: the one whose member encloses it most closely (longest prefix)."""
+    best, best_len = ROOT, -1
+    for members in roots:
+        for r in members:
+            if (module_name == r or module_name.startswith(r + ".")) and len(r) > best_len:
+                best, best_len = unit_name(members), len(r)
     return best
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """One parameter, every module that uses it, and the unit each of those modules is in.
+
+    More than one distinct unit in `units` is a conflict: a tie split across units.
+    """
+
+    ref: ParamRef
+    units: tuple[str, ...]  # per owner, in `ref.owners` order
+
+    @property
+    def conflict(self) -> bool:
+        return len(set(self.units)) > 1
+
+
+def ownership(model: nn.Module, units: Units = None) -> list[Ownership]:
+    """Who owns each parameter under `units` — conflicts included, nothing raised for them.
+
+    For pictures and explanations (`fsdp_lab.diagrams.wrap_diagram`); `build_plan` is the
+    check that refuses a conflict.
+    """
+    return _ownership(model, _roots_of(model, units))
+
+
+def _ownership(model: nn.Module, roots: list[tuple[str, ...]]) -> list[Ownership]:
+    return [
+        Ownership(ref, tuple(_unit_of(m, roots) for m, _ in ref.owners))
+        for ref in _param_refs(model)
+    ]
+
+
+def _roots_of(model: nn.Module, units: Units) -> list[tuple[str, ...]]:
+    if isinstance(units, WrapPlan):
+        roots = [units.members_of(u) for u in units.units if u != ROOT]
+        _unit_roots(model, [m for g in roots for m in g])  # names must still exist
+        return roots
+    return _unit_roots(model, units)
+
+
+def _param_refs(model: nn.Module) -> list[ParamRef]:
+    """Every parameter once (a tied one with all its owners), in registration order."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            if (mname, pname) not in owners.setdefault(id(p), []):
+                owners[id(p)].append((mname, pname))
+    refs = []
+    for owned_by in owners.values():
+        first = owned_by[0]
+        full_name = f"{first[0]}.{first[1]}" if first[0] else first[1]
+        refs.append(ParamRef(full_name, tuple(owned_by)))
+    return refs
 
 
 def _common_parent(names: list[str]) -> str:
@@ -161,47 +269,49 @@ def build_plan(model: nn.Module, units: Units = None) -> WrapPlan:
 
     Args:
         model: the module to be sharded.
-        units: module classes, names, a policy, `MinParams`, or an existing `WrapPlan`.
+        units: module classes, names (a tuple of names: one unit of several modules), a
+            policy, `MinParams`, or an existing `WrapPlan`.
     """
-    if isinstance(units, WrapPlan):
-        roots = [u for u in units.units if u != ROOT]
-        _unit_roots(model, roots)  # names must still exist
-    else:
-        roots = _unit_roots(model, units)
-    owners: dict[int, list[tuple[str, str]]] = {}
-    for mname, module in model.named_modules(remove_duplicate=False):
-        for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
-            if (mname, pname) not in owners.setdefault(id(p), []):
-                owners[id(p)].append((mname, pname))
-    by_unit: dict[str, list[ParamRef]] = {u: [] for u in [ROOT, *roots]}
-    for owned_by in owners.values():
-        units_hit = {m: _unit_of(m, roots) for m, _ in owned_by}
-        first = owned_by[0]
-        full_name = f"{first[0]}.{first[1]}" if first[0] else first[1]
-        if len(set(units_hit.values())) > 1:
-            where = ", ".join(f"{m!r} -> unit {_show(u)}" for m, u in units_hit.items())
-            parent = _common_parent([m for m, _ in owned_by])
-            users = " and ".join(repr(m) for m, _ in owned_by)
+    roots = _roots_of(model, units)
+    names = [unit_name(g) for g in roots]
+    by_unit: dict[str, list[ParamRef]] = {u: [] for u in [ROOT, *names]}
+    for own in _ownership(model, roots):
+        ref = own.ref
+        if own.conflict:
+            where = ", ".join(
+                f"{m!r} -> unit {_show(u)}" for (m, _), u in zip(ref.owners, own.units, strict=True)
+            )
+            parent = _common_parent([m for m, _ in ref.owners])
+            users = " and ".join(repr(m) for m, _ in ref.owners)
             raise PlanError(
-                f"parameter {full_name!r} is shared by modules {users} (tied weights), "
+                f"parameter {ref.name!r} is shared by modules {users} (tied weights), "
                 f"but they fall in different wrap units: {where}. A unit gathers, updates "
                 "and frees its own copy, so the tie would break. Fix: put both in one unit"
-                + (f" (wrap their common parent {parent!r} as the unit)" if parent else "")
-                + ", or leave them both to the root unit (take their units out of the plan)."
+                + (f" (wrap their common parent {parent!r} as the unit" if parent else " (")
+                + (" or " if parent else "")
+                + "group them: units=[..., ("
+                + ", ".join(repr(m) for m, _ in ref.owners)
+                + ")]), or leave them both to the root unit (take their units out of the plan)."
             )
-        by_unit[next(iter(units_hit.values()))].append(ParamRef(full_name, tuple(owned_by)))
-    for u in roots:
-        if isinstance(model.get_submodule(u), _NO_FORWARD):
-            raise PlanError(
-                f"wrap unit {u!r} is a {type(model.get_submodule(u)).__name__}, which is never "
-                "called: its hooks would never gather it. Fix: wrap its children instead."
-            )
+        by_unit[own.units[0]].append(ref)
+    for members, u in zip(roots, names, strict=True):
+        for m in members:
+            if isinstance(model.get_submodule(m), _NO_FORWARD):
+                raise PlanError(
+                    f"wrap unit {m!r} is a {type(model.get_submodule(m)).__name__}, which is "
+                    "never called: its hooks would never gather it. Fix: wrap its children "
+                    "instead."
+                )
         if not by_unit[u]:
             raise PlanError(
                 f"wrap unit {u!r} has no parameters of its own (nested units took them all, "
                 "or it has none): an empty unit gathers nothing. Fix: drop it from the plan."
             )
-    return WrapPlan(tuple([ROOT, *roots]), {u: tuple(refs) for u, refs in by_unit.items()})
+    return WrapPlan(
+        tuple([ROOT, *names]),
+        {u: tuple(refs) for u, refs in by_unit.items()},
+        {ROOT: (ROOT,), **dict(zip(names, roots, strict=True))},
+    )
 
 
 def unit_sizes(plan: WrapPlan, model: nn.Module) -> dict[str, int]:
