@@ -1,14 +1,19 @@
-"""The cluster diagram has the right parts, and a missing `dot` degrades to DOT source."""
+"""The cluster and wrap-boundary diagrams have the right parts, and a missing `dot` degrades to
+DOT source."""
 
 from __future__ import annotations
 
+import html
 import re
 import shutil
 
 import pytest
+import torch.nn as nn
 
 from fsdp_lab import diagrams
-from fsdp_lab.diagrams import MISSING_DOT_MESSAGE, Diagram, cluster_diagram
+from fsdp_lab.diagrams import MISSING_DOT_MESSAGE, Diagram, cluster_diagram, wrap_diagram
+from fsdp_lab.models import Block, tiny_gpt
+from fsdp_lab.wrap import PlanError, build_plan, unit_sizes
 
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` not installed")
 
@@ -82,3 +87,154 @@ def test_invalid_arguments_name_the_value():
         cluster_diagram(0, "gloo")
     with pytest.raises(ValueError, match="2 devices for world_size 3"):
         cluster_diagram(3, "gloo", ["cpu", "cpu"])
+
+
+# -- wrap_diagram ------------------------------------------------------------------------------
+
+BLOCKS = [f"blocks.{i}" for i in range(4)]
+TIED = "shared tok_emb.weight"  # the ellipse of TinyGPT's tied embedding/head weight
+
+
+def _clusters(source: str) -> dict[str, tuple[str, set[str]]]:
+    """cluster name -> (its label, the node ids declared in it), read from the DOT source."""
+    clusters = {}
+    for m in re.finditer(r'\tsubgraph "?(cluster_[^"\s]+)"? \{\n(.*?)\n\t\}', source, re.S):
+        body = m.group(2)
+        label = re.search(r'label="([^"]*)"', body.splitlines()[0]).group(1)
+        nodes = set(re.findall(r'^\t\t"?([^"\[]+?)"? \[', body, re.M))
+        clusters[m.group(1)] = (label, nodes)
+    return clusters
+
+
+def _edges(source: str) -> list[tuple[str, str, str]]:
+    """(tail, head, attributes) of every edge."""
+    pattern = r'^\t+"?([^"]+?)"? -> "?([^"\[]+?)"?(?: \[(.*)\])?$'
+    return re.findall(pattern, source, re.M)
+
+
+def _red_dashed(source: str) -> set[tuple[str, str]]:
+    return {(t, h) for t, h, attrs in _edges(source) if "color=red" in attrs and "dashed" in attrs}
+
+
+def _graph_label(source: str) -> str:
+    return re.search(r'^\tgraph \[.*?label="([^"]*)"', source, re.M).group(1)
+
+
+class _SharedStorage(nn.Module):
+    """A storage tie: `second.b` is a distinct Parameter over 4 elements of `first.weight`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 2)
+        self.second = nn.Module()
+        self.second.b = nn.Parameter(self.first.weight.data.view(-1)[:4])
+
+
+def test_block_units_one_cluster_each_and_the_tie_inside_the_root_unit():
+    model = tiny_gpt()
+    source = wrap_diagram(model, {Block}).source
+    clusters = _clusters(source)
+    assert list(clusters) == ["cluster_root_unit", *(f"cluster_unit_{b}" for b in BLOCKS)]
+    root_label, root_nodes = clusters["cluster_root_unit"]
+    assert {"tok_emb", "head", TIED} <= root_nodes and not root_nodes & set(BLOCKS)
+    for b in BLOCKS:
+        assert clusters[f"cluster_unit_{b}"][1] == {b}  # its submodules folded into it
+    assert "blocks.0.attn" not in source  # deeper than max_depth=2 and no unit root: folded
+    assert "12,704 params\\n(+8 submodules inside)" in source
+    # Cluster labels count what each unit gathers: the same numbers as the plan.
+    sizes = unit_sizes(build_plan(model, {Block}), model)
+    assert root_label == f"root unit · {sizes['']:,} params"
+    for b in BLOCKS:
+        assert clusters[f"cluster_unit_{b}"][0] == f"unit {b!r} · {sizes[b]:,} params"
+    assert "tok_emb.weight\\n(64, 32)\\nshared" in source
+    assert {(t, h) for t, h, _ in _edges(source) if h == TIED} == {
+        ("tok_emb", TIED),
+        ("head", TIED),
+    }
+    assert _red_dashed(source) == set()
+    assert _graph_label(source).endswith("valid: every tie inside one unit")
+
+
+def test_head_alone_is_drawn_invalid_with_red_edges_to_both_owners():
+    model = tiny_gpt()
+    with pytest.raises(PlanError):
+        build_plan(model, ["head"])  # the plan the picture explains is one wrap refuses
+    source = wrap_diagram(model, ["head"]).source  # ... but drawing it must not raise
+    clusters = _clusters(source)
+    assert set(clusters) == {"cluster_root_unit", "cluster_unit_head"}
+    assert clusters["cluster_unit_head"][1] == {"head"}
+    assert "tok_emb" in clusters["cluster_root_unit"][1]
+    assert all(TIED not in nodes for _, nodes in clusters.values())  # no unit can hold it
+    assert _red_dashed(source) == {("tok_emb", TIED), ("head", TIED)}
+    assert 'label="own copy in root unit"' in source
+    assert "label=\"own copy in unit 'head'\"" in source
+    label = _graph_label(source)
+    assert "INVALID: tok_emb.weight is tied across units '' and 'head'" in label
+    # Each unit gathers its own copy, so both clusters count the tied 64 x 32 weight.
+    assert clusters["cluster_unit_head"][0] == "unit 'head' · 2,048 params"
+
+
+def test_a_group_unit_holds_embedding_head_and_their_tie():
+    source = wrap_diagram(tiny_gpt(), [("tok_emb", "head"), *BLOCKS]).source
+    clusters = _clusters(source)
+    label, nodes = clusters["cluster_unit_tok_emb+head"]
+    assert nodes == {"tok_emb", "head", TIED}
+    assert label == "unit 'tok_emb+head' · 2,048 params"  # the tie counted once
+    assert len(clusters) == 6 and "tok_emb" not in clusters["cluster_root_unit"][1]
+    assert _red_dashed(source) == set()
+    assert _graph_label(source).endswith("valid: every tie inside one unit")
+
+
+def test_storage_tie_is_an_ellipse_linked_to_both_owners():
+    tie = "shared first.weight ~ second.b"
+    source = wrap_diagram(_SharedStorage()).source
+    assert "first.weight (2, 4)\\nsecond.b (4,)\\nshared storage" in source
+    assert tie in _clusters(source)["cluster_root_unit"][1]
+    assert {(t, h) for t, h, _ in _edges(source) if h == tie} == {("first", tie), ("second", tie)}
+    split = wrap_diagram(_SharedStorage(), ["second"]).source
+    assert _red_dashed(split) == {("first", tie), ("second", tie)}
+    assert "INVALID: first.weight ~ second.b is tied across units '' and 'second'" in split
+
+
+def test_deep_unit_roots_are_drawn_and_their_parents_fold_the_rest():
+    source = wrap_diagram(tiny_gpt(), ["blocks.0.attn"]).source
+    clusters = _clusters(source)
+    assert clusters["cluster_unit_blocks.0.attn"][1] == {"blocks.0.attn"}
+    assert "blocks.0" in clusters["cluster_root_unit"][1]
+    # blocks.0 keeps ln1, ln2, mlp (5 modules, 8,480 params); attn is drawn in its own unit.
+    assert "blocks.0\\nBlock\\n8,480 params\\n(+5 submodules inside)" in source
+    assert ("blocks.0", "blocks.0.attn", "") in _edges(source)
+    # max_depth=0 folds pos_emb and ln_f into the model, but a tie's users stay boxes of their
+    # own (its edges must land on them) and so do the unit roots.
+    only_root = _clusters(wrap_diagram(tiny_gpt(), {Block}, max_depth=0).source)
+    assert only_root["cluster_root_unit"][1] == {"(model)", "blocks", "tok_emb", "head", TIED}
+    assert only_root["cluster_unit_blocks.3"][1] == {"blocks.3"}
+
+
+def test_other_plan_problems_are_drawn_and_non_plans_raise():
+    label = _graph_label(wrap_diagram(tiny_gpt(), ["blocks"]).source)
+    assert "INVALID: wrap unit 'blocks' is a ModuleList" in label
+    assert _graph_label(wrap_diagram(nn.Linear(2, 2)).source).endswith("no tied parameters")
+    with pytest.raises(PlanError, match="did you mean \\['head'\\]"):
+        wrap_diagram(tiny_gpt(), ["hed"])
+    with pytest.raises(PlanError, match="is not a plan"):
+        wrap_diagram(tiny_gpt(), 42)
+    with pytest.raises(ValueError, match="max_depth must be >= 0, got -1"):
+        wrap_diagram(tiny_gpt(), max_depth=-1)
+
+
+@needs_dot
+def test_wrap_diagram_svg_has_the_unit_clusters(tmp_path):
+    d = wrap_diagram(tiny_gpt(), ["head"], title="embedding and head split")
+    svg = d.svg()
+    titles = re.findall(r'<g id="clust\d+" class="cluster">\s*<title>([^<]+)</title>', svg)
+    assert titles == ["cluster_root_unit", "cluster_unit_head"]
+    text = html.unescape(svg)
+    assert "embedding and head split" in text and "own copy in unit 'head'" in text
+    assert d.save(tmp_path / "wrap").suffix == ".svg"
+
+
+def test_wrap_diagram_saves_dot_without_dot(no_dot, tmp_path):
+    d = wrap_diagram(tiny_gpt(), {Block})
+    out = d.save(tmp_path / "wrap.svg")
+    assert out == tmp_path / "wrap.dot" and out.read_text() == d.source

@@ -145,3 +145,9 @@ def test_untied_by_to_empty_matches_a_direct_check():
     model.to_empty(device="cpu")
     assert result["tied_after_to_empty"] == (model.head.weight is model.tok_emb.weight)
     assert result["tied_after_retie"] is True
+
+
+def test_shard_refuses_a_storage_tie_naming_both_parameters():
+    # Two Parameter objects over one storage would become two flat segments: two copies.
+    with pytest.raises(ValueError, match=r"first\.weight.*second\.b.*identity tie"):
+        shard(_SharedStorage())

@@ -9,7 +9,8 @@
         ShardedUnit(...)                        hooks: gather -> compute -> free -> reduce
 
 `ShardingState` is what the units share: the process group, the order units ran in (recorded
-on the first step, used to prefetch), and the end-of-backward callback that finishes the step.
+on the first step, used to prefetch; a unit of several modules appears once per member call),
+and the end-of-backward callback that finishes the step.
 
 Strategies (DESIGN.md, Ψ parameters, N ranks, fp32 Adam):
 
@@ -57,8 +58,11 @@ class ShardingState:
         self.group, self.world, self.rank = group, world, rank
         self.prefetch, self.strategy = prefetch, strategy
         self.units: list[ShardedUnit] = []
+        # Unit calls in the order of the first step (repeats: a group unit runs once per member).
         self.forward_order: list[ShardedUnit] = []
         self.backward_order: list[ShardedUnit] = []
+        self._forward_calls = 0  # calls so far in this step's forward
+        self._backward_calls = 0
         self._forward_recorded = False
         self._backward_recorded = False
         self._backward_queued = False
@@ -71,30 +75,38 @@ class ShardingState:
         """Root pre-forward: a new step. Shards may have changed (optimizer step)."""
         if self.forward_order:
             self._forward_recorded = True
+        self._forward_calls = 0
         for unit in self.units:
             unit.stale = True
 
     def record_forward(self, unit: ShardedUnit) -> None:
-        if not self._forward_recorded and unit not in self.forward_order:
+        if not self._forward_recorded:
             self.forward_order.append(unit)
+        self._forward_calls += 1
 
     def next_in_forward(self, unit: ShardedUnit) -> ShardedUnit | None:
-        return _after(self.forward_order, unit) if self._forward_recorded else None
+        if not self._forward_recorded:
+            return None
+        return _next_call(self.forward_order, self._forward_calls, unit)
 
     def begin_backward(self, unit: ShardedUnit) -> None:
         if not self._backward_queued:
             # Runs once autograd has finished the whole backward pass.
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
             self._backward_queued = True
-        if not self._backward_recorded and unit not in self.backward_order:
+        if not self._backward_recorded:
             self.backward_order.append(unit)
+        self._backward_calls += 1
 
     def next_in_backward(self, unit: ShardedUnit) -> ShardedUnit | None:
-        return _after(self.backward_order, unit) if self._backward_recorded else None
+        if not self._backward_recorded:
+            return None
+        return _next_call(self.backward_order, self._backward_calls, unit)
 
     def finish_backward(self) -> None:
         """End of backward: ZeRO-1 reduces now; anything still gathered is freed."""
         self._backward_queued = False
+        self._backward_calls = 0
         if self.backward_order:
             self._backward_recorded = True
         for unit in reversed(self.units):
@@ -107,11 +119,15 @@ class ShardingState:
             unit.training_state = TrainingState.IDLE
 
 
-def _after(order: list[ShardedUnit], unit: ShardedUnit) -> ShardedUnit | None:
-    if unit not in order:
+def _next_call(order: list[ShardedUnit], calls: int, unit: ShardedUnit) -> ShardedUnit | None:
+    """The unit of call number `calls` (0-based), if this step still follows the recorded order.
+
+    `unit` has just made call `calls - 1`; if the recording disagrees (the model took another
+    path this step), nothing is prefetched rather than the wrong unit.
+    """
+    if not 0 < calls < len(order) or order[calls - 1] is not unit:
         return None
-    i = order.index(unit)
-    return order[i + 1] if i + 1 < len(order) else None
+    return order[calls]
 
 
 def _resolve_group(mesh: Any) -> tuple[dist.ProcessGroup | None, int, int]:
@@ -164,8 +180,18 @@ def _check_model(model: nn.Module, strategy: str) -> None:
             "no values to shard. Fix: model.to_empty(device=...) and initialise the weights "
             "first."
         )
-    from fsdp_lab.tying import recorded_ties, verify_weight_tying
+    from fsdp_lab.tying import find_ties, recorded_ties, verify_weight_tying
 
+    views = [t for t in find_ties(model) if t.kind == "storage"]
+    if views:
+        # Each Parameter becomes its own flat segment: two Parameters viewing one storage would
+        # get two copies, trained apart. Only one Parameter under several names stays one copy.
+        raise ValueError(
+            f"parameters {list(views[0].names)} are distinct Parameters sharing one storage "
+            "(a storage tie); shard() keeps one copy per Parameter object, so they would drift "
+            "apart. Fix: register the same nn.Parameter under both names (an identity tie), "
+            "e.g. `model.head.weight = model.tok_emb.weight`."
+        )
     ties = recorded_ties(model)
     broken = verify_weight_tying(model, ties) if ties else []
     if broken:
@@ -232,12 +258,12 @@ def shard(
         for ref_owners in owners:
             for module, attr in ref_owners:
                 del module._parameters[attr]  # from now on a view, set by the unit
-        module = model.get_submodule(name)
-        module.register_parameter(FLAT_PARAM, flat.shard)
+        modules = [model.get_submodule(m) for m in plan.members_of(name)]
+        modules[0].register_parameter(FLAT_PARAM, flat.shard)  # a group: on its first member
         aliases = [tuple(f"{m}.{a}" if m else a for m, a in r.owners) for r in refs]
         reduce_dtype = mp.reduce_dtype if mp else None
         unit = ShardedUnit(
-            name, module, flat, owners, aliases, policy, state, name in free_after, reduce_dtype
+            name, modules, flat, owners, aliases, policy, state, name in free_after, reduce_dtype
         )
         state.units.append(unit)
     model._fsdp_lab_state = state

@@ -13,6 +13,15 @@
 
 The names are FSDP2's (`unshard`, `reshard`, `TrainingState`); every collective goes through
 `fsdp_lab.comm` (counted) and every gather/free is a marker on the memory trace.
+
+[Note: a unit of several modules] A plan may group sibling modules into one unit, e.g. the tied
+embedding and head of a GPT (FSDP2: ``fully_shard([model.tok_emb, model.head])``). The hooks
+then sit on every member: each member call gathers the unit and frees it after (ZeRO-3), so
+the tied matrix is not held while the blocks in between run — which it would be in the root
+unit. In backward the gradients of all members' views meet in one accumulator, so the
+reduce-scatter (post-backward) fires once, after the last member's backward; between member
+backwards the unit is freed as soon as every input of a member call has its gradient (the
+member's backward is then done) and gathered again by the next member's pre-backward.
 """
 
 from __future__ import annotations
@@ -76,7 +85,7 @@ class ShardedUnit:
     def __init__(
         self,
         name: str,
-        module: nn.Module,
+        modules: list[nn.Module],
         flat: FlatParameter,
         owners: list[list[tuple[nn.Module, str]]],
         aliases: list[tuple[str, ...]],
@@ -85,7 +94,8 @@ class ShardedUnit:
         reshard_after_forward: bool,
         reduce_dtype: torch.dtype | None,
     ) -> None:
-        self.name, self.module, self.flat, self.owners = name, module, flat, owners
+        self.name, self.module, self.flat, self.owners = name, modules[0], flat, owners
+        self.grouped = len(modules) > 1  # a unit of several modules (see the Note above)
         self.aliases = aliases  # per flat segment: every original name (2+ when tied)
         self.strategy, self.state = strategy, state
         self.reshard_after_forward = reshard_after_forward
@@ -99,8 +109,9 @@ class ShardedUnit:
         self._compute_start = 0.0
         self.label = "root" if name == "" else name
         flat.unsharded.register_post_accumulate_grad_hook(self._post_backward)
-        module.register_forward_pre_hook(self._pre_forward)
-        module.register_forward_hook(self._post_forward)
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward)
+            module.register_forward_hook(self._post_forward)
 
     # -- unshard / reshard ----------------------------------------------------------------------
 
@@ -195,8 +206,31 @@ class ShardedUnit:
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(self._pre_backward)
+            if self.grouped and self.reshard_after_forward:
+                self._free_after_member_backward(_tensors(args))
         self.training_state = TrainingState.IDLE
         return output
+
+    def _free_after_member_backward(self, inputs: list[torch.Tensor]) -> None:
+        """Free the unit once this member call's inputs all have gradients (group units only).
+
+        The unit's post-backward fires only after the *last* member's backward, since all their
+        gradients meet in one accumulator; without this, the unit would stay gathered from the
+        first member's backward (the head) to the last (the embedding). A member whose inputs
+        need no gradient (token ids) is the last backward anyway: post-backward frees it.
+        """
+        pending = [t for t in inputs if t.requires_grad]
+        remaining = [len(pending)]
+
+        def on_input_grad(grad: torch.Tensor) -> torch.Tensor:
+            remaining[0] -= 1
+            if remaining[0] == 0 and self.training_state is TrainingState.PRE_BACKWARD:
+                self.reshard()
+                self.training_state = TrainingState.IDLE  # the next member's pre-backward
+            return grad
+
+        for t in pending:
+            t.register_hook(on_input_grad)
 
     # -- backward -------------------------------------------------------------------------------
 
