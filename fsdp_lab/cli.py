@@ -1,6 +1,6 @@
 """``fsdp-lab <lab> [options]`` — run a lab headless, save its figures and JSON.
 
-    fsdp-lab collectives --world-size 4 --out out/     figures (PNG) + result JSON in out/
+    fsdp-lab collectives --world-size 4 --out out/     figures (PNG, diagrams SVG) + JSON in out/
     fsdp-lab collectives --json                        exactly one JSON object on stdout
     fsdp-lab tour --out out/                           every lab, with a summary.md/.json
     torchrun --nproc-per-node 4 -m fsdp_lab collectives   the same on a multi-GPU node
@@ -29,6 +29,7 @@ LABS: dict[str, tuple[str, str]] = {
     "collectives": ("fsdp_lab.labs.collectives", "CollectivesConfig"),
     "shard": ("fsdp_lab.labs.shard", "ShardConfig"),
     "checkpoint": ("fsdp_lab.labs.checkpoint", "CheckpointConfig"),
+    "tying": ("fsdp_lab.labs.tying", "TyingConfig"),
 }
 DEFAULT_OUT = "fsdp_lab_out"
 
@@ -101,13 +102,17 @@ def _config(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
 
 
 def _save(module: ModuleType, result: Any, out: Path) -> list[Path]:
+    from fsdp_lab.diagrams import Diagram
     from fsdp_lab.plots import save_figure
 
     out.mkdir(parents=True, exist_ok=True)
     written = [out / f"{result.lab}.json"]
     written[0].write_text(result.to_json(indent=1))
     for stem, fig in module.figures(result).items():
-        written.append(save_figure(fig, out / f"{stem}.png"))
+        if isinstance(fig, Diagram):  # SVG, or its DOT source where graphviz's `dot` is missing
+            written.append(fig.save(out / stem))
+        else:
+            written.append(save_figure(fig, out / f"{stem}.png"))
     return written
 
 

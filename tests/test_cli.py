@@ -83,6 +83,9 @@ def test_tour_runs_every_lab_with_progress_and_summary(tmp_path):
         (["collectives", "--backend", "mpi"], "invalid choice: 'mpi'"),
         (["collectives", "--numel", "0"], "numel=0: expected an int >= 1"),
         (["collectives", "--model", "m:f"], "--model is not used by this lab"),
+        (["tying", "--vocab", "0"], "vocab=0 is out of range: allowed an int >= 1"),
+        (["tying", "--dim", "30", "--heads", "4"], "dim=30 is not divisible by heads=4"),
+        (["tying", "--model", "fsdp_lab.models:nope"], "cannot load 'nope'"),
         (["nonsense"], "invalid choice: 'nonsense'"),
     ],
 )
@@ -156,3 +159,27 @@ def test_checkpoint_with_an_out_of_range_argument_is_a_clear_error():
     proc = fsdp_lab("checkpoint", "--layers", "8", "--every", "9", "--json")
     assert proc.returncode != 0
     assert "every=9 is out of range: allowed 1..8" in proc.stderr
+
+
+def test_tying_json_has_the_issue_keys_and_out_writes_diagrams(tmp_path):
+    proc = fsdp_lab(
+        "tying",
+        *("--world-size", "2", "--vocab", "512", "--dim", "32", "--layers", "2", "--heads", "2"),
+        *("--seq-len", "8", "--steps", "2", "--spike-steps", "1", "--json", "--out", str(tmp_path)),
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)  # exactly one object on stdout
+    for key in ("audit", "spike", "ties", "verification", "to_empty"):
+        assert key in result, key
+    assert [row["system"] for row in result["audit"]][-1] == "fsdp_lab shard"
+    spike = result["spike"]
+    for key in ("peak_bytes_root_unit", "peak_bytes_joint_unit"):
+        assert len(spike[key]) == 2 and len(spike[f"fsdp2_{key}"]) == 2
+    assert spike["model"]["vocab_size"] == 512 and spike["steps"] == 1
+    # Diagrams beside the PNGs: SVG with graphviz's `dot`, its DOT source without.
+    suffix = ".svg" if shutil.which("dot") else ".dot"
+    for stem in ("wrap_root_unit", "wrap_joint_unit", "wrap_split_tie"):
+        assert (tmp_path / f"{stem}{suffix}").exists(), stem
+    for stem in ("spike_fsdp_lab", "spike_fsdp2", "spike_bytes"):
+        assert (tmp_path / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "tying.json").read_text())["world_size"] == 2

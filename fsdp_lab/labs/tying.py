@@ -1,0 +1,372 @@
+"""Lab 03 — weight tying under wrap policies: one matrix, two modules, one wrap unit.
+
+TinyGPT's language-model head *is* its token embedding (`head.weight is tok_emb.weight`, as in
+GPT-2). The lab finds the tie, draws valid and invalid wrap plans, shards the model with a
+valid plan and checks the tie on the ranks after training (and the parameters against a single
+process), runs the live audit of an invalid plan through FSDP1, FSDP2 and ours, shows that
+`to_empty` unties (and that `shard` refuses until `retie`), and measures what it costs to leave
+the tied pair to the root unit (`fsdp_lab.labs.tying_spike`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from fsdp_lab import reference
+from fsdp_lab.audit import audit_table, audit_worker
+from fsdp_lab.cluster import AttachedCluster, Cluster, device, rank, world_size
+from fsdp_lab.labs import LabResult
+from fsdp_lab.labs.shard import load_factory, max_abs_diff
+from fsdp_lab.labs.tying_spike import (
+    PHASES,
+    SYSTEM_NAMES,
+    SYSTEMS,
+    WRAPPINGS,
+    as_units,
+    measure_spike,
+    plans,
+    spike_bars,
+    verdict,
+)
+from fsdp_lab.models import Block, GPTConfig, tiny_gpt
+from fsdp_lab.sharding import shard, sharding_state
+from fsdp_lab.tying import find_ties, record_ties, retie, untied_by_to_empty, verify_weight_tying
+from fsdp_lab.wrap import PlanError, build_plan, ownership
+
+LAB_MODEL = "fsdp_lab.models:tiny_gpt"
+_SIZES = {  # config field -> (CLI flag, what it is)
+    "vocab": ("--vocab", "rows of the tied embedding/head matrix"),
+    "dim": ("--dim", "model width"),
+    "layers": ("--layers", "transformer blocks"),
+    "heads": ("--heads", "attention heads"),
+    "seq_len": ("--seq-len", "tokens per sequence"),
+    "batch": ("--batch", "sequences per rank"),
+    "steps": ("--steps", "optimizer steps of the verification"),
+    "spike_steps": ("--spike-steps", "training steps measured for the spike"),
+}
+
+
+@dataclass(frozen=True)
+class TyingConfig:
+    """Args:
+    world_size: ranks.
+    steps: SGD steps before the tie is verified again (and compared with one process).
+    lr: SGD learning rate (momentum 0.9).
+    model: "module:factory" whose ties are reported too (the lab trains TinyGPT).
+    vocab, dim, layers, heads, seq_len: the spike's TinyGPT (a large tied vocabulary).
+    batch: sequences per rank in the spike.
+    spike_steps: training steps under the memory tracker (figures from the last one).
+    compare_fsdp2: also measure the spike with PyTorch's `fully_shard`.
+    backend: "auto", "gloo" or "nccl".
+    """
+
+    world_size: int = 2
+    steps: int = 5
+    lr: float = 0.1
+    model: str | None = None
+    vocab: int = 32768
+    dim: int = 256
+    layers: int = 4
+    heads: int = 4
+    seq_len: int = 64
+    batch: int = 2
+    spike_steps: int = 2
+    compare_fsdp2: bool = True
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        ws = self.world_size
+        if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
+            raise ValueError(
+                f"world_size={ws!r} is out of range: allowed >= 1. Fix: --world-size 2"
+            )
+        for name, (flag, what) in _SIZES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{name}={value!r} is out of range: allowed an int >= 1 ({what}). "
+                    f"Fix: {flag} {getattr(TyingConfig, name)}"
+                )
+        if self.dim % self.heads:
+            raise ValueError(
+                f"dim={self.dim} is not divisible by heads={self.heads}: each head gets dim/heads "
+                f"channels. Fix: --dim {self.heads * max(1, round(self.dim / self.heads))} or "
+                f"--heads 1"
+            )
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(
+                f"lr={self.lr!r} is out of range: allowed a number > 0. Fix: lr=0.1 (the default)"
+            )
+        if self.model is not None and ":" not in self.model:
+            raise ValueError(
+                f"model={self.model!r}: expected 'module:factory'. Fix: e.g. --model {LAB_MODEL}"
+            )
+        if self.model is not None:
+            load_factory(self.model)  # a clear ValueError now, not a traceback from run()
+
+    def gpt(self) -> dict[str, int]:
+        """`tiny_gpt` arguments of the spike's model."""
+        return {
+            "vocab_size": self.vocab,
+            "dim": self.dim,
+            "n_layers": self.layers,
+            "n_heads": self.heads,
+            "seq_len": self.seq_len,
+        }
+
+
+# -- 1. detection and 2. plans ------------------------------------------------------------------
+
+
+def detect_ties(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """`find_ties` as JSON: names, owning modules and their types, kind, shape, bytes."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return [
+        {
+            "names": list(t.names),
+            "modules": list(t.modules),
+            "module_types": [type(model.get_submodule(m)).__name__ for m in t.modules],
+            "kind": t.kind,
+            "shape": list(t.shape),
+            "bytes": params[t.names[0]].numel() * params[t.names[0]].element_size(),
+        }
+        for t in find_ties(model)
+    ]
+
+
+def describe_plans(config: TyingConfig) -> dict[str, dict[str, Any]]:
+    """Each plan resolved on the spike's TinyGPT (built on meta: no memory, no collective)."""
+    with torch.device("meta"):
+        model = tiny_gpt(**config.gpt())
+    out = {}
+    for name, spec in plans(config.layers).items():
+        units = as_units(spec)
+        conflicts = [
+            {"param": o.ref.name, "owners": [m for m, _ in o.ref.owners], "units": list(o.units)}
+            for o in ownership(model, units)
+            if o.conflict
+        ]
+        try:
+            described, error = build_plan(model, units).describe(), None
+        except PlanError as exc:
+            described, error = None, str(exc)
+        out[name] = {
+            "units": spec,
+            "valid": error is None,
+            "plan": described,
+            "error": error,
+            "conflicts": conflicts,
+        }
+    return out
+
+
+# -- 3. verification after sharding -------------------------------------------------------------
+
+
+def verification_worker(spec: list, steps: int, lr: float, global_batch: int) -> dict[str, Any]:
+    """On every rank: shard TinyGPT with `spec`, verify the tie, train `steps` SGD steps, again."""
+    model = tiny_gpt().to(device())
+    record_ties(model)
+    shard(model, units=as_units(spec), strategy="full")
+    right_after = verify_weight_tying(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    reference.train_steps(
+        model,
+        opt,
+        steps,
+        global_batch=global_batch,
+        rank=rank(),
+        world=world_size(),
+        device=device(),
+    )
+    return {
+        "right_after_shard": right_after,
+        "after_steps": verify_weight_tying(model),
+        "units": [u.label for u in sharding_state(model).units],
+        "params": reference.full_parameters(model),
+    }
+
+
+def _single_process(steps: int, lr: float, global_batch: int) -> dict[str, torch.Tensor]:
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    reference.train_steps(model, opt, steps, global_batch=global_batch)
+    return {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
+
+
+# -- 5. materialisation unties ------------------------------------------------------------------
+
+
+def to_empty_worker(lr: float) -> dict[str, Any]:
+    """On every rank: meta build -> to_empty; does `shard` take it? Then retie, init, shard."""
+    out: dict[str, Any] = {}
+    with torch.device("meta"):
+        untied = tiny_gpt()
+    ties = record_ties(untied)
+    untied.to_empty(device=device())
+    out["tied_after_to_empty"] = untied.head.weight is untied.tok_emb.weight
+    out["problems_after_to_empty"] = verify_weight_tying(untied, ties)
+    try:
+        shard(untied, units={Block})
+        out["shard_refused"], out["shard_error"] = False, None
+    except ValueError as exc:
+        out["shard_refused"], out["shard_error"] = True, str(exc)
+
+    with torch.device("meta"):
+        model = tiny_gpt()
+    ties = record_ties(model)
+    model.to_empty(device=device())
+    retie(model, ties)  # record on meta, to_empty, retie, *then* initialise (torchtitan order)
+    torch.manual_seed(0)
+    model.init_weights()
+    out["tied_after_retie"] = model.head.weight is model.tok_emb.weight
+    shard(model, units={Block})
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    n = world_size()
+    reference.train_steps(model, opt, 1, global_batch=2 * n, rank=rank(), world=n, device=device())
+    out["shard_accepted_after_retie"] = True
+    out["problems_after_retie_and_a_step"] = verify_weight_tying(model)
+    return out
+
+
+# -- the lab ------------------------------------------------------------------------------------
+
+
+def run(
+    config: TyingConfig = TyingConfig(), cluster: Cluster | AttachedCluster | None = None
+) -> LabResult:
+    """Detect, plan, verify, audit, materialise and measure; see the module docstring."""
+    ties = {LAB_MODEL: detect_ties(tiny_gpt())}
+    if config.model is not None and config.model != LAB_MODEL:
+        ties[config.model] = detect_ties(load_factory(config.model)())
+    owned = cluster is None
+    cluster = cluster or Cluster(config.world_size, config.backend)
+    try:
+        n = cluster.world_size
+        global_batch = 2 * n
+        verification = {}
+        for name in WRAPPINGS:
+            spec = plans(GPTConfig().n_layers)[name]
+            ranks = cluster.run(verification_worker, spec, config.steps, config.lr, global_batch)
+            single = _single_process(config.steps, config.lr, global_batch)
+            params = ranks[0].pop("params")
+            verification[name] = {
+                "units": ranks[0]["units"],
+                "steps": config.steps,
+                "right_after_shard": [r["right_after_shard"] for r in ranks],
+                "after_steps": [r["after_steps"] for r in ranks],
+                "max_abs_diff_vs_single_process": max_abs_diff(params, single),
+                "head_equals_embedding": bool(
+                    torch.equal(params["head.weight"], params["tok_emb.weight"])
+                ),
+            }
+        audit = cluster.run(audit_worker)[0]
+        materialise = cluster.run(to_empty_worker, config.lr)
+        spike = measure_spike(config, cluster)
+        backend = cluster.backend
+    finally:
+        if owned:
+            cluster.close()
+    return LabResult(
+        "tying",
+        {
+            "config": {**asdict(config), "world_size": n},
+            "world_size": n,
+            "backend": backend,
+            "ties": ties,
+            "plans": describe_plans(config),
+            "verification": verification,
+            "audit": audit,
+            "to_empty": {**untied_by_to_empty(tiny_gpt), "per_rank": materialise},
+            "spike": spike,
+        },
+    )
+
+
+# -- pictures and words -------------------------------------------------------------------------
+
+
+def figures(result: LabResult) -> dict[str, Any]:
+    """Matplotlib figures (memory traces, spike bars) and `Diagram`s (the wrap plans)."""
+    from fsdp_lab import plots
+    from fsdp_lab.diagrams import wrap_diagram
+
+    with torch.device("meta"):
+        model = tiny_gpt(**result["spike"]["model"])
+    figs: dict[str, Any] = {}
+    for name, plan in result["plans"].items():
+        title = f"{name}: units={plan['units']}"
+        figs[f"wrap_{name}"] = wrap_diagram(model, units=as_units(plan["units"]), title=title)
+    spike = result["spike"]
+    for system in SYSTEMS:
+        if system not in spike:
+            continue
+        panels = [(w, tr) for w in WRAPPINGS for tr in spike[system][w]["traces"]]
+        fig = plots.plot_memory_trace(
+            [tr for _, tr in panels],
+            title=f"{SYSTEM_NAMES[system]}: tied pair in the root unit vs a joint unit",
+        )
+        for ax, (w, tr) in zip(fig.axes, panels, strict=False):  # axes first, in panel order
+            ax.set_title(f"{w.replace('_', ' ')} · rank {tr['rank']}", fontsize=10)
+        figs[f"spike_{system}"] = fig
+    figs["spike_bytes"] = spike_bars(spike)
+    return figs
+
+
+def summary(result: LabResult) -> str:
+    from fsdp_lab.plots import format_bytes
+
+    lines = [f"weight tying on {result['world_size']} ranks ({result['backend']})", ""]
+    for spec, ties in result["ties"].items():
+        found = "; ".join(f"{' = '.join(t['names'])} ({t['kind']})" for t in ties) or "none"
+        lines.append(f"- ties of {spec}: {found}")
+    for name, plan in result["plans"].items():
+        lines.append(f"- plan {name}: {'valid' if plan['valid'] else 'refused'}")
+    for name, v in result["verification"].items():
+        problems = sum(len(p) for p in v["right_after_shard"] + v["after_steps"])
+        lines.append(
+            f"- shard with {name}: {problems} tie problems after shard and after {v['steps']} steps; "
+            f"max |ours - single process| = {v['max_abs_diff_vs_single_process']:.2g}"
+        )
+    te, r0 = result["to_empty"], result["to_empty"]["per_rank"][0]
+    lines += [
+        f"- to_empty on torch {te['torch']}: tied after to_empty {te['tied_after_to_empty']}, "
+        f"after retie {te['tied_after_retie']}; shard refused the untied model: "
+        f"{r0['shard_refused']}; accepted after retie: {r0['shard_accepted_after_retie']}",
+        "",
+        "### Live audit: head in its own unit, embedding in the root",
+        "",
+        audit_table(result["audit"]),
+        "",
+        f"### Root-unit spike (tied matrix {format_bytes(result['spike']['tied_matrix_bytes'])})",
+        "",
+    ]
+    spike = result["spike"]
+    for system in SYSTEMS:
+        if system not in spike:
+            continue
+        for key, phase in PHASES.items():
+            root, joint = (spike[system][w][key][0] for w in WRAPPINGS)
+            lines.append(f"- {SYSTEM_NAMES[system]}, {phase} (rank 0): {verdict(root, joint)}")
+        where = "; ".join(
+            f"{w.replace('_', ' ')} between markers "
+            + " and ".join(repr(m) for m in spike[system][w]["peak_between"][0])
+            for w in WRAPPINGS
+        )
+        lines.append(f"- {SYSTEM_NAMES[system]}, where the peak is (rank 0): {where}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: Any) -> None:
+    for name, (flag, what) in _SIZES.items():
+        parser.add_argument(flag, dest=name, type=int, default=None, help=what)
+    parser.add_argument("--no-fsdp2", dest="compare_fsdp2", action="store_false", default=None)
+
+
+def config_from_args(args: Any) -> dict[str, Any]:
+    keys = (*_SIZES, "compare_fsdp2")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}

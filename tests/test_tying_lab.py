@@ -1,0 +1,160 @@
+"""Lab 03: ties found, plans judged, the tie verified on the ranks after training, the live
+audit, to_empty untying (and shard refusing until retie), and the measured root-unit spike."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from matplotlib.figure import Figure
+
+from fsdp_lab.audit import SYSTEMS as AUDIT_SYSTEMS
+from fsdp_lab.diagrams import Diagram
+from fsdp_lab.labs import tying as lab
+from fsdp_lab.models import tiny_gpt
+
+CONFIG = lab.TyingConfig(
+    world_size=2,
+    steps=3,
+    model="fsdp_lab.models:MLPStack",
+    vocab=2048,
+    dim=64,
+    layers=2,
+    heads=2,
+    seq_len=16,
+    batch=2,
+    spike_steps=2,
+)
+TIED_BYTES = CONFIG.vocab * CONFIG.dim * 4  # the fp32 V x d matrix
+TOLERANCE = 8 * 1024  # bytes: small next to the 512 KiB matrix
+
+
+@pytest.fixture(scope="module")
+def result(cluster_of):
+    return lab.run(CONFIG, cluster=cluster_of(2))
+
+
+def test_result_is_json_with_the_issue_keys(result):
+    data = json.loads(result.to_json())
+    for key in ("audit", "spike", "ties", "verification", "to_empty", "plans"):
+        assert key in data, key
+    spike = data["spike"]
+    for key in ("peak_bytes_root_unit", "peak_bytes_joint_unit"):
+        assert len(spike[key]) == 2 and len(spike[f"fsdp2_{key}"]) == 2
+
+
+def test_ties_of_the_lab_model_and_of_a_given_model(result):
+    (tie,) = result["ties"][lab.LAB_MODEL]
+    assert tie["names"] == ["tok_emb.weight", "head.weight"]
+    assert tie["modules"] == ["tok_emb", "head"]
+    assert tie["module_types"] == ["Embedding", "Linear"]
+    assert tie["kind"] == "identity" and tie["shape"] == [64, 32]
+    assert tie["bytes"] == 64 * 32 * 4
+    assert result["ties"]["fsdp_lab.models:MLPStack"] == []  # its head is not tied
+
+
+def test_plans_valid_and_invalid(result):
+    plans = result["plans"]
+    assert plans["root_unit"]["valid"] and plans["joint_unit"]["valid"]
+    assert "tok_emb+head" in plans["joint_unit"]["plan"]
+    split = plans["split_tie"]
+    assert not split["valid"] and "'tok_emb.weight'" in split["error"]
+    assert split["conflicts"] == [
+        {"param": "tok_emb.weight", "owners": ["tok_emb", "head"], "units": ["", "head"]}
+    ]
+
+
+def test_audit_has_every_system_and_ours_refuses_at_wrap(result):
+    rows = {row["system"]: row for row in result["audit"]}
+    assert list(rows) == list(AUDIT_SYSTEMS)
+    ours = rows["fsdp_lab shard"]
+    assert ours["accepted"] is False and ours["stage"] == "wrap"
+    assert "tok_emb.weight" in ours["error"]
+
+
+def test_tie_holds_after_shard_and_training_and_matches_one_process(result):
+    for name in lab.WRAPPINGS:
+        v = result["verification"][name]
+        assert v["right_after_shard"] == [[], []]
+        assert v["after_steps"] == [[], []]
+        assert v["head_equals_embedding"] is True
+        assert v["max_abs_diff_vs_single_process"] < 1e-5  # SGD, as in test_shard_lab
+    assert "tok_emb+head" in result["verification"]["joint_unit"]["units"]
+    assert "tok_emb+head" not in result["verification"]["root_unit"]["units"]
+
+
+def test_to_empty_result_is_what_torch_does_and_shard_follows_it(result):
+    te = result["to_empty"]
+    with torch.device("meta"):
+        model = tiny_gpt()
+    model.to_empty(device="cpu")
+    tied = model.head.weight is model.tok_emb.weight
+    assert te["tied_after_to_empty"] is tied and te["tied_after_retie"] is True
+    for r in te["per_rank"]:
+        assert r["tied_after_to_empty"] is tied
+        assert r["shard_refused"] is (not tied)
+        if not tied:  # the measured refusal names the broken tie and the fix
+            assert "'head.weight'" in r["shard_error"] and "retie" in r["shard_error"]
+            assert r["problems_after_to_empty"]
+        assert r["tied_after_retie"] and r["shard_accepted_after_retie"]
+        assert r["problems_after_retie_and_a_step"] == []
+
+
+def test_root_unit_holds_the_tied_matrix_where_the_joint_unit_frees_it(result):
+    ours = result["spike"]["fsdp_lab"]
+    root, joint = ours["root_unit"], ours["joint_unit"]
+    for r in range(2):
+        # The joint unit is freed after the embedding: absent when the blocks start ...
+        assert root["blocks_start_bytes"][r] - joint["blocks_start_bytes"][r] >= (
+            TIED_BYTES - TOLERANCE
+        )
+        # ... and after the head; the root unit keeps it until the end of backward.
+        assert root["end_of_forward_bytes"][r] - joint["end_of_forward_bytes"][r] >= (
+            TIED_BYTES - TOLERANCE
+        )
+        # Both gather the full matrix for the head and hold its gradient in backward.
+        assert root["peak_bytes"][r] >= TIED_BYTES and joint["peak_bytes"][r] >= TIED_BYTES
+
+
+def test_every_trace_peak_is_the_max_of_its_samples(result):
+    spike = result["spike"]
+    for system in lab.SYSTEMS:
+        for w in lab.WRAPPINGS:
+            run = spike[system][w]
+            for r, trace in enumerate(run["traces"]):
+                assert trace["peak_bytes"] == max(trace["total"]) == run["peak_bytes"][r]
+                assert run["blocks_max_bytes"][r] >= run["blocks_start_bytes"][r]
+                labels = {m["label"] for m in trace["markers"]}
+                assert set(run["peak_between"][r]) <= labels | {"start", "end"}
+            prefix = "" if system == "fsdp_lab" else "fsdp2_"
+            assert spike[f"{prefix}peak_bytes_{w}"] == run["peak_bytes"]
+
+
+def test_figures_are_plots_and_wrap_diagrams(result):
+    figs = lab.figures(result)
+    assert {"wrap_root_unit", "wrap_joint_unit", "wrap_split_tie"} <= set(figs)
+    for name, fig in figs.items():
+        assert isinstance(fig, Diagram if name.startswith("wrap_") else Figure), name
+    assert "INVALID" in figs["wrap_split_tie"].source
+    assert "INVALID" not in figs["wrap_joint_unit"].source
+    text = lab.summary(result)
+    assert "| fsdp_lab shard | False | wrap |" in text
+    assert "fsdp_lab shard, end of forward (rank 0): root unit higher by" in text
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"world_size": 0}, "world_size=0 is out of range: allowed >= 1"),
+        ({"vocab": 0}, "vocab=0 is out of range: allowed an int >= 1"),
+        ({"steps": -1}, "steps=-1 is out of range"),
+        ({"dim": 30, "heads": 4}, "dim=30 is not divisible by heads=4"),
+        ({"lr": 0.0}, "lr=0.0 is out of range: allowed a number > 0"),
+        ({"model": "nocolon"}, "expected 'module:factory'"),
+    ],
+)
+def test_bad_config_names_the_value_the_range_and_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")) as err:
+        lab.TyingConfig(**kwargs)
+    assert "Fix:" in str(err.value)
