@@ -32,6 +32,18 @@ def local_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t[rank * per : (rank + 1) * per]
 
 
+def require_values(model: nn.Module) -> None:
+    """Raise a clear error if `model` still has parameters on the meta device (no values)."""
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"parameter {meta[0]!r} (and {len(meta) - 1} more) is on the meta device: it has a "
+            "shape but no values to train or compare. Fix: materialise the model first — "
+            "fsdp_lab.sharding.materialize.materialize(model) on one process, or "
+            "fsdp_lab.shard(model, ...) on the ranks"
+        )
+
+
 def train_steps(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -46,6 +58,7 @@ def train_steps(
     on_step: Callable[[int], Any] | None = None,
 ) -> list[float]:
     """Train `steps` steps; returns this rank's local losses (their mean is the global loss)."""
+    require_values(model)
     losses = []
     vocab = model.vocab_size if hasattr(model, "vocab_size") else model.module.vocab_size
     for step in range(steps):
@@ -118,6 +131,7 @@ def apply_fsdp1(
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full-size copies of every parameter by original name (on CPU), whatever wrapped it."""
+    require_values(model)
     state = getattr(model, "_fsdp_lab_state", None)
     if state is not None:  # ours
         from fsdp_lab.sharding.state_dict import full_state_dict

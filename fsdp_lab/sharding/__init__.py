@@ -1,7 +1,8 @@
 """FSDP / ZeRO from scratch: flat parameters, gather/free per unit, reduce-scatter, prefetch.
 
 Read in this order: `flat_param.py` (the storage), `unit.py` (one unit's step, hook by hook),
-`shard.py` (the entry point and strategies), `state_dict.py` (checkpoints, grad clipping).
+`shard.py` (the entry point and strategies), `materialize.py` (meta models, unit by unit),
+`state_dict.py` (checkpoints, grad clipping).
 """
 
 from fsdp_lab.sharding.shard import MixedPrecision, shard, sharding_state

@@ -21,6 +21,7 @@ in and out of a flat all-gather buffer; it also manages CUDA streams for the ove
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,16 +43,24 @@ class Segment:
         return self.shape.numel()
 
 
+FILL_CHUNK = 1 << 20  # elements a slice initialiser is asked for at a time
+SliceValues = Callable[[str, torch.Size, int, int], torch.Tensor]
+"""(name, shape, start, end) -> elements [start, end) of that parameter, flattened (1-D)."""
+
+
 class FlatParameter:
     """The flat, padded, sharded storage of one unit's parameters.
 
     Args:
         names: fully qualified names of the unit's parameters (a tied one once).
-        params: the parameters, in the same order (their values are copied in).
+        params: the parameters, in the same order (their values are copied in). On the meta
+            device they give shapes only, and `values` fills this rank's shard.
         shard_rank: this rank's index in the shard group.
         shard_size: ranks the buffer is split over (1 = replicated, as in DDP).
         compute_dtype: dtype of the unsharded buffer (bf16 for mixed precision).
         template: dtype and device to use when `params` is empty.
+        values: for meta `params`: produces any slice of a parameter (a deterministic init).
+        device: where the shard lives when `params` are on meta.
     """
 
     def __init__(
@@ -62,12 +71,27 @@ class FlatParameter:
         shard_size: int,
         compute_dtype: torch.dtype | None = None,
         template: torch.Tensor | None = None,
+        values: SliceValues | None = None,
+        device: torch.device | None = None,
     ) -> None:
         # A root unit can be left with no parameters: `template` then gives dtype and device.
         like = params[0] if params else template
         if like is None:
             raise ValueError("a FlatParameter without parameters needs a template tensor")
-        dtype, device = like.dtype, like.device
+        dtype = like.dtype
+        device = device if device is not None and like.is_meta else like.device
+        if device.type == "meta":
+            raise ValueError("a FlatParameter from meta parameters needs a real `device`")
+        if values is None:
+            if any(p.is_meta for p in params):
+                raise ValueError(
+                    "meta parameters have no values: pass `values` (a slice initialiser)"
+                )
+            by_name = dict(zip(names, params, strict=True))
+
+            def values(name: str, shape: torch.Size, start: int, end: int) -> torch.Tensor:
+                return by_name[name].detach().reshape(-1)[start:end]
+
         self.segments: list[Segment] = []
         offset = 0
         for name, p in zip(names, params, strict=True):
@@ -79,15 +103,12 @@ class FlatParameter:
         self.shard_numel = self.padded_numel // shard_size
         self.compute_dtype = compute_dtype or dtype
 
-        with torch.no_grad():
-            flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
-            for seg, p in zip(self.segments, params, strict=True):
-                flat[seg.offset : seg.offset + seg.numel].copy_(p.reshape(-1))
-            start = shard_rank * self.shard_numel
-            with category("parameters"):
-                # The rank's persistent shard, in the parameters' own dtype (fp32 master copy).
-                self.shard = nn.Parameter(flat[start : start + self.shard_numel].clone())
-        del flat
+        with torch.no_grad(), category("parameters"):
+            # The rank's persistent shard, in the parameters' own dtype (fp32 master copy),
+            # filled slice by slice: no full-size flat copy of the unit is ever made.
+            shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+            self._fill(shard, values)
+            self.shard = nn.Parameter(shard)
 
         # Replicated and not cast: the parameter itself is the unsharded buffer (plain DDP).
         self.aliased = shard_size == 1 and self.compute_dtype == dtype
@@ -95,8 +116,15 @@ class FlatParameter:
             self.unsharded: torch.Tensor = self.shard
         else:
             with category("comm_buffers"):
-                self.unsharded = torch.empty(
-                    self.padded_numel, dtype=self.compute_dtype, device=device, requires_grad=True
+                # Shape (padded,) over a one-element storage (stride 0): a full-size empty
+                # buffer here would count a whole unit for a moment, on top of the parameters
+                # it is built from. `alloc_unsharded` gives it real, contiguous storage.
+                self.unsharded = torch.empty_strided(
+                    (self.padded_numel,),
+                    (0,),
+                    dtype=self.compute_dtype,
+                    device=device,
+                    requires_grad=True,
                 )
             self.free_unsharded()
 
@@ -109,6 +137,9 @@ class FlatParameter:
     def alloc_unsharded(self) -> None:
         storage = self.unsharded.untyped_storage()
         size = self.padded_numel * self.unsharded.element_size()
+        if self.unsharded.stride() == (0,):  # first use: contiguous from now on
+            with torch.no_grad():
+                self.unsharded.set_(storage, 0, (self.padded_numel,), (1,))
         if storage.nbytes() != size:
             storage.resize_(size)
 
@@ -128,6 +159,25 @@ class FlatParameter:
         sizes = [s.numel for s in self.segments]
         parts = torch.split(self.unsharded, sizes + [self.padding] if self.padding else sizes)
         return [part.view(s.shape) for part, s in zip(parts, self.segments, strict=False)]
+
+    def _fill(self, shard: torch.Tensor, values: SliceValues) -> None:
+        """Copy into `shard` the part of each parameter that falls in this rank's range."""
+        start = self.shard_rank * self.shard_numel
+        stop = start + self.shard_numel
+        for seg in self.segments:
+            lo, hi = max(seg.offset, start), min(seg.offset + seg.numel, stop)
+            # This segment's overlap with the shard, [lo, hi) in flat coordinates, in chunks:
+            # an initialiser's temporaries then stay small however large the shard is.
+            for a in range(lo, hi, FILL_CHUNK):
+                b = min(a + FILL_CHUNK, hi)
+                piece = values(seg.name, seg.shape, a - seg.offset, b - seg.offset)
+                if piece.shape != (b - a,):
+                    raise ValueError(
+                        f"the initialiser returned shape {tuple(piece.shape)} for elements "
+                        f"[{a - seg.offset}, {b - seg.offset}) of {seg.name!r}; expected "
+                        f"({b - a},)"
+                    )
+                shard[a - start : b - start].copy_(piece)
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split a full (unpadded or padded) flat tensor into named, shaped tensors."""

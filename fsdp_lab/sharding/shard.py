@@ -8,6 +8,9 @@
         register flat.shard on the unit module  model.parameters() now yields the shards
         ShardedUnit(...)                        hooks: gather -> compute -> free -> reduce
 
+A model built on the meta device is materialised here, one unit at a time, so no rank ever
+holds it whole (`materialize.py`: ordinary init per unit, or each shard generated directly).
+
 `ShardingState` is what the units share: the process group, the order units ran in (recorded
 on the first step, used to prefetch; a unit of several modules appears once per member call),
 and the end-of-backward callback that finishes the step.
@@ -30,8 +33,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_lab.sharding.flat_param import FlatParameter
+from fsdp_lab import comm
+from fsdp_lab.sharding.flat_param import FlatParameter, SliceValues
+from fsdp_lab.sharding.materialize import (
+    ParamInitFn,
+    SliceInit,
+    materialize_buffers,
+    materialize_unit,
+    owning_modules,
+    reset_parameters,
+    to_empty_keeping_ties,
+)
 from fsdp_lab.sharding.unit import STRATEGIES, ShardedUnit, TrainingState
+from fsdp_lab.tying import find_ties, record_ties, recorded_ties, verify_weight_tying
 from fsdp_lab.wrap import Units, build_plan
 
 FLAT_PARAM = "flat_param"  # attribute of each unit module holding its shard
@@ -173,14 +187,6 @@ def _check_model(model: nn.Module, strategy: str) -> None:
     params = list(model.named_parameters())
     if not params:
         raise ValueError("the model has no parameters: there is nothing to shard")
-    meta = [n for n, p in params if p.is_meta]
-    if meta:
-        raise ValueError(
-            f"parameter {meta[0]!r} (and {len(meta) - 1} more) is on the meta device: it has "
-            "no values to shard. Fix: model.to_empty(device=...) and initialise the weights "
-            "first."
-        )
-    from fsdp_lab.tying import find_ties, recorded_ties, verify_weight_tying
 
     views = [t for t in find_ties(model) if t.kind == "storage"]
     if views:
@@ -203,7 +209,26 @@ def _check_model(model: nn.Module, strategy: str) -> None:
     devices = {p.device for _, p in params}
     if len(devices) > 1:
         where = {str(d): next(n for n, p in params if p.device == d) for d in devices}
-        raise ValueError(f"the model's parameters are on several devices {where}: move it to one")
+        raise ValueError(
+            f"the model's parameters are on several devices, e.g. {where}: shard() takes a model "
+            "on one device (or entirely on meta, to materialise shard by shard). Fix: "
+            "model.to(device) — or build the whole model under torch.device('meta')"
+        )
+
+
+def _target_device(device: torch.device | str | None) -> torch.device:
+    """Where a meta model's shards go: `device`, else this rank's GPU under NCCL, else CPU."""
+    if device is not None:
+        device = torch.device(device)
+    elif dist.is_initialized() and dist.get_backend() == "nccl":
+        device = torch.device("cuda")
+    else:
+        device = torch.device("cpu")
+    if device.type == "meta":
+        raise ValueError("device='meta': shards need real memory. Fix: device='cpu' or 'cuda'")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def shard(
@@ -214,6 +239,11 @@ def shard(
     mixed_precision: MixedPrecision | None = None,
     mesh: Any = None,
     reshard_after_forward: bool | Iterable[str] | None = None,
+    *,
+    device: torch.device | str | None = None,
+    param_init_fn: ParamInitFn | None = None,
+    shard_init: SliceInit | None = None,
+    sync_module_states: bool = False,
 ) -> nn.Module:
     """Shard `model` in place (FSDP/ZeRO) and return it.
 
@@ -227,10 +257,35 @@ def shard(
         mesh: None (all ranks), a 1-D DeviceMesh or a ProcessGroup spanning every rank.
         reshard_after_forward: "full" only — True (default), False, or the unit names to free
             after forward (e.g. keep the last unit, whose backward comes right next).
+        device: a meta model only: where its shards go (default: this rank's GPU under NCCL,
+            else CPU).
+        param_init_fn: a meta model only: called on each module after it is materialised
+            (default: its ``reset_parameters()``); see `fsdp_lab.sharding.materialize`.
+        shard_init: a meta model only: fills each rank's shard directly from a counter-based
+            init (`fsdp_lab.meta_init.DeterministicInit`), without materialising any unit.
+        sync_module_states: rank 0's values are broadcast to every rank before sharding (on a
+            meta model, only rank 0 runs `param_init_fn`).
     """
     _check_model(model, strategy)
     group, world, rank = _resolve_group(mesh)
     plan = build_plan(model, units)  # every plan error is raised here, before any collective
+    on_meta = next(model.parameters()).is_meta  # one device: _check_model made sure
+    if not on_meta and (param_init_fn is not None or shard_init is not None):
+        what = "param_init_fn" if param_init_fn is not None else "shard_init"
+        raise ValueError(
+            f"{what} initialises a model built on the meta device, but this model's parameters "
+            f"are on {next(model.parameters()).device}. Fix: drop {what}, or build the model "
+            "under torch.device('meta')"
+        )
+    if shard_init is not None and sync_module_states:
+        raise ValueError(
+            "shard_init and sync_module_states=True both make ranks agree; pick one "
+            "(shard_init needs no communication)"
+        )
+    target = _target_device(device) if on_meta else None
+    init_fn = param_init_fn or reset_parameters
+    if on_meta and not recorded_ties(model):
+        record_ties(model)  # identity ties are visible on meta: keep them for verification
     policy = STRATEGIES[strategy]
     if policy.reshard_after_forward and reshard_after_forward not in (None, True):
         free_after = set() if reshard_after_forward is False else set(reshard_after_forward)
@@ -246,6 +301,15 @@ def shard(
     for name in plan.units:
         refs = plan.params[name]
         params = [lookup[r.name] for r in refs]
+        values = None
+        if on_meta and shard_init is None:  # the whole unit, briefly: the largest unit counts
+            params = materialize_unit(model, refs, target, init_fn, group, sync_module_states)
+        elif on_meta:
+            values = _slice_values(model, refs, shard_init, target, init_fn)
+        elif sync_module_states:
+            with torch.no_grad():
+                for p in params:
+                    comm.broadcast(p.data, src=0, group=group)
         flat = FlatParameter(
             [r.name for r in refs],
             params,
@@ -253,7 +317,10 @@ def shard(
             world if policy.sharded else 1,
             mp.param_dtype if mp else None,
             template=next(iter(lookup.values())),
+            values=values,
+            device=target,
         )
+        del params  # a materialised unit's full tensors go once the modules drop them below
         owners = [[(model.get_submodule(m), attr) for m, attr in r.owners] for r in refs]
         for ref_owners in owners:
             for module, attr in ref_owners:
@@ -266,8 +333,36 @@ def shard(
             name, modules, flat, owners, aliases, policy, state, name in free_after, reduce_dtype
         )
         state.units.append(unit)
+    if on_meta:
+        materialize_buffers(model, target, init_fn, group, sync_module_states)
+    elif sync_module_states:
+        with torch.no_grad():
+            for b in model.buffers():
+                comm.broadcast(b, src=0, group=group)
     model._fsdp_lab_state = state
     return model
+
+
+def _slice_values(
+    model: nn.Module,
+    refs: tuple,
+    shard_init: SliceInit,
+    device: torch.device,
+    init_fn: ParamInitFn,
+) -> SliceValues:
+    """The unit's slice initialiser; buffers of its modules are materialised on the way."""
+    dtypes = {r.name: model.get_parameter(r.name).dtype for r in refs}
+    for _, module in owning_modules(model, refs):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            # Its buffers need its own init (e.g. BatchNorm statistics); the parameters it also
+            # fills are discarded: the shard comes from `shard_init`.
+            to_empty_keeping_ties([module], device)
+            init_fn(module)
+
+    def values(name: str, shape: torch.Size, start: int, end: int) -> torch.Tensor:
+        return shard_init.values(name, tuple(shape), start, end, dtype=dtypes[name], device=device)
+
+    return values
 
 
 def sharding_state(model: nn.Module) -> ShardingState:

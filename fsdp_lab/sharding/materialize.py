@@ -1,0 +1,193 @@
+"""Materialising a meta-device model one wrap unit at a time, so no rank holds the whole model.
+
+A model built under ``torch.device("meta")`` has shapes and no storage: a 70-billion-parameter
+model costs nothing. `shard` then turns it into real shards, unit by unit, in one of two ways:
+
+    ordinary init (FSDP1's ``param_init_fn``)      deterministic slices (`SliceInit`)
+    for each unit:                                 for each unit:
+        to_empty its modules  (the full unit)          allocate this rank's shard only
+        re-tie what to_empty untied                    fill it with values(name, shape, a, b)
+        param_init_fn(module) for each module          (each element a pure function of
+        [sync: broadcast rank 0's values]               seed, name and index: no collective)
+        copy this rank's slice into its shard
+        drop the full unit
+    peak: the shards + the largest unit            peak: the shards
+
+Ordinary init draws from one sequential random stream (`torch.manual_seed`), so a value depends
+on everything drawn before it: ranks agree only if each initialises the *whole* unit in the same
+order — or rank 0 does and broadcasts (``sync_module_states``). A counter-based scheme gives any
+slice directly; see `fsdp_lab.meta_init`.
+
+Buffers (a rotary cache, BatchNorm statistics) are not sharded: each rank materialises them and
+runs ``param_init_fn`` on their module (rank 0's values are broadcast under ``sync``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+
+from fsdp_lab import comm
+from fsdp_lab.wrap import ParamRef, Units, build_plan
+
+ParamInitFn = Callable[[nn.Module], None]
+
+
+class SliceInit(Protocol):
+    """Anything that produces any slice of any parameter, e.g. `meta_init.DeterministicInit`."""
+
+    def values(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        start: int,
+        end: int,
+        dtype: torch.dtype = ...,
+        device: torch.device | str = ...,
+    ) -> torch.Tensor: ...
+
+
+def reset_parameters(module: nn.Module) -> None:
+    """The default ``param_init_fn``: the module's own ``reset_parameters()``."""
+    reset = getattr(module, "reset_parameters", None)
+    if reset is None:
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        own += [n for n, _ in module.named_buffers(recurse=False)]
+        raise ValueError(
+            f"{type(module).__name__} has no reset_parameters() to initialise {own} after "
+            "materialising from meta. Fix: pass param_init_fn=<function of the module> to shard()"
+        )
+    reset()
+
+
+def owning_modules(model: nn.Module, refs: tuple[ParamRef, ...]) -> list[tuple[str, nn.Module]]:
+    """The modules that own the unit's parameters (both owners of a tie), in module order."""
+    names = {m for ref in refs for m, _ in ref.owners}
+    return [(n, m) for n, m in model.named_modules() if n in names]
+
+
+def to_empty_keeping_ties(modules: list[nn.Module], device: torch.device) -> None:
+    """`Module.to_empty(recurse=False)` for each module, one new tensor per meta tensor.
+
+    `to_empty` puts a new Parameter into each owner's slot, so a tied Parameter would become
+    two — and, for a moment, take twice its memory. Here every owner of one meta Parameter
+    gets the very same new one.
+    """
+    made: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for slots, is_param in ((module._parameters, True), (module._buffers, False)):
+            for key, t in slots.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    new = torch.empty_like(t, device=device)
+                    made[id(t)] = nn.Parameter(new, t.requires_grad) if is_param else new
+                slots[key] = made[id(t)]
+
+
+def materialize_unit(
+    model: nn.Module,
+    refs: tuple[ParamRef, ...],
+    device: torch.device,
+    param_init_fn: ParamInitFn,
+    group: object | None = None,
+    sync: bool = False,
+) -> list[torch.Tensor]:
+    """Make one unit's parameters real and initialised; returns them in `refs` order.
+
+    With `sync`, only rank 0 runs `param_init_fn`; its values are broadcast to the others.
+    """
+    modules = owning_modules(model, refs)
+    shapes = {ref.name: model.get_parameter(ref.name).shape for ref in refs}
+    to_empty_keeping_ties([m for _, m in modules], device)
+    is_src = not sync or torch.distributed.get_rank() == 0
+    if is_src:
+        for _, module in modules:
+            param_init_fn(module)
+    params = [model.get_parameter(ref.name) for ref in refs]
+    for ref, p in zip(refs, params, strict=True):
+        _check_initialised(ref.name, p, shapes[ref.name], device)
+    if sync:
+        with torch.no_grad():
+            for p in params:
+                comm.broadcast(p.data, src=0, group=group)
+            for _, module in modules:
+                for b in module.buffers(recurse=False):
+                    comm.broadcast(b, src=0, group=group)
+    return params
+
+
+def materialize_buffers(
+    model: nn.Module,
+    device: torch.device,
+    param_init_fn: ParamInitFn,
+    group: object | None = None,
+    sync: bool = False,
+) -> list[str]:
+    """Materialise and initialise every module whose buffers are still on meta; their names.
+
+    Runs after the units: these modules own buffers only (a module with parameters got its
+    buffers with its unit), so `param_init_fn` cannot touch a sharded parameter.
+    """
+    done = []
+    is_src = not sync or torch.distributed.get_rank() == 0
+    for name, module in model.named_modules():
+        meta = [b for b, t in module.named_buffers(recurse=False) if t.is_meta]
+        if not meta:
+            continue
+        for b in meta:  # by hand: to_empty would also overwrite the unit's real shard
+            module._buffers[b] = torch.empty_like(module._buffers[b], device=device)
+        if is_src:
+            param_init_fn(module)
+        for b in meta:
+            tensor = module._buffers[b]
+            full = f"{name}.{b}" if name else b
+            if tensor is None or tensor.is_meta:
+                raise ValueError(
+                    f"param_init_fn left buffer {full!r} on the meta device: it must fill the "
+                    "buffer (e.g. recompute a rotary cache in reset_parameters())"
+                )
+            if sync:
+                comm.broadcast(tensor, src=0, group=group)
+            done.append(full)
+    return done
+
+
+def _check_initialised(name: str, p: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
+    if p.is_meta:
+        raise ValueError(
+            f"param_init_fn left parameter {name!r} on the meta device: it must fill the "
+            "materialised parameter in place (nn.init.*_ or reset_parameters), not replace it"
+        )
+    if p.shape != shape:
+        raise ValueError(
+            f"param_init_fn changed the shape of {name!r} from {tuple(shape)} to "
+            f"{tuple(p.shape)}: initialise in place, keeping the shape built on meta"
+        )
+    if p.device != device:
+        raise ValueError(
+            f"parameter {name!r} is on {p.device} after param_init_fn, expected {device}"
+        )
+
+
+def materialize(
+    model: nn.Module,
+    units: Units = None,
+    device: torch.device | str = "cpu",
+    param_init_fn: ParamInitFn = reset_parameters,
+) -> nn.Module:
+    """Single process, no sharding: materialise and initialise `model` in place, in the very
+    order `shard(model, units, param_init_fn=...)` does (units in plan order, modules in module
+    order, buffers last) — the reference its sharded result must equal bitwise.
+    """
+    if not any(p.is_meta for p in model.parameters()):
+        raise ValueError("materialize() takes a model built on meta; this one has values")
+    device = torch.device(device)
+    plan = build_plan(model, units)
+    for unit in plan.units:
+        materialize_unit(model, plan.params[unit], device, param_init_fn)
+    materialize_buffers(model, device, param_init_fn)
+    return model
