@@ -109,6 +109,10 @@ def plot_memory_trace(
         if len(t):
             # step="post": a storage lives at its size until the next event, it does not ramp.
             ax.stackplot(t, *ys, labels=labels, colors=colors, step="post", linewidth=0)
+            # The total as a thin outline: a storage made and freed inside one operator (two
+            # samples at one instant) has no width in the stack, but it is a real peak.
+            total = np.asarray(tr.get("total") or np.sum(ys, axis=0) * scale, dtype=float)
+            ax.step(t, total / scale, where="post", color="black", lw=0.5, alpha=0.7)
         peak = tr.get("peak_bytes", max(tr.get("total") or [0]))
         ax.axhline(peak / scale, color="black", ls="--", lw=1.0, label=f"peak {format_bytes(peak)}")
         for j, (name, value) in enumerate(theory.items()):
