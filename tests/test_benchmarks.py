@@ -48,3 +48,31 @@ def test_bench_shard_prints_one_row_per_system_and_world_size(tmp_path):
         # Same model, same data, same optimizer: every system ends at the same loss.
         losses = [res[s]["final_loss"] for s in SYSTEMS]
         assert max(losses) - min(losses) < 1e-4, losses
+
+
+def test_bench_meta_init_prints_one_json_object():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_meta_init.py")]
+        + ["--repeats", "1", "--real-gib", "0", "--init-elements", "4096", "--json"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(proc.stdout)  # exactly one JSON object, nothing else on stdout
+    meta = data["llama_70b_on_meta"]
+    assert meta["parameters"] == 70_553_706_496 and meta["fp32_bytes"] == 4 * meta["parameters"]
+    for build in ("first", "second"):
+        assert len(meta[build]["seconds_per_repeat"]) == 1 and meta[build]["median_seconds"] > 0
+        assert meta[build]["median_rss_growth_bytes"] < 200 * 10**6  # memory, not time
+    assert data["ordinary_build"] is None
+    for by_case in data["init_elements_per_second"].values():
+        assert set(by_case) == {
+            "deterministic_uniform",
+            "deterministic_normal",
+            "torch_uniform_",
+            "torch_normal_",
+        }
+        assert all(v > 0 for v in by_case.values())

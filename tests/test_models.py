@@ -9,7 +9,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_lab.models import GPTConfig, MLPStack, TinyGPT, synthetic_batch, tiny_gpt
+from fsdp_lab.models import (
+    GPTConfig,
+    Llama,
+    LlamaConfig,
+    MLPStack,
+    TinyGPT,
+    llama,
+    llama_70b_config,
+    llama_config_of_bytes,
+    llama_param_count,
+    synthetic_batch,
+    tiny_gpt,
+)
 
 
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -203,3 +215,140 @@ def test_mlp_stack_is_position_wise():
         whole = model(ids)
         alone = torch.cat([model(ids[:, t : t + 1]) for t in range(6)], dim=1)
     torch.testing.assert_close(whole, alone)
+
+
+# -- Llama ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("batch", "seq"), [(2, 16), (3, 5), (1, 1)])
+def test_llama_maps_ids_to_logits(batch, seq):
+    model = llama(vocab_size=40)
+    ids = torch.randint(0, 40, (batch, seq))
+    logits = model(ids)
+    assert logits.shape == (batch, seq, 40) and logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+    assert model.vocab_size == 40
+
+
+def test_llama_has_the_llama_shapes_grouped_query_and_no_bias():
+    c = LlamaConfig(vocab_size=50, dim=32, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=80)
+    model = Llama(c)
+    attn, ff = model.layers[1].attention, model.layers[1].feed_forward
+    assert attn.wq.weight.shape == (32, 32) and attn.wo.weight.shape == (32, 32)
+    assert attn.wk.weight.shape == attn.wv.weight.shape == (2 * 4, 32)  # 2 K/V heads of 4
+    assert ff.w1.weight.shape == ff.w3.weight.shape == (80, 32) and ff.w2.weight.shape == (32, 80)
+    assert not any(n.endswith("bias") for n, _ in model.named_parameters())
+    assert isinstance(model.layers, nn.ModuleList) and len(model.layers) == 2
+    assert model.output.weight is not model.tok_embeddings.weight
+    assert sum(p.numel() for p in model.parameters()) == llama_param_count(c)
+    assert "layers.1.attention.wq.weight" in dict(model.named_parameters())
+
+
+def test_llama_tied_embeddings_share_one_parameter():
+    model = llama(tie_embeddings=True)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert sum(p.numel() for p in model.parameters()) == llama_param_count(model.config)
+
+
+def test_llama_train_steps_decrease_the_loss():
+    model = llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    inputs, targets = synthetic_batch(model.vocab_size, 4, 16, step=0)
+    losses = []
+    for _ in range(10):  # the same batch: the model must fit it
+        loss = lm_loss(model, inputs, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.2, losses
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_llama_is_causal():
+    model = llama()
+    ids = torch.randint(0, model.vocab_size, (2, 10))
+    changed = ids.clone()
+    changed[:, 6] = (changed[:, 6] + 1) % model.vocab_size
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+    torch.testing.assert_close(a[:, :6], b[:, :6], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, 6], b[:, 6])
+
+
+def test_llama_position_matters_through_rope():
+    # No position embedding: only the rotation tells positions apart.
+    model = llama()
+    ids = torch.full((1, 6), 3)
+    with torch.no_grad():
+        logits = model(ids)
+    assert not torch.allclose(logits[0, 1], logits[0, 5])
+
+
+def test_llama_rotary_cache_is_non_persistent_and_rebuilt_after_to_empty():
+    reference = llama()
+    assert not any("rope" in k for k in reference.state_dict())  # derived, not saved
+    assert {n for n, _ in reference.named_buffers()} == {"rope.rope_cos", "rope.rope_sin"}
+    with torch.device("meta"):
+        model = Llama(reference.config)
+    assert model.rope.rope_cos.is_meta
+    model.to_empty(device="cpu")
+    model.rope.rope_cos.fill_(float("nan"))  # what to_empty leaves is garbage: make it visible
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    assert torch.equal(model.rope.rope_cos, reference.rope.rope_cos)
+    assert torch.equal(model.rope.rope_sin, reference.rope.rope_sin)
+    assert torch.all(model.norm.weight == 1)  # RMSNorm.reset_parameters: ones
+    assert torch.all(model.layers[0].ffn_norm.weight == 1)
+    ids = torch.randint(0, model.vocab_size, (2, 8))
+    assert torch.isfinite(model(ids)).all()
+    model.load_state_dict(reference.state_dict())  # the state_dict loads without the cache
+    torch.testing.assert_close(model(ids), reference(ids))
+
+
+def test_llama_rejects_a_sequence_longer_than_the_rotary_cache():
+    model = llama(seq_len=8)
+    with pytest.raises(ValueError, match="seq_len"):
+        model(torch.zeros(1, 9, dtype=torch.int64))
+
+
+def test_llama_factory_is_seeded():
+    a, b = llama().state_dict(), llama().state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"n_heads": 3}, "n_heads=3"),
+        ({"n_kv_heads": 3}, "n_kv_heads=3"),
+        ({"dim": 12, "n_heads": 4, "n_kv_heads": 1}, "odd"),
+        ({"ffn_dim": 0}, "ffn_dim"),
+        ({"vocab_size": True}, "vocab_size"),
+        ({"tie_embeddings": 1}, "tie_embeddings"),
+        ({"rope_theta": 0.0}, "rope_theta"),
+    ],
+)
+def test_llama_config_rejects_bad_values_naming_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig(**kwargs)
+
+
+def test_llama_70b_config_is_the_llama_3_70b_shape():
+    c = llama_70b_config()
+    assert (c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim) == (8192, 80, 64, 8, 28672)
+    assert (c.vocab_size, c.seq_len, c.tie_embeddings) == (128256, 4096, False)
+    assert llama_param_count(c) == 70_553_706_496
+    assert llama_70b_config(n_layers=2).n_layers == 2
+
+
+def test_llama_config_of_bytes_fits_the_target():
+    target = 3 * 2**29  # 1.5 GiB
+    c = llama_config_of_bytes(target)
+    fp32 = 4 * llama_param_count(c)
+    deeper = LlamaConfig(**{**c.__dict__, "n_layers": c.n_layers + 1})
+    assert fp32 <= target < 4 * llama_param_count(deeper)
+    assert fp32 > 1e9 and c.n_layers == 29
+    with pytest.raises(ValueError, match="target_bytes"):
+        llama_config_of_bytes(10**6)

@@ -1,0 +1,82 @@
+"""Host memory from the outside: this process's resident set size (RSS), sampled over time.
+
+`MemoryTracker` counts tensor storages; resident memory is what the operating system sees —
+pages really touched, Python objects, the allocator's slack. ``torch.empty(n)`` alone barely
+moves it, writing the tensor does. The meta-init lab draws it while a model is built the
+ordinary way (a spike the size of the model) and on meta, materialised shard by shard (flat).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psutil
+
+
+class RssSampler:
+    """This process's resident memory (psutil), sampled every `interval_s` by a daemon thread.
+
+    Resident memory counts pages really touched: ``torch.empty(n)`` alone barely moves it,
+    writing the tensor does. It sees what no tensor tracker sees (Python objects, the
+    allocator's slack) and, on meta, that nothing big was ever allocated.
+
+        with RssSampler() as rss:
+            model, s = build_on_meta(factory); rss.mark("built")
+        rss.growth_bytes   # peak - start
+    """
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s={interval_s!r}: expected a number of seconds > 0")
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, int]] = []  # (seconds since start, rss bytes)
+        self.marks: list[tuple[float, str, int]] = []  # (seconds since start, label, rss bytes)
+        self._process = psutil.Process()
+        self._lock = threading.Lock()  # the sampler thread and mark() both append
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+
+    def _sample(self) -> tuple[float, int]:
+        rss = self._process.memory_info().rss
+        with self._lock:
+            self.samples.append((time.perf_counter() - self._t0, rss))
+            return self.samples[-1]
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> RssSampler:
+        if self._thread is not None:
+            raise RuntimeError("this RssSampler already ran: make a new one per with-block")
+        self._t0 = time.perf_counter()
+        self._sample()
+        self._thread = threading.Thread(target=self._run, name="RssSampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()  # also on an exception: the thread ends, the exception propagates
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+
+    def mark(self, label: str) -> int:
+        """Sample now and label it; returns the resident bytes."""
+        t, rss = self._sample()
+        self.marks.append((t, label, rss))
+        return rss
+
+    @property
+    def start_bytes(self) -> int:
+        return self.samples[0][1]
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(rss for _, rss in self.samples)
+
+    @property
+    def growth_bytes(self) -> int:
+        return self.peak_bytes - self.start_bytes
