@@ -1,0 +1,65 @@
+"""What `fsdp_lab.Cluster` starts: notebook, rendezvous store, rank processes, pipes, group."""
+
+from __future__ import annotations
+
+import graphviz
+
+from fsdp_lab.diagrams.base import Diagram
+
+
+def cluster_diagram(world_size: int, backend: str, devices: list[str] | None = None) -> Diagram:
+    """What `fsdp_lab.Cluster` starts: notebook, rendezvous store, rank processes, pipes, group.
+
+    Args:
+        world_size: number of rank processes (>= 1).
+        backend: process-group backend name ("gloo", "nccl").
+        devices: one device string per rank; defaults to "cpu" for every rank.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    devices = devices if devices is not None else ["cpu"] * world_size
+    if len(devices) != world_size:
+        raise ValueError(f"got {len(devices)} devices for world_size {world_size}")
+
+    g = graphviz.Digraph("fsdp_lab_cluster", graph_attr={"rankdir": "TB", "nodesep": "0.35"})
+    g.attr("node", shape="box", style="rounded,filled", fontname="Helvetica", fontsize="11")
+    g.attr("edge", fontname="Helvetica", fontsize="9")
+    g.node("notebook", "notebook process\\n(parent: Cluster)", fillcolor="#FCE8B2")
+    g.node("store", "TCPStore rendezvous\\n127.0.0.1:<port>", shape="cylinder", fillcolor="#E0E0E0")
+    # The notebook hosts the store (side by side on the top row); ranks only connect to it to
+    # find each other, then talk through the process group.
+    with g.subgraph() as top:
+        top.attr(rank="same")
+        top.edge("notebook", "store", label="hosts", style="dashed", arrowhead="none")
+
+    with g.subgraph(name="cluster_group") as group, group.subgraph() as row:
+        group.attr(
+            label=f"process group ({backend}, world_size={world_size})",
+            style="rounded,dashed",
+            color="#4C72B0",
+            fontname="Helvetica",
+            fontsize="10",
+        )
+        # Ranks sit in one row in rank order (rank="same" only works on a non-cluster subgraph).
+        row.attr(rank="same")
+        for r, device in enumerate(devices):
+            row.node(f"rank{r}", f"rank {r}\\n{device}", fillcolor="#D6E4F5")
+        # A ring among ranks: the topology of ring all-reduce / all-gather / reduce-scatter.
+        # Neighbours link side to side; the edge closing the ring runs under the row. Two ranks
+        # share one link (not two parallel edges); one rank has none.
+        style = {"dir": "none", "color": "#4C72B0", "penwidth": "2"}
+        for r in range(world_size - 1):
+            row.edge(f"rank{r}", f"rank{r + 1}", **style)
+        if world_size > 2:
+            row.edge(f"rank{world_size - 1}:s", "rank0:s", constraint="false", **style)
+    # Only the first pipe and the last rendezvous line are labelled: one label per edge is
+    # clutter. The store lines do not constrain the layout; if they did, dot would reorder the
+    # ranks to uncross them.
+    for r in range(world_size):
+        label = {"label": "pipe: commands ↓ results ↑"} if r == 0 else {}
+        g.edge("notebook", f"rank{r}", dir="both", color="#B07A00", **label)
+    for r in range(world_size):
+        label = {"label": "rendezvous"} if r == world_size - 1 else {}
+        style = {"style": "dotted", "dir": "none", "color": "#777777", "constraint": "false"}
+        g.edge("store", f"rank{r}", **style, **label)
+    return Diagram(g.source)
