@@ -9,7 +9,7 @@ import torch
 
 import fsdp_lab
 from fsdp_lab import comm, reference
-from fsdp_lab.models import tiny_gpt
+from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.sharding import shard
 from fsdp_lab.trace import MemoryTracker
 from fsdp_lab.tying import verify_weight_tying
@@ -120,3 +120,23 @@ def test_joint_unit_is_gathered_per_member_call_and_freed_in_between(cluster_of,
         # Bytes: 4 gathers of the joint unit per step (2 forward + 2 backward), one
         # reduce-scatter; the blocks and the root as usual (2 gathers, 1 reduce-scatter).
         assert res["calls"] == {"all_gather_into_tensor": 4 + 2 * 5, "reduce_scatter_tensor": 6}
+
+
+def _collected_after_drop() -> bool:
+    import gc
+    import weakref
+
+    model = shard(tiny_gpt(), units={Block})
+    reference.train_steps(
+        model, _sgd(model.parameters()), 1, world=fsdp_lab.world_size(), rank=fsdp_lab.rank()
+    )
+    shard_param = weakref.ref(next(model.parameters()))
+    del model
+    gc.collect()
+    return shard_param() is None
+
+
+def test_a_sharded_model_is_freed_when_dropped(cluster_of):
+    # A hook holding the unit strongly on the buffer's C++ side would keep every sharded model
+    # (its shards) alive on a long-lived rank, run after run.
+    assert cluster_of(2).run(_collected_after_drop) == [True, True]

@@ -27,6 +27,7 @@ member's backward is then done) and gathered again by the next member's pre-back
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
@@ -108,7 +109,17 @@ class ShardedUnit:
         self._recomputing = False
         self._compute_start = 0.0
         self.label = "root" if name == "" else name
-        flat.unsharded.register_post_accumulate_grad_hook(self._post_backward)
+        # The tensor keeps its hooks on the C++ side, out of sight of Python's cycle collector:
+        # a bound method there (buffer -> hook -> unit -> buffer) would keep every sharded model
+        # alive for the life of the process. The hook holds the unit weakly instead.
+        unit = weakref.ref(self)
+
+        def post_backward(unsharded: torch.Tensor) -> None:
+            alive = unit()
+            if alive is not None:
+                alive._post_backward(unsharded)
+
+        flat.unsharded.register_post_accumulate_grad_hook(post_backward)
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward)
             module.register_forward_hook(self._post_forward)
