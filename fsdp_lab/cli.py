@@ -30,6 +30,8 @@ LABS: dict[str, tuple[str, str]] = {
     "shard": ("fsdp_lab.labs.shard", "ShardConfig"),
     "checkpoint": ("fsdp_lab.labs.checkpoint", "CheckpointConfig"),
     "tying": ("fsdp_lab.labs.tying", "TyingConfig"),
+    "meta-init": ("fsdp_lab.labs.meta_init", "MetaInitConfig"),
+    "pp-seed": ("fsdp_lab.labs.pp_seed", "PPSeedConfig"),
 }
 DEFAULT_OUT = "fsdp_lab_out"
 
@@ -78,11 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
+def _config(name: str, args: argparse.Namespace, tour: bool = False) -> tuple[ModuleType, Any]:
     module_name, config_name = LABS[name]
     module = importlib.import_module(module_name)
     config_cls = getattr(module, config_name)
-    overrides: dict[str, Any] = {"backend": args.backend}
+    # The tour runs each lab at a laptop-friendly size (a lab's TOUR, if it has one).
+    overrides: dict[str, Any] = dict(getattr(module, "TOUR", {})) if tour else {}
+    overrides["backend"] = args.backend
     if args.world_size is not None:
         overrides["world_size"] = args.world_size
     if args.model is not None:
@@ -116,8 +120,8 @@ def _save(module: ModuleType, result: Any, out: Path) -> list[Path]:
     return written
 
 
-def run_lab(name: str, args: argparse.Namespace, out: Path | None) -> Any:
-    module, config = _config(name, args)
+def run_lab(name: str, args: argparse.Namespace, out: Path | None, tour: bool = False) -> Any:
+    module, config = _config(name, args, tour)
     cluster = open_cluster(config.world_size, config.backend)
     try:
         result = module.run(config, cluster=cluster)
@@ -135,8 +139,8 @@ def tour(args: argparse.Namespace) -> dict[str, Any]:
     for i, name in enumerate(LABS, 1):
         print(f"[{i}/{len(LABS)}] {name} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        module, _ = _config(name, args)
-        result = run_lab(name, args, out / name)
+        module, _ = _config(name, args, tour=True)
+        result = run_lab(name, args, out / name, tour=True)
         seconds = time.perf_counter() - t0
         summary[name] = {"seconds": round(seconds, 2), "result": result.to_dict()}
         markdown += [f"## {name} ({seconds:.1f} s)", "", module.summary(result), ""]

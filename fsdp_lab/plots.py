@@ -381,6 +381,58 @@ def plot_memory_vs_compute(chains: dict[str, dict], *, title: str | None = None)
     return fig
 
 
+def plot_rss_over_time(
+    curves: dict[str, list[dict[str, Any]]],
+    *,
+    title: str | None = None,
+    theory: dict[str, float] | None = None,
+) -> Figure:
+    """Resident-memory growth over time, one panel per rank, one line per way of building.
+
+    Args:
+        curves: label -> one record per rank, each ``{"t": [...], "bytes": [...]}`` (seconds
+            since its own start, bytes above its own start) and optional ``"marks"``
+            (``{"t", "label", "bytes"}``, drawn as dots with their label).
+        title: figure title.
+        theory: label -> bytes, drawn as dotted horizontal lines in every panel.
+    """
+    if not curves or not all(curves.values()):
+        raise ValueError("plot_rss_over_time needs at least one curve with one rank")
+    ranks = max(len(per_rank) for per_rank in curves.values())
+    theory = theory or {}
+    largest = max(
+        [max(rec["bytes"] or [0]) for per_rank in curves.values() for rec in per_rank]
+        + list(theory.values())
+    )
+    unit, scale = _byte_unit(largest)
+    fig = Figure(figsize=(11, 1.2 + 2.8 * ranks), layout="constrained")
+    axes = fig.subplots(ranks, 1, sharex=True, sharey=True, squeeze=False)[:, 0]
+    colors = _THEORY_COLORS[1:] + _THEORY_COLORS[:1]
+    for r, ax in enumerate(axes):
+        for (label, per_rank), color in zip(curves.items(), _palette(len(curves)), strict=True):
+            if r >= len(per_rank):
+                continue
+            rec = per_rank[r]
+            ys = np.asarray(rec["bytes"], dtype=float) / scale
+            ax.plot(rec["t"], ys, color=color, lw=1.6, drawstyle="steps-post", label=label)
+            for m in rec.get("marks", []):
+                ax.plot(m["t"], m["bytes"] / scale, "o", color=color, ms=4)
+                ax.annotate(m["label"], (m["t"], m["bytes"] / scale), xytext=(3, 3),
+                            textcoords="offset points", fontsize=7, color=color)  # fmt: skip
+        for (name, value), color in zip(theory.items(), colors * len(theory), strict=False):
+            ax.axhline(value / scale, color=color, ls=":", lw=1.4,
+                       label=f"theory: {name} {format_bytes(value)}")  # fmt: skip
+        ax.set_title(f"rank {r}", fontsize=10)
+        ax.set_ylabel(f"resident memory growth ({unit})")
+        ax.set_ylim(0, 1.15 * largest / scale if largest else 1)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("time since start of the build (s)")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
 def _palette(n: int) -> list:
     cmap = colormaps["viridis"]
     return [cmap(i / max(1, n - 1) * 0.85) for i in range(n)]

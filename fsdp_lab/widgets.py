@@ -282,3 +282,121 @@ def checkpoint_explorer(
 ) -> CheckpointExplorer:
     """Controls for N, schedule and its k / C / budget; press Run to measure it vs store-all."""
     return CheckpointExplorer(n, schedule, arg)
+
+
+class MetaInitExplorer(_Explorer):
+    """Model size and world size for lab 04: the host-memory picture and both ways to agree.
+
+    A run builds the lab's Llama of the chosen size on every rank three ways (ordinary, meta +
+    unit-by-unit init, meta + `DeterministicInit` slices) under an `RssSampler` and a
+    `MemoryTracker`, then shards it with `sync_module_states` and with `DeterministicInit`,
+    each checked bitwise against one process. The ordinary build needs about
+    (ranks + 1) x size of host memory; the lab refuses a size that would not fit.
+    """
+
+    SIZES = (("16 MiB", 16), ("64 MiB", 64), ("256 MiB", 256), ("512 MiB", 512), ("1 GiB", 1024))
+
+    def __init__(
+        self, model_mb: int = 64, world_size: int = 2, seed: int = 0, backend: str = "auto"
+    ) -> None:
+        sizes = dict(self.SIZES).values()
+        if model_mb not in sizes:
+            raise ValueError(f"model_mb={model_mb!r}: the explorer offers {list(sizes)} (MiB)")
+        self.model_mb = W.SelectionSlider(options=self.SIZES, value=model_mb, description="model")
+        self.world_size = W.IntSlider(value=world_size, min=1, max=4, description="ranks")
+        self.seed = seed
+        super().__init__([self.model_mb, self.world_size], backend)
+        self.last_result: dict[str, Any] | None = None
+
+    def show(self) -> None:
+        from IPython.display import Markdown
+
+        from fsdp_lab.labs import meta_init, meta_init_agree
+
+        n, mb = self.world_size.value, self.model_mb.value
+        cluster = self.cluster(n)
+        memory = meta_init.measure_materialisation(mb, self.seed, cluster)
+        row = meta_init_agree.measure_size(mb, self.seed, cluster)
+        self.last_result = {"materialise": memory, "agreement": row}
+        display(meta_init.rss_figure(memory))
+        display(Markdown(meta_init.memory_table(memory)))
+        display(Markdown(meta_init_agree.agreement_table([row])))
+
+
+def meta_init_explorer(model_mb: int = 64, world_size: int = 2) -> MetaInitExplorer:
+    """Controls for model size and ranks; press Run to build, shard and compare the ranks."""
+    return MetaInitExplorer(model_mb, world_size)
+
+
+class PPSeedExplorer(_Explorer):
+    """Stages S, layers L and an init strategy for lab 05: the picture of who owns which
+    layers and where the seed or RNG state travels, then one measured run of that strategy.
+
+    A run initialises a pipeline of S stages on S ranks with the chosen strategy, compares
+    every stage with the unsplit init and the stages with each other, trains it `steps` GPipe
+    steps beside single-process training, and shows the table rows and the loss curves.
+    `cluster`: a live `Cluster` to use when S equals its size (the explorer leaves it open).
+    """
+
+    def __init__(
+        self,
+        stages: int = 2,
+        layers: int = 4,
+        strategy: str = "rng_replay",
+        steps: int = 20,
+        cluster: Cluster | None = None,
+        backend: str = "auto",
+    ) -> None:
+        from fsdp_lab.pipeline.rng import STRATEGIES
+
+        self.stages = W.IntSlider(value=stages, min=1, max=4, description="S stages")
+        self.layers = W.IntSlider(value=layers, min=1, max=12, description="L layers")
+        self.strategy = W.Dropdown(options=list(STRATEGIES), value=strategy, description="init")
+        self.steps = steps
+        super().__init__([self.stages, self.layers, self.strategy], backend)
+        self._borrowed = cluster
+        if cluster is not None:
+            self._clusters[cluster.world_size] = cluster
+        self.last_result: Any = None
+
+    def close(self) -> None:
+        if self._borrowed is not None and self._clusters.get(self._borrowed.world_size) is (
+            self._borrowed
+        ):
+            del self._clusters[self._borrowed.world_size]  # not ours to close
+        super().close()
+
+    def show(self) -> None:
+        from IPython.display import Markdown
+
+        from fsdp_lab.diagrams import pipeline_diagram
+        from fsdp_lab.labs import pp_seed, pp_seed_report
+
+        s, strategy = self.stages.value, self.strategy.value
+        try:
+            config = pp_seed.PPSeedConfig(
+                stages=s,
+                layers=self.layers.value,
+                steps=self.steps,
+                strategies=(strategy,),
+                grow_dims=(),
+                backend=self.backend,
+            )
+        except ValueError as err:  # e.g. more stages than layers: say why, run nothing
+            print(err)
+            return
+        display(pipeline_diagram(config.gpt(), s, strategy=strategy))
+        result = pp_seed.run(config, cluster=self.cluster(s))
+        self.last_result = result
+        tables = [pp_seed_report.results_table(result), pp_seed_report.overlap_table(result)]
+        display(Markdown("\n\n".join(tables)))
+        display(pp_seed_report.loss_figure(result))
+        if strategy == "same_seed" and s > 1:
+            display(pp_seed_report.same_seed_figure(result))
+
+
+def pp_seed_explorer(
+    stages: int = 2, layers: int = 4, strategy: str = "rng_replay", cluster: Cluster | None = None
+) -> PPSeedExplorer:
+    """Controls for S, L and the init strategy; press Run to initialise, compare and train."""
+    return PPSeedExplorer(stages, layers, strategy, cluster=cluster)

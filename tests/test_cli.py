@@ -86,6 +86,13 @@ def test_tour_runs_every_lab_with_progress_and_summary(tmp_path):
         (["tying", "--vocab", "0"], "vocab=0 is out of range: allowed an int >= 1"),
         (["tying", "--dim", "30", "--heads", "4"], "dim=30 is not divisible by heads=4"),
         (["tying", "--model", "fsdp_lab.models:nope"], "cannot load 'nope'"),
+        (["meta-init", "--model-mb", "4"], "model_mb=4 is out of range: allowed an int in 8.."),
+        (["meta-init", "--sizes-mb", "16", "0"], "sizes_mb=(16, 0) is out of range"),
+        (["meta-init", "--model", "m:f"], "--model is not used by this lab"),
+        (["pp-seed", "--stages", "5", "--layers", "4"], "stages=5 is out of range for layers=4"),
+        (["pp-seed", "--stages", "2", "--world-size", "3"], "2 does not divide world_size=3"),
+        (["pp-seed", "--strategies", "replay"], "strategy 'replay' is unknown: allowed"),
+        (["pp-seed", "--model", "m:f"], "--model is not used by this lab"),
         (["nonsense"], "invalid choice: 'nonsense'"),
     ],
 )
@@ -183,3 +190,52 @@ def test_tying_json_has_the_issue_keys_and_out_writes_diagrams(tmp_path):
     for stem in ("spike_fsdp_lab", "spike_fsdp2", "spike_bytes"):
         assert (tmp_path / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "tying.json").read_text())["world_size"] == 2
+
+
+def test_meta_init_json_has_the_issue_keys_and_measured_figures():
+    proc = fsdp_lab(
+        "meta-init",
+        *("--world-size", "2", "--model-mb", "32", "--sizes-mb", "8", "16", "--json"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)  # exactly one object on stdout
+    for key in ("build_time_s_70b", "rss_growth_bytes_70b", "peak_bytes_per_rank"):
+        assert key in result, key
+    assert 68e9 <= result["parameters_70b"] <= 71e9
+    assert 0 < result["rss_growth_bytes_70b"] < 200 * 10**6
+    assert len(result["peak_bytes_per_rank"]) == 2
+    assert max(result["peak_bytes_per_rank"]) < result["full_model_bytes"]
+    approaches = result["approaches"]
+    assert set(approaches) == {"sync_module_states", "deterministic"}
+    for approach in approaches.values():
+        assert approach["bitwise_equal_to_reference"] is True and approach["time_s"] > 0
+    row = result["agreement"]["rows"][-1]  # the approaches' figures are the largest size's
+    assert approaches["sync_module_states"]["bytes_moved"] == (
+        row["parameter_bytes"] + row["buffer_bytes"]
+    )
+    assert approaches["deterministic"]["bytes_moved"] == 0
+
+
+def test_pp_seed_json_has_the_issue_keys_per_strategy(tmp_path):
+    import torch
+
+    proc = fsdp_lab(
+        "pp-seed",
+        *("--stages", "2", "--layers", "2", "--steps", "3", "--grow-dims", "--json"),
+        *("--out", str(tmp_path)),
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)  # exactly one object on stdout
+    assert result["world_size"] == 2 and result["stages"] == 2 and result["growth"] == []
+    rows = result["strategies"]
+    assert list(rows) == ["seed_checkpoint", "same_seed", "per_stage_seed", "rng_replay"]
+    for row in rows.values():
+        for key in ("bitwise_equal", "max_abs_diff", "init_time_s", "bytes_moved", "final_loss"):
+            assert key in row, key
+        assert len(row["peak_bytes_per_rank"]) == 2
+    assert [rows[s]["bitwise_equal"] for s in rows] == [True, False, False, True]
+    assert rows["rng_replay"]["max_abs_diff"] == 0.0
+    assert rows["rng_replay"]["bytes_moved"] == torch.get_rng_state().numel()  # S - 1 = 1 state
+    suffix = ".svg" if shutil.which("dot") else ".dot"
+    assert (tmp_path / f"pipeline_rng_replay{suffix}").exists()
+    assert (tmp_path / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -8,11 +8,20 @@ import re
 import shutil
 
 import pytest
+import torch
 import torch.nn as nn
 
 from fsdp_lab import diagrams
-from fsdp_lab.diagrams import MISSING_DOT_MESSAGE, Diagram, cluster_diagram, wrap_diagram
+from fsdp_lab.diagrams import (
+    MISSING_DOT_MESSAGE,
+    Diagram,
+    cluster_diagram,
+    pipeline_diagram,
+    wrap_diagram,
+)
 from fsdp_lab.models import Block, tiny_gpt
+from fsdp_lab.pipeline import PipeGPT, PipeGPTConfig, stage_module_names
+from fsdp_lab.pipeline.rng import STRATEGIES, record_init_order
 from fsdp_lab.wrap import PlanError, build_plan, unit_sizes
 
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` not installed")
@@ -238,3 +247,95 @@ def test_wrap_diagram_saves_dot_without_dot(no_dot, tmp_path):
     d = wrap_diagram(tiny_gpt(), {Block})
     out = d.save(tmp_path / "wrap.svg")
     assert out == tmp_path / "wrap.dot" and out.read_text() == d.source
+
+
+# -- pipeline_diagram --------------------------------------------------------------------------
+
+PIPE = PipeGPTConfig(n_layers=6)
+
+
+def _handoffs(source: str) -> list[tuple[str, str]]:
+    return [(t, h) for t, h, attrs in _edges(source) if "handoff" in attrs]
+
+
+class _HeadFirst(PipeGPT):
+    """init_weights draws the head before everything else: the order is not the layout's."""
+
+    def init_modules(self):
+        mods = super().init_modules()
+        return [m for m in mods if m[0] == "head"] + [m for m in mods if m[0] != "head"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_pipeline_diagram_has_one_cluster_per_stage_holding_its_modules(strategy):
+    source = pipeline_diagram(PIPE, 3, [1, 3, 2], strategy=strategy, dp=2).source
+    clusters = _clusters(source)
+    assert list(clusters) == ["cluster_stage_0", "cluster_stage_1", "cluster_stage_2"]
+    for s, ranks in enumerate(("0, 3", "1, 4", "2, 5")):  # rank = dp_rank * S + stage
+        label, nodes = clusters[f"cluster_stage_{s}"]
+        assert label == f"stage {s} · ranks {ranks}"
+        assert nodes == set(stage_module_names(PIPE, s, 3, [1, 3, 2]))
+    assert f"{strategy}: S=3 stages x dp=2 on 6 ranks" in _graph_label(source)
+
+
+@pytest.mark.parametrize("stages, split", [(2, None), (3, [1, 3, 2]), (6, None)])
+def test_rng_replay_draws_one_handoff_per_owner_change_of_the_recorded_order(stages, split):
+    source = pipeline_diagram(PIPE, stages, split, strategy="rng_replay").source
+    with torch.device("meta"):
+        order = record_init_order(PipeGPT(PIPE))
+    owner = {n: s for s in range(stages) for n in stage_module_names(PIPE, s, stages, split)}
+    top = [owner[".".join(n.split(".")[:2]) if n.startswith("layers") else n] for n in order]
+    changes = sum(a != b for a, b in zip(top, top[1:], strict=False))
+    assert len(_handoffs(source)) == changes == stages - 1
+    firsts = [stage_module_names(PIPE, s, stages, split) for s in range(stages)]
+    # Each handoff goes from a stage's last module to the next stage's first.
+    assert _handoffs(source) == [(firsts[s][-1], firsts[s + 1][0]) for s in range(stages - 1)]
+    assert f"({torch.get_rng_state().numel():,} B on CPU)" in source
+
+
+def test_rng_replay_diagram_follows_the_recorded_order_not_the_layout():
+    source = pipeline_diagram(PIPE, 2, strategy="rng_replay", model_cls=_HeadFirst).source
+    # head (stage 1) -> tok_emb ... layers.2 (stage 0) -> layers.3 ... norm: two handoffs.
+    assert _handoffs(source) == [("head", "tok_emb"), ("layers.2", "layers.3")]
+    assert ("seed", "head", 'label="draws head first" color="#B07A00"') in _edges(source)
+
+
+def test_seed_checkpoint_diagram_draws_the_file_and_a_load_per_stage():
+    source = pipeline_diagram(PIPE, 3, strategy="seed_checkpoint").source
+    assert re.search(
+        r'checkpoint \[label="pp_seed_checkpoint\.pt\\n[\d,]+ B".*shape=cylinder', source
+    )
+    loads = [(t, h) for t, h, attrs in _edges(source) if t == "checkpoint"]
+    assert loads == [
+        ("checkpoint", "tok_emb"),
+        ("checkpoint", "layers.2"),
+        ("checkpoint", "layers.4"),
+    ]
+    assert ("rank 0 init", "checkpoint") in {(t, h) for t, h, _ in _edges(source)}
+    assert _handoffs(source) == []
+
+
+def test_same_seed_and_per_stage_seed_diagrams():
+    same = pipeline_diagram(PIPE, 3, strategy="same_seed").source
+    red = {(t, h) for t, h, attrs in _edges(same) if "color=red" in attrs}
+    assert red == {("tok_emb", "layers.2"), ("layers.2", "layers.4")}
+    per = pipeline_diagram(PIPE, 3, strategy="per_stage_seed").source
+    sent = [a for t, _, a in _edges(per) if t == "seeds"]
+    assert len(sent) == 3 and all("broadcast" in a for a in sent)
+
+
+def test_pipeline_diagram_refuses_bad_input():
+    with pytest.raises(ValueError, match=r"strategy='replay' is unknown: allowed \['seed_ch"):
+        pipeline_diagram(PIPE, 2, strategy="replay")
+    with pytest.raises(ValueError, match="S=7 stages for L=6 layers: allowed 1..6"):
+        pipeline_diagram(PIPE, 7)
+    with pytest.raises(ValueError, match="dp=0 is out of range"):
+        pipeline_diagram(PIPE, 2, dp=0)
+
+
+@needs_dot
+def test_pipeline_diagram_renders(tmp_path):
+    d = pipeline_diagram(PIPE, 3, strategy="rng_replay")
+    titles = re.findall(r'<g id="clust\d+" class="cluster">\s*<title>([^<]+)</title>', d.svg())
+    assert titles == ["cluster_stage_0", "cluster_stage_1", "cluster_stage_2"]
+    assert d.save(tmp_path / "pipe").suffix == ".svg"

@@ -14,6 +14,7 @@ from fsdp_lab.plots import (
     plot_measured_vs_theory,
     plot_memory_trace,
     plot_rank_contents,
+    plot_rss_over_time,
     plot_timeline,
     save_figure,
 )
@@ -201,3 +202,30 @@ def test_save_figure_writes_png(tmp_path):
     assert out == tmp_path / "deep" / "dir" / "fig.png"
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_rss_over_time_one_panel_per_rank_curves_as_given_theory_lines():
+    def rank(peak: int) -> dict:
+        marks = [{"t": 0.1, "label": "built", "bytes": peak * MiB}]
+        return {"t": [0.0, 0.1, 0.2], "bytes": [0, peak * MiB, 10 * MiB], "marks": marks}
+
+    curves = {"ordinary": [rank(64), rank(63)], "meta": [rank(20), rank(21)]}
+    fig = plot_rss_over_time(curves, title="spike vs flat", theory={"model": 64 * MiB})
+    assert isinstance(fig, Figure) and len(fig.axes) == 2
+    for r, ax in enumerate(fig.axes):
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        for label, per_rank in curves.items():  # the y values are the inputs, in MiB
+            np.testing.assert_allclose(
+                lines[label].get_ydata(), np.array(per_rank[r]["bytes"]) / MiB
+            )
+        theory = lines["theory: model 64.00 MiB"]
+        assert list(theory.get_ydata()) == [64, 64] and theory.get_linestyle() == ":"
+        assert ax.get_title() == f"rank {r}" and "MiB" in ax.get_ylabel()
+        assert [t.get_text() for t in ax.texts] == ["built", "built"]  # one per curve
+
+
+def test_rss_over_time_needs_a_curve():
+    with pytest.raises(ValueError, match="at least one curve"):
+        plot_rss_over_time({})
+    with pytest.raises(ValueError, match="at least one curve"):
+        plot_rss_over_time({"ordinary": []})

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,9 @@ def empty_stage(
     return model.to_empty(device=device)
 
 
-def _stage_of(config: PipeGPTConfig, stages: int, layers_per_stage: list[int] | None):
+def stage_of_module(
+    config: PipeGPTConfig, stages: int, layers_per_stage: list[int] | None
+) -> Callable[[str], int]:
     """module name -> the stage that owns it (by its top-level name: "layers.3.attn" -> 3's)."""
     top = {
         name: s
@@ -199,7 +202,7 @@ def rng_replay(
         order = record_init_order(PipeGPT(config))  # before splitting: the whole model's order
     model = empty_stage(config, info, layers_per_stage, device)
     modules = dict(model.named_modules())
-    stage_of = _stage_of(config, info.stages, layers_per_stage)
+    stage_of = stage_of_module(config, info.stages, layers_per_stage)
 
     def rank_of(stage: int) -> int:  # the same pipeline (dp replica), another stage
         return info.dp_rank * info.stages + stage
@@ -211,9 +214,9 @@ def rng_replay(
         owner = stage_of(name)
         if owner != holder:  # ownership moves on: so does the generator's state
             if info.stage == holder:
-                comm.send(_rng_state(device), dst=rank_of(owner))
+                comm.send(generator_state(device), dst=rank_of(owner))
             elif info.stage == owner:
-                state = _rng_state(device)
+                state = generator_state(device)
                 comm.recv(state, src=rank_of(holder))
                 _set_rng_state(device, state)
             holder = owner
@@ -274,7 +277,7 @@ def _seed(device: torch.device | str, seed: int) -> None:
     torch.manual_seed(seed)  # seeds the CPU generator and every CUDA generator
 
 
-def _rng_state(device: torch.device | str) -> torch.Tensor:
+def generator_state(device: torch.device | str) -> torch.Tensor:
     """The state of the generator this device's init draws from, as a sendable tensor."""
     if _is_cuda(device):
         return torch.cuda.get_rng_state(torch.device(device)).to(device)

@@ -1,0 +1,246 @@
+"""Lab 05: the seed checkpoint and RNG replay equal the unsplit init bitwise and train like one
+process; the same seed on every stage repeats stage 0's draws; per-stage seeds are distinct but
+not the unsplit init; bytes and memory are what each strategy must cost; pp x dp replicas agree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from matplotlib.figure import Figure
+
+from fsdp_lab import reference, world_size
+from fsdp_lab.diagrams import Diagram
+from fsdp_lab.labs import pp_seed as lab
+from fsdp_lab.labs import pp_seed_report as report
+from fsdp_lab.pipeline import PipeGPT
+from fsdp_lab.pipeline.rng import STRATEGIES, record_init_order
+
+CONFIG = lab.PPSeedConfig(stages=2, layers=4, steps=8, grow_dims=(32, 64))
+EXACT = ("seed_checkpoint", "rng_replay")  # (a), (d): the unsplit init, bitwise
+OTHER = ("same_seed", "per_stage_seed")  # (b), (c): not the unsplit init
+STATE_BYTES = torch.get_rng_state().numel()  # the CPU generator state a handoff sends
+
+
+@pytest.fixture(scope="module")
+def result(cluster_of):
+    return lab.run(CONFIG, cluster=cluster_of(2))
+
+
+@pytest.fixture(scope="module")
+def mesh(cluster_of):
+    """pp x dp on 4 ranks: S = 2 stages, 2 pipelines side by side."""
+    return lab.run(
+        lab.PPSeedConfig(stages=2, world_size=4, layers=4, steps=3, grow_dims=()),
+        cluster=cluster_of(4),
+    )
+
+
+@pytest.fixture(scope="module")
+def four_stages(cluster_of):
+    config = lab.PPSeedConfig(stages=4, layers=4, steps=2, strategies=OTHER, grow_dims=())
+    return lab.run(config, cluster=cluster_of(4))
+
+
+def _full_bytes(config: lab.PPSeedConfig, dim: int | None = None) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() * 4 for p in PipeGPT(config.gpt(dim)).parameters())
+
+
+def _single_process_losses(config: lab.PPSeedConfig) -> list[float]:
+    model = PipeGPT(config.gpt())
+    torch.manual_seed(config.seed)
+    model.init_weights()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return reference.train_steps(
+        model, opt, config.steps, global_batch=config.global_batch, seq_len=config.seq_len
+    )
+
+
+def test_json_has_the_issue_keys_per_strategy(result):
+    data = json.loads(result.to_json())
+    assert data["lab"] == "pp-seed" and data["stages"] == 2 and data["dp"] == 1
+    assert list(data["strategies"]) == list(STRATEGIES)
+    for row in data["strategies"].values():
+        for key in ("bitwise_equal", "max_abs_diff", "init_time_s", "bytes_moved", "final_loss"):
+            assert key in row, key
+        assert len(row["peak_bytes_per_rank"]) == 2 and row["init_time_s"] > 0
+    assert data["full_model_bytes"] == _full_bytes(CONFIG)
+
+
+def test_checkpoint_and_replay_equal_the_unsplit_init_the_others_do_not(result):
+    rows = result["strategies"]
+    for s in EXACT:
+        assert rows[s]["bitwise_equal"] is True and rows[s]["max_abs_diff"] == 0.0, s
+    for s in OTHER:
+        assert rows[s]["bitwise_equal"] is False, s
+        assert rows[s]["max_abs_diff"] > 0.01 and rows[s]["mismatched_parameters"] > 0, s
+
+
+def test_bytes_each_strategy_moves(result):
+    rows = result["strategies"]
+    # (d): one generator state per change of owner, S - 1 = 1 handoff, sent by stage 0.
+    assert result["generator_state_bytes"] == STATE_BYTES and result["handoffs"] == 1
+    assert rows["rng_replay"]["bytes_moved"] == 1 * STATE_BYTES
+    assert rows["rng_replay"]["bytes_moved_per_rank"] == [STATE_BYTES, 0]
+    assert rows["rng_replay"]["theory_bytes_moved"] == rows["rng_replay"]["bytes_moved"]
+    assert rows["same_seed"]["bytes_moved"] == 0 and rows["same_seed"]["messages"] == 0
+    # (c): S int64 seeds broadcast (counted on each rank); (a): "the file is there", 8 bytes.
+    assert rows["per_stage_seed"]["bytes_moved_per_rank"] == [2 * 8, 2 * 8]
+    assert rows["seed_checkpoint"]["bytes_moved_per_rank"] == [8, 8]
+    assert rows["seed_checkpoint"]["checkpoint_file_bytes"] > result["full_model_bytes"]
+
+
+def test_seed_checkpoint_needs_the_whole_model_on_rank_0_only(result):
+    full = result["full_model_bytes"]
+    peaks = result["strategies"]["seed_checkpoint"]["peak_bytes_per_rank"]
+    assert peaks[0] >= full > peaks[1]
+    replay = result["strategies"]["rng_replay"]["peak_bytes_per_rank"]
+    assert max(replay) < full  # no rank ever builds the whole model
+    for row, dim in zip(result["growth"], CONFIG.grow_dims, strict=True):
+        assert row["full_model_bytes"] == _full_bytes(CONFIG, dim)
+        grown = row["seed_checkpoint"]["peak_bytes_per_rank"]
+        assert grown[0] >= row["full_model_bytes"] > grown[1], dim
+        assert max(row["rng_replay"]["peak_bytes_per_rank"]) < row["full_model_bytes"] / 1.5
+    small, large = (r["seed_checkpoint"]["peak_bytes_per_rank"][0] for r in result["growth"])
+    assert large > 3 * small  # it grows with the model (dim 32 -> 64: about 4x)
+
+
+def test_checkpoint_and_replay_train_exactly_like_one_process(result):
+    expected = _single_process_losses(CONFIG)
+    torch.testing.assert_close(result["baseline"]["losses"], expected, rtol=1e-6, atol=0)
+    for s in EXACT:
+        row = result["strategies"][s]
+        torch.testing.assert_close(row["losses"], expected, rtol=1e-5, atol=0, msg=s)
+        assert row["loss_matches_baseline"] is True
+    for s in OTHER:
+        row = result["strategies"][s]
+        rel = max(abs(a - b) / b for a, b in zip(row["losses"], expected, strict=True))
+        assert rel > 1e-4 and row["loss_matches_baseline"] is False, s
+
+
+def test_same_seed_repeats_stage_0s_draws(result):
+    same = result["strategies"]["same_seed"]["overlap"]
+    # Stage 1 (layers 2, 3 and the head) drew exactly the first values stage 0 drew ...
+    stage1_draws = 2 * (3 * 32 * 32 + 32 * 32 + 2 * 4 * 32 * 32) + 32 * 64
+    assert same["shared_prefix_values_0_1"] == stage1_draws
+    assert same["duplicate_fraction_per_stage"] == [None, 1.0] and same["stages_distinct"] is False
+    # ... yet its first layer, set beside stage 0's layer 0, is uncorrelated (not the same place).
+    assert abs(same["first_layer_corr_0_1"]) < 0.1
+    for s in ("seed_checkpoint", "per_stage_seed", "rng_replay"):
+        o = result["strategies"][s]["overlap"]
+        assert o["shared_prefix_values_0_1"] == 0 and o["stages_distinct"] is True, s
+        assert o["duplicate_fraction"] < 0.01 and o["repeated_pair_fraction_per_stage"] == [None, 0]
+
+
+def test_with_three_or_more_stages_later_first_layers_are_identical(four_stages):
+    same = four_stages["strategies"]["same_seed"]["overlap"]
+    assert same["first_layer_corr_1_2"] == pytest.approx(1.0, abs=1e-12)
+    assert same["identical_first_layers"] == [[1, 2], [1, 3], [2, 3]]
+    assert same["duplicate_fraction_per_stage"] == [None, 1.0, 1.0, 1.0]
+    per = four_stages["strategies"]["per_stage_seed"]["overlap"]
+    assert abs(per["first_layer_corr_1_2"]) < 0.1 and per["identical_first_layers"] == []
+    assert per["stages_distinct"] is True
+
+
+def test_pp_by_dp_replicas_agree_and_stages_differ(mesh):
+    assert mesh["world_size"] == 4 and mesh["dp"] == 2 and mesh["stages"] == 2
+    for s, row in mesh["strategies"].items():
+        assert row["mesh"]["replicas_equal"] is True and row["mesh"]["replica_max_abs_diff"] == 0
+        assert row["mesh"]["stages_distinct"] is (s != "same_seed"), s
+        assert len(row["peak_bytes_per_rank"]) == 4
+    replay = mesh["strategies"]["rng_replay"]
+    assert replay["bytes_moved"] == 2 * 1 * STATE_BYTES  # one handoff in each pipeline
+    assert replay["bytes_moved_per_rank"] == [STATE_BYTES, 0, STATE_BYTES, 0]
+    expected = _single_process_losses(lab.PPSeedConfig(stages=2, world_size=4, layers=4, steps=3))
+    for s in EXACT:  # the mean over the two pipelines is the single-process loss
+        assert mesh["strategies"][s]["bitwise_equal"] is True
+        torch.testing.assert_close(mesh["strategies"][s]["losses"], expected, rtol=1e-5, atol=0)
+
+
+def test_comparisons_catch_a_single_changed_value():
+    ref = {"w": torch.tensor([1.0, 2.0, 3.0])}
+    nudged = {"w": torch.tensor([1.0, 2.0, 3.0 + 2**-22])}
+    assert report.compare_with_reference([ref], ref)["bitwise_equal"] is True
+    bad = report.compare_with_reference([ref, nudged], ref)
+    assert bad["bitwise_equal"] is False and bad["max_abs_diff"] == 2**-22
+    assert report.replica_check([ref, ref], [0, 0])["replicas_equal"] is True
+    assert report.replica_check([ref, nudged], [0, 0])["replicas_equal"] is False
+    assert report.replica_check([ref, nudged], [0, 1])["replicas_equal"] is None  # dp = 1
+    with pytest.raises(ValueError, match="do not hold the whole model"):
+        report.compare_with_reference([{}], ref)
+
+
+def test_handoffs_count_the_owner_changes_of_the_recorded_order():
+    config = lab.PPSeedConfig(stages=3, layers=6)
+    with torch.device("meta"):
+        order = record_init_order(PipeGPT(config.gpt()))
+    assert order[0] == "tok_emb" and order[-1] == "head"
+    assert report.handoffs(config) == 2
+
+
+def test_figures_and_summary(result):
+    figs = lab.figures(result)
+    assert {f"pipeline_{s}" for s in STRATEGIES} | {"loss_curves", "growth"} <= set(figs)
+    assert "same_seed_draws" in figs
+    for name, fig in figs.items():
+        assert isinstance(fig, Diagram if name.startswith("pipeline_") else Figure), name
+    text = lab.summary(result)
+    assert "| (d) rng_replay | yes | 0 |" in text and "| (b) same_seed | no |" in text
+    assert f"generator state {STATE_BYTES} B, 1 handoff(s)" in text
+
+
+def test_layout_defaults():
+    assert (lab.PPSeedConfig().stages, lab.PPSeedConfig().world_size) == (3, 3)
+    assert (lab.PPSeedConfig(world_size=2).stages, lab.PPSeedConfig(stages=2).world_size) == (2, 2)
+    assert lab.PPSeedConfig(stages=2, world_size=4).dp == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"stages": 5, "layers": 4}, "stages=5 is out of range for layers=4: allowed 1..4"),
+        (
+            {"stages": 2, "world_size": 3},
+            "stages=2 does not divide world_size=3: allowed stages in [1, 3]",
+        ),
+        ({"stages": 0}, "stages=0 is out of range: allowed an int >= 1"),
+        (
+            {"strategies": ("replay",)},
+            "strategy 'replay' is unknown: allowed one or more of ['seed_ch",
+        ),
+        ({"strategies": ()}, "allowed one or more of"),
+        ({"layers": 0}, "layers=0 is out of range: allowed an int >= 1"),
+        ({"steps": 0}, "steps=0 is out of range: allowed an int >= 1"),
+        ({"dim": 30, "heads": 4}, "dim=30 is not divisible by heads=4"),
+        (
+            {"stages": 2, "world_size": 4, "global_batch": 6},
+            "global_batch=6 does not split into dp=2",
+        ),
+        ({"optimizer": "lion"}, "optimizer='lion', lr=None: allowed optimizer in ['sgd', 'adam']"),
+        ({"grow_dims": (30,)}, "grow_dims: dim=30 is out of range"),
+    ],
+)
+def test_bad_config_names_the_value_the_range_and_the_fix(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        lab.PPSeedConfig(**kwargs)
+    assert message in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_explorer_runs_on_a_borrowed_cluster_and_leaves_it_open(cluster_of, capsys):
+    from fsdp_lab.widgets import PPSeedExplorer
+
+    cluster = cluster_of(2)
+    explorer = PPSeedExplorer(stages=2, layers=2, strategy="rng_replay", steps=2, cluster=cluster)
+    explorer.show()
+    row = explorer.last_result["strategies"]["rng_replay"]
+    assert list(explorer.last_result["strategies"]) == ["rng_replay"]
+    assert row["bitwise_equal"] is True and row["bytes_moved"] == STATE_BYTES
+    explorer.layers.value = 1  # two stages, one layer: refused before any rank is asked
+    explorer.last_result = None
+    explorer.show()
+    assert "stages=2 is out of range for layers=1" in capsys.readouterr().out
+    assert explorer.last_result is None
+    explorer.close()
+    assert cluster.run(world_size) == [2, 2]  # the borrowed cluster is still open
