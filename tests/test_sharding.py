@@ -240,9 +240,10 @@ def _refused(kind: str) -> str:
                 shard(tiny_gpt(), strategy="zero4")
             elif kind == "hybrid":
                 shard(tiny_gpt(), strategy="hybrid")
-            elif kind == "meta":
+            elif kind == "meta":  # half on meta, half real: neither materialisable nor real
                 with torch.device("meta"):
                     model = tiny_gpt()
+                model.blocks[0].to_empty(device="cpu")
                 shard(model)
             elif kind == "broken_tie":
                 from fsdp_lab.tying import record_ties
@@ -270,7 +271,7 @@ def _refused(kind: str) -> str:
         ("unknown_module", ["'blocks.9'", "did you mean"]),
         ("strategy", ["'zero4'", "'full'", "'grad_op'"]),
         ("hybrid", ["'hybrid'", "2-D", "HSDP"]),
-        ("meta", ["meta device", "to_empty"]),
+        ("meta", ["several devices", "'blocks.0.", "torch.device('meta')"]),
         ("mesh", ["mesh has 1 ranks but the world has 2"]),
         ("broken_tie", ["recorded weight ties are broken", "'head.weight'", "retie"]),
     ],
