@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn as nn
+from test_tying import _SharedStorage
 
 from fsdp_lab import diagrams
 from fsdp_lab.diagrams import (
@@ -127,16 +128,6 @@ def _red_dashed(source: str) -> set[tuple[str, str]]:
 
 def _graph_label(source: str) -> str:
     return re.search(r'^\tgraph \[.*?label="([^"]*)"', source, re.M).group(1)
-
-
-class _SharedStorage(nn.Module):
-    """A storage tie: `second.b` is a distinct Parameter over 4 elements of `first.weight`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Linear(4, 2)
-        self.second = nn.Module()
-        self.second.b = nn.Parameter(self.first.weight.data.view(-1)[:4])
 
 
 def test_block_units_one_cluster_each_and_the_tie_inside_the_root_unit():
