@@ -38,7 +38,7 @@ import sys
 import time
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -81,6 +81,22 @@ def device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def intra_op_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to `count` (at least 1) for a block, then put back.
+
+    N ranks on one machine, each with torch's default thread count, oversubscribe its cores:
+    OpenMP threads spinning against each other made small steps 5-10x slower, now and then, in
+    our runs on 2 cores. Labs run their measured work inside this.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, count))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def resolve_backend(backend: str, world_size: int) -> str:

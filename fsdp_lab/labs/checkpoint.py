@@ -24,7 +24,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from fsdp_lab import comm, reference, schedules
 from fsdp_lab.checkpointing import CheckpointWrapper, checkpoint, run_segments
-from fsdp_lab.cluster import AttachedCluster, Cluster, rank, world_size
+from fsdp_lab.cluster import AttachedCluster, Cluster, intra_op_threads, rank, world_size
 from fsdp_lab.labs import LabResult
 from fsdp_lab.models import Chain, ChainLayer
 from fsdp_lab.trace import MemoryTracker, category
@@ -94,17 +94,13 @@ def measure_chain(config: CheckpointConfig, n: int) -> dict[str, Any]:
     """Every schedule on one chain: a row each, gradients compared with store-all."""
     chain, x = _chain(config, n)
     rows, grads = [], {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small layers: intra-op threads only add contention noise
-    try:
+    with intra_op_threads(1):  # small layers: intra-op threads only add contention noise
         for schedule in schedules_for(config, n):
             row = schedules.measure_schedule(
                 chain.layers, x, schedule, loss_fn=_loss, keep_grads=True
             )
             grads[row["schedule"]] = row.pop("grads")
             rows.append(row)
-    finally:
-        torch.set_num_threads(threads)
     base = grads["store_all"]
     for row in rows:
         got = grads[row["schedule"]]

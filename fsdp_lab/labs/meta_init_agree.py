@@ -27,14 +27,20 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from fsdp_lab import comm, reference
-from fsdp_lab.cluster import AttachedCluster, Cluster, device, rank, world_size
+from fsdp_lab.cluster import (
+    AttachedCluster,
+    Cluster,
+    device,
+    intra_op_threads,
+    rank,
+    world_size,
+)
 from fsdp_lab.meta_init import DeterministicInit
 from fsdp_lab.models import Llama, LlamaConfig, llama_config_of_bytes
 from fsdp_lab.sharding import shard
@@ -85,20 +91,14 @@ def lab_units(config: LlamaConfig) -> list:
     return [f"layers.{i}" for i in range(config.n_layers)] + ends
 
 
-@contextlib.contextmanager
-def rank_threads() -> Iterator[None]:
+def rank_threads() -> contextlib.AbstractContextManager[None]:
     """Intra-op threads for one rank: this machine's cores shared by the ranks (at least 1).
 
     N ranks x torch's default thread count oversubscribe the cores, and OpenMP threads spinning
     against each other made the slice initialiser 5-10x slower (measured on 2 cores).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, (cores or 1) // world_size()))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return intra_op_threads((cores or 1) // world_size())
 
 
 def model_bytes(config: LlamaConfig) -> dict[str, int]:

@@ -28,8 +28,6 @@ import math
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,14 @@ from typing import Any
 import torch
 
 from fsdp_lab import comm, reference
-from fsdp_lab.cluster import AttachedCluster, Cluster, device, rank, world_size
+from fsdp_lab.cluster import (
+    AttachedCluster,
+    Cluster,
+    device,
+    intra_op_threads,
+    rank,
+    world_size,
+)
 from fsdp_lab.labs import LabResult
 from fsdp_lab.labs.pp_seed_report import analyse, figures, summary
 from fsdp_lab.pipeline import PipeGPT, PipeGPTConfig, dp_group, stage_info, train_pipeline
@@ -209,18 +214,6 @@ def remove_dir_worker(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """Tiny matmuls on a shared CPU: intra-op threads only add contention (S ranks x threads
-    over few cores made steps 10x slower, now and then, in our runs)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _init(config: PPSeedConfig, strategy: str, model_config: PipeGPTConfig, folder: str):
     info = stage_info(rank(), world_size(), config.stages, config.layers)
     torch.manual_seed(10_000 + rank())  # whatever a rank drew before must not matter
@@ -230,7 +223,7 @@ def _init(config: PPSeedConfig, strategy: str, model_config: PipeGPTConfig, fold
     return info, model, report
 
 
-@_one_thread()
+@intra_op_threads(1)  # tiny matmuls: more threads only contend
 def strategies_worker(config: PPSeedConfig, folder: str) -> dict[str, Any]:
     """Every strategy in turn: initialise this rank's stage (measured), keep a copy of the
     initial values, train `steps` GPipe steps. Returns what this rank saw, per strategy."""
@@ -262,7 +255,7 @@ def strategies_worker(config: PPSeedConfig, folder: str) -> dict[str, Any]:
     return out
 
 
-@_one_thread()
+@intra_op_threads(1)  # tiny matmuls: more threads only contend
 def growth_worker(config: PPSeedConfig, folder: str) -> list[dict[str, Any]]:
     """Init time and peak bytes of every strategy at each width in `grow_dims` (no training)."""
     rows = []
@@ -278,7 +271,7 @@ def growth_worker(config: PPSeedConfig, folder: str) -> list[dict[str, Any]]:
     return rows
 
 
-@_one_thread()
+@intra_op_threads(1)  # tiny matmuls: more threads only contend
 def baseline_worker(config: PPSeedConfig) -> dict[str, Any] | None:
     """On rank 0: the unsplit reference init, and single-process training from it."""
     if rank() != 0:
