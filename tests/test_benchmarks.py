@@ -14,13 +14,10 @@ ENV = {**os.environ, "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"}
 SYSTEMS = ("ours", "fsdp2", "fsdp1", "ddp")
 
 
-def test_bench_shard_prints_one_row_per_system_and_world_size(tmp_path):
-    out = tmp_path / "bench.json"
-    tiny = "--steps 2 --repeats 1 --dim 16 --layers 1 --heads 2 --vocab 32 --seq 8 --batch 2"
+def _run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run benchmarks/<script> with tiny arguments; it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_shard.py"), "--world-sizes", "1", "2"]
-        + tiny.split()
-        + ["--json", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         capture_output=True,
         text=True,
         env=ENV,
@@ -28,6 +25,15 @@ def test_bench_shard_prints_one_row_per_system_and_world_size(tmp_path):
         timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_bench_shard_prints_one_row_per_system_and_world_size(tmp_path):
+    out = tmp_path / "bench.json"
+    tiny = "--steps 2 --repeats 1 --dim 16 --layers 1 --heads 2 --vocab 32 --seq 8 --batch 2"
+    proc = _run_benchmark(
+        "bench_shard.py", "--world-sizes", "1", "2", *tiny.split(), "--json", str(out)
+    )
     text = proc.stdout
     # The main table of each world size: "| system | ms | ratio | MiB | ratio |".
     for n in (1, 2):
@@ -51,16 +57,16 @@ def test_bench_shard_prints_one_row_per_system_and_world_size(tmp_path):
 
 
 def test_bench_meta_init_prints_one_json_object():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_meta_init.py")]
-        + ["--repeats", "1", "--real-gib", "0", "--init-elements", "4096", "--json"],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        cwd=ROOT,
-        timeout=240,
+    proc = _run_benchmark(
+        "bench_meta_init.py",
+        "--repeats",
+        "1",
+        "--real-gib",
+        "0",
+        "--init-elements",
+        "4096",
+        "--json",
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(proc.stdout)  # exactly one JSON object, nothing else on stdout
     meta = data["llama_70b_on_meta"]
     assert meta["parameters"] == 70_553_706_496 and meta["fp32_bytes"] == 4 * meta["parameters"]
