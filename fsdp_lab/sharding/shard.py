@@ -25,6 +25,7 @@ Strategies (DESIGN.md, Ψ parameters, N ranks, fp32 Adam):
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -184,6 +185,18 @@ def _check_model(model: nn.Module, strategy: str) -> None:
         )
     if getattr(model, "_fsdp_lab_state", None) is not None:
         raise ValueError("this model is already sharded; shard() applies once per model")
+    for name, module in model.named_modules():
+        root = getattr(module, "_fsdp_lab_sharded_in", None)
+        root = root() if root is not None else None
+        if root is not None or getattr(module, "_fsdp_lab_state", None) is not None:
+            inside = f"its submodule {name!r}" if name else "this module"
+            whole = type(root).__name__ if root is not None else type(module).__name__
+            raise ValueError(
+                f"{inside} is part of a {whole} that fsdp_lab.shard already sharded: its "
+                "parameters are views into that model's flat shards, and sharding them again "
+                "would shard slices of slices. Fix: shard the whole model once, naming the "
+                f"units you want, e.g. shard(model, units={{{type(module).__name__}}})"
+            )
     params = list(model.named_parameters())
     if not params:
         raise ValueError("the model has no parameters: there is nothing to shard")
@@ -340,6 +353,9 @@ def shard(
             for b in model.buffers():
                 comm.broadcast(b, src=0, group=group)
     model._fsdp_lab_state = state
+    for module in model.modules():  # so that shard(model.blocks[0]) later is refused
+        if module is not model:
+            module._fsdp_lab_sharded_in = weakref.ref(model)
     return model
 
 

@@ -1,0 +1,46 @@
+"""Live ranks for notebooks, scripts and the CLI: start them once, `run` functions on them.
+
+    from fsdp_lab import Cluster
+    with Cluster(4) as cluster:           # 4 rank processes in one process group
+        cluster.run(fn, *args)            # fn on every rank; results in rank order
+
+Modules, in the order a call travels:
+    driver.py     Cluster: start, run, failure policy (read its docstring first)
+    protocol.py   the messages and RankError
+    launcher.py   the fork server ranks are forked from (torch imported once)
+    rank_main.py  the loop inside each rank
+    output.py     ranks' stdout/stderr, live, as [rank r] lines
+    where.py      rank(), world_size(), device() inside a rank
+    torchrun.py   AttachedCluster: the same interface under torchrun
+"""
+
+from fsdp_lab.cluster import launcher
+from fsdp_lab.cluster.driver import Cluster
+from fsdp_lab.cluster.protocol import RankError
+from fsdp_lab.cluster.torchrun import AttachedCluster, open_cluster, under_torchrun
+from fsdp_lab.cluster.where import (
+    BACKENDS,
+    device,
+    intra_op_threads,
+    rank,
+    resolve_backend,
+    world_size,
+)
+
+__all__ = [
+    "BACKENDS",
+    "AttachedCluster",
+    "Cluster",
+    "RankError",
+    "device",
+    "intra_op_threads",
+    "open_cluster",
+    "rank",
+    "resolve_backend",
+    "under_torchrun",
+    "world_size",
+]
+
+# The fork server starts importing torch now, while the importer goes on: by the time a
+# notebook creates its first Cluster, the ranks are a fork away (see launcher.py).
+launcher.warm_up()

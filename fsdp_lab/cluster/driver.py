@@ -1,0 +1,516 @@
+"""`Cluster`: N live rank processes a notebook talks to, one `run` call at a time.
+
+Real distributed training runs one process per device. A notebook is a single process, so
+`Cluster` starts N rank processes (forked from `launcher`'s fork server), joins them into one
+process group, and keeps them alive. Each `cluster.run(fn, ...)` ships `fn` by value
+(cloudpickle, so a function written in a notebook cell works), runs it on every rank at once
+and returns the results in rank order.
+
+    notebook ──call #7──▶ rank 0 ─┐
+             ──call #7──▶ rank 1 ─┼─ process group (gloo on CPU, NCCL on GPUs), loopback only
+             ◀─reply #7── ...     ┘  stdout/stderr of every rank read live, as [rank r] lines
+
+Failure policy (what a learner sees; `RankError` names the rank):
+- fn raises on some ranks: RankError for the first that failed, its traceback, and one line per
+  other failed rank. If every rank answered, the same ranks serve the next run (state kept).
+- a rank dies (exit, signal, OOM killer) during a call, or ranks do not answer within
+  `timeout` (a hung collective): RankError naming the rank that died first, with its exit
+  code or signal, peers' errors listed after. All ranks are stopped; the next run() starts
+  fresh ones and says so in one line (state kept on the ranks is lost).
+- a rank died *between* calls: the next run() finds it before sending anything and raises
+  RankError the same way; the run after it starts fresh ranks.
+- Ctrl-C / the notebook's stop button during run(): the ranks still running the call get
+  SIGINT too. If they all stop within a few seconds with their process groups in step (the
+  same number of collectives issued on every group), they are kept; otherwise all ranks are
+  stopped and the next run() starts fresh ones. One line says which, then KeyboardInterrupt.
+- every call and reply carries an id, so an abandoned call's late reply is dropped: run()
+  never returns another call's result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import multiprocessing.connection as mpc
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import psutil
+
+from fsdp_lab.cluster import launcher
+from fsdp_lab.cluster.output import RankOutput
+from fsdp_lab.cluster.protocol import RankError, Reply
+from fsdp_lab.cluster.rank_main import RankSpec, rank_label, rank_main
+from fsdp_lab.cluster.where import resolve_backend
+
+# After one rank failed, how long the others get to answer before they count as stuck (a rank
+# in a collective with a dead peer would otherwise hold the notebook for the whole timeout).
+FAILURE_GRACE = 10.0
+# After Ctrl-C, how long the ranks get to stop the interrupted call before they are restarted.
+INTERRUPT_GRACE = 5.0
+
+
+@dataclass
+class _Rank:
+    index: int
+    proc: Any  # multiprocessing.Process
+    conn: Any  # the driver's end of the call pipe
+    output: RankOutput
+
+
+def check_timeout(name: str, value: Any) -> float:
+    """A finite number of seconds > 0, or a ValueError naming `name`."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r}: expected a finite number of seconds > 0 (e.g. 60)")
+    return float(value)
+
+
+def _check_world_size(world_size: Any) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: expected an int >= 1 (e.g. 2 or 4)")
+    return world_size
+
+
+class Cluster:
+    """N live rank processes in one process group.
+
+    Args:
+        world_size: number of ranks (int >= 1).
+        backend: "auto" (NCCL if `world_size` GPUs are visible, else gloo), "gloo" or "nccl".
+        timeout: seconds a `run` may take before hung ranks are reported (and, doubled, the
+            process group's own collective timeout).
+        start_timeout: seconds allowed for starting the ranks.
+        verbose: print a line when ranks start or restart.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "auto",
+        timeout: float = 120.0,
+        *,
+        start_timeout: float = 180.0,
+        verbose: bool = True,
+    ) -> None:
+        label = rank_label()
+        if label is not None:
+            raise RuntimeError(
+                f"Cluster() was called inside rank {label} of a running cluster: ranks cannot "
+                "start ranks of their own. Create the Cluster in the notebook (or script) and "
+                "send work to it with cluster.run(fn); inside fn, fsdp_lab.rank(), "
+                "world_size() and device() say where it runs."
+            )
+        self.world_size = _check_world_size(world_size)
+        self.timeout = check_timeout("timeout", timeout)
+        self.start_timeout = check_timeout("start_timeout", start_timeout)
+        self.backend = resolve_backend(backend, world_size)
+        self.verbose = verbose
+        self.start_seconds: float | None = None
+        self._ranks: list[_Rank] = []
+        self._calls = itertools.count(1)
+        self._closed = False
+        self._finalizer: weakref.finalize | None = None
+        cores = os.cpu_count() or 1
+        if verbose and world_size > cores:
+            print(
+                f"fsdp_lab: {world_size} ranks on {cores} CPU core(s): the ranks take turns on "
+                "the cores, so every step is slower and timings are noise; bytes and values "
+                f"stay exact. For timings use world_size <= {cores}.",
+                file=sys.stderr,
+            )
+        self._start()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        t0 = time.perf_counter()
+        # The rendezvous is a file in a folder only this user can open (mkdtemp: mode 0700):
+        # no TCP store, so nothing listens on the network.
+        folder = tempfile.mkdtemp(prefix="fsdp_lab-")
+        environ = dict(os.environ)
+        ranks: list[_Rank] = []
+        self._ranks = ranks
+        self._finalizer = weakref.finalize(self, _stop_ranks, ranks, folder)
+        try:
+            for r in range(self.world_size):
+                spec = RankSpec(
+                    r, self.world_size, self.backend, f"{folder}/store", self.timeout, environ
+                )
+                ours, theirs = launcher.pipe()
+                out_fd, out_w = launcher.os_pipe_for_child()
+                err_fd, err_w = launcher.os_pipe_for_child()
+                proc = launcher.start_process(
+                    rank_main, (spec, theirs, out_w, err_w), name=f"fsdp_lab-rank{r}"
+                )
+                for child_end in (theirs, out_w, err_w):
+                    child_end.close()
+                ranks.append(_Rank(r, proc, ours, RankOutput(r, out_fd, err_fd)))
+            call = _Call(ranks, 0, "start")
+            call.wait(time.monotonic() + self.start_timeout)
+        except BaseException:  # Ctrl-C while starting, or a failed fork: leave nothing behind
+            self._teardown()
+            raise
+        if call.failed:
+            self._teardown()
+            raise self._start_error(call)
+        self.start_seconds = time.perf_counter() - t0
+        if self.verbose:
+            print(
+                f"fsdp_lab: {self.world_size} rank(s) up on {self.backend} "
+                f"in {self.start_seconds:.1f} s (pids {', '.join(str(p) for p in self.pids)})",
+                file=sys.stderr,
+            )
+
+    def _start_error(self, call: _Call) -> RankError:
+        if call.failures:
+            r = call.failures[0]
+            return RankError(r, "failed to join the process group", call.replies[r].traceback)
+        if call.deaths:
+            r = call.deaths[0]
+            code = self._ranks[r].proc.exitcode if self._ranks else None
+            return RankError(r, f"died while starting ({_how(code)})", exitcode=code)
+        return RankError(
+            min(call.pending),
+            f"ranks {sorted(call.pending)} did not start within "
+            f"start_timeout={self.start_timeout:g} s (a busy machine, or many ranks on few "
+            "cores). Fix: Cluster(..., start_timeout=<more seconds>)",
+        )
+
+    def _teardown(self, grace: float = 5.0) -> None:
+        if grace == 0:  # broken ranks need no goodbye: kill now, then clean up
+            for rk in self._ranks:
+                with contextlib.suppress(Exception):
+                    rk.proc.kill()
+        if self._finalizer is not None:
+            self._finalizer()  # stops and joins every rank exactly once
+        self._ranks = []
+
+    def close(self) -> None:
+        """Stop every rank process. Safe to call twice."""
+        self._teardown()
+        self._closed = True
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the live ranks, in rank order."""
+        return [rk.proc.pid for rk in self._ranks]
+
+    # -- running ------------------------------------------------------------------------------
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        if self._closed:
+            raise RuntimeError("this Cluster is closed; create a new one: Cluster(world_size)")
+        if not callable(fn):
+            raise TypeError(f"run() needs a function, got {type(fn).__name__}: {fn!r}")
+        what = getattr(fn, "__name__", "fn")
+        try:
+            payload = cloudpickle.dumps((fn, args, kwargs))
+        except Exception as exc:
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise TypeError(
+                f"cannot send {name!r} (or its arguments) to the ranks: {exc}. Everything "
+                "a rank runs is pickled; pass plain data, tensors and functions, not open "
+                "files, locks, generators or live processes."
+            ) from exc
+        self._ensure_live_ranks()
+        call = _Call(self._ranks, next(self._calls), what)
+        try:
+            call.send(payload)
+            call.wait(time.monotonic() + self.timeout)
+        except KeyboardInterrupt:
+            self._after_interrupt(call)
+            raise
+        return self._finish(call)
+
+    def _ensure_live_ranks(self) -> None:
+        """Fresh ranks after a failure; a rank that died since the last call is reported."""
+        if not self._ranks:
+            if self.verbose:
+                print(
+                    f"fsdp_lab: starting {self.world_size} fresh rank(s) after the last failure "
+                    "(state kept on the old ranks is gone)",
+                    file=sys.stderr,
+                )
+            self._start()
+            return
+        dead = [rk for rk in self._ranks if _has_died(rk)]
+        if not dead:
+            return
+        for rk in self._ranks:
+            rk.output.drain()
+        first, *later = dead
+        code = first.proc.exitcode
+        self._teardown(grace=0)
+        raise RankError(
+            first.index,
+            f"the rank process died ({_how(code)}) since the last run(), before this call was "
+            "sent." + _death_hint(code) + " All ranks were stopped; the next run() starts "
+            "fresh ones.",
+            exitcode=code,
+            others=[f"rank {rk.index} died too ({_how(rk.proc.exitcode)})" for rk in later],
+        )
+
+    def _finish(self, call: _Call) -> list[Any]:
+        """The results in rank order, or one RankError that says what happened to whom."""
+        if not call.failed:
+            return [call.results[r] for r in range(self.world_size)]
+        broken = bool(call.deaths or call.pending)
+        codes = {r: self._ranks[r].proc.exitcode for r in call.deaths}
+        if broken:
+            self._teardown(grace=0)
+        after = (
+            " All ranks were stopped; the next run() starts fresh ones."
+            if broken
+            else " The other ranks answered; the cluster is still usable."
+        )
+        others = [f"rank {r} {call.replies[r].error}" for r in call.failures]
+        if call.pending:
+            others.append(
+                f"ranks {sorted(call.pending)} did not answer (most likely waiting in a "
+                "collective for a rank that failed)"
+            )
+        if call.deaths:
+            r, *later = call.deaths
+            others = [f"rank {d} died too ({_how(codes[d])})" for d in later] + others
+            raise RankError(
+                r,
+                f"the rank process died ({_how(codes[r])}) while running {call.what}."
+                + _death_hint(codes[r])
+                + after,
+                exitcode=codes[r],
+                others=others,
+            )
+        if call.failures:
+            r = call.failures[0]
+            reply = call.replies[r]
+            raise RankError(
+                r, f"{call.what} {reply.error}.{after}", reply.traceback, others=others[1:]
+            )
+        stuck = sorted(call.pending)
+        raise RankError(
+            stuck[0],
+            f"ranks {stuck} did not finish {call.what} within timeout={self.timeout:g} s — most "
+            "often a collective that not every rank called, or called with different sizes, or "
+            f"very slow work (raise Cluster(timeout=...)).{after}",
+        )
+
+    def _after_interrupt(self, call: _Call) -> None:
+        """Ctrl-C in the driver: stop the call on the ranks too, then keep them or restart."""
+        if call.sent_all:
+            deadline = time.monotonic() + INTERRUPT_GRACE
+            with contextlib.suppress(KeyboardInterrupt):  # pressed again: stop waiting
+                while call.pending and time.monotonic() < deadline:
+                    # Again every half second: a rank that had not yet begun the call when
+                    # the first SIGINT came ignored it (idle ranks ignore Ctrl-C).
+                    for r in call.pending:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(self._ranks[r].proc.pid, signal.SIGINT)
+                    call.wait(min(deadline, time.monotonic() + 0.5), grace=INTERRUPT_GRACE)
+        if call.sent_all and not call.pending and not call.deaths and call.in_step():
+            print(
+                f"fsdp_lab: interrupted {call.what}; every rank stopped it and is kept, its "
+                "state intact (process groups in step). The cluster is ready for the next run().",
+                file=sys.stderr,
+            )
+            return
+        why = (
+            f"rank(s) {sorted(call.pending)} could not stop (inside a collective or native code)"
+            if call.pending
+            else "the ranks stopped at different collectives"
+            if call.sent_all
+            else "the call was only half sent"
+        )
+        self._teardown(grace=0)
+        print(
+            f"fsdp_lab: interrupted {call.what}; {why}, so all ranks were stopped. The next "
+            "run() starts fresh ones (state kept on the ranks is lost).",
+            file=sys.stderr,
+        )
+
+
+class _Call:
+    """One call in flight: sent to every rank, answered (or not) rank by rank."""
+
+    def __init__(self, ranks: list[_Rank], call_id: int, what: str) -> None:
+        self.ranks, self.call_id, self.what = ranks, call_id, what
+        self.pending = set(range(len(ranks)))
+        self.replies: dict[int, Reply] = {}
+        self.results: dict[int, Any] = {}
+        self.failures: list[int] = []  # ranks whose reply is an error, in arrival order
+        self.deaths: list[int] = []  # ranks that died, in the order noticed
+        self.sent_all = False
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.failures or self.deaths or self.pending)
+
+    def send(self, payload: bytes) -> None:
+        message = pickle.dumps(("call", self.call_id, payload))
+        with _sigint_held():  # every rank gets the call, or (Ctrl-C before) none does
+            for rk in self.ranks:
+                # A rank that died just now: its sentinel will say how, in wait().
+                with contextlib.suppress(BrokenPipeError, OSError):
+                    rk.conn.send_bytes(message)
+            self.sent_all = True
+
+    def in_step(self) -> bool:
+        """Every rank issued the same number of collectives on every group it belongs to."""
+        counts: dict[str, set[int]] = {}
+        for reply in self.replies.values():
+            if reply.collectives is None:
+                return False
+            for group, n in reply.collectives.items():
+                counts.setdefault(group, set()).add(n)
+        return all(len(seen) == 1 for seen in counts.values())
+
+    def wait(self, deadline: float, grace: float = FAILURE_GRACE) -> None:
+        """Take replies, output and deaths as they come, until all answered or the deadline."""
+        grace_deadline: float | None = None
+        while self.pending:
+            if (self.failures or self.deaths) and grace_deadline is None:
+                grace_deadline = time.monotonic() + grace
+            limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
+            outputs = [fd for rk in self.ranks for fd in rk.output.fds]
+            watched = [self.ranks[r].conn for r in self.pending]
+            watched += [self.ranks[r].proc.sentinel for r in self.pending]
+            ready = mpc.wait(watched + outputs, timeout=max(0.0, limit - time.monotonic()))
+            if not ready:
+                break
+            for rk in self.ranks:
+                for fd in [fd for fd in rk.output.fds if fd in ready]:
+                    rk.output.read(fd)
+            for r in sorted(self.pending):
+                rk = self.ranks[r]
+                if rk.conn in ready or (rk.proc.sentinel in ready and rk.conn.poll()):
+                    self._receive(r)
+                elif rk.proc.sentinel in ready:
+                    self._died(r)
+        for rk in self.ranks:
+            rk.output.drain()
+
+    def _receive(self, r: int) -> None:
+        try:
+            with _sigint_held():
+                message = pickle.loads(self.ranks[r].conn.recv_bytes())
+        except (EOFError, OSError):
+            self._died(r)
+            return
+        kind = message[0]
+        if kind == "reply" and message[1] != self.call_id:
+            return  # the late answer to a call that was given up on: dropped, never returned
+        if kind == "ready":
+            reply = Reply(ok=True, collectives={})
+        elif kind == "failed":
+            reply = Reply(ok=False, error="failed to join the process group", traceback=message[1])
+        else:
+            reply = message[2]
+        if reply.ok and kind == "reply":
+            try:
+                self.results[r] = cloudpickle.loads(reply.result)
+            except Exception as exc:
+                reply = Reply(
+                    ok=False,
+                    error=(
+                        f"returned a result this process cannot unpickle ({exc!r}): return "
+                        "plain data (numbers, strings, lists, dicts, tensors), or define its "
+                        "class in the notebook or an importable module"
+                    ),
+                    collectives=reply.collectives,
+                )
+        self.replies[r] = reply
+        self.pending.discard(r)
+        if not reply.ok:
+            self.failures.append(r)
+
+    def _died(self, r: int) -> None:
+        rk = self.ranks[r]
+        rk.proc.join(1.0)
+        rk.output.drain()
+        self.pending.discard(r)
+        self.deaths.append(r)
+
+
+def _has_died(rk: _Rank) -> bool:
+    """Dead, or a zombie whose exit the fork server has not reported yet (then wait for it)."""
+    if not rk.proc.is_alive():
+        return True
+    try:
+        gone = psutil.Process(rk.proc.pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        gone = True
+    if gone:
+        rk.proc.join(2.0)  # the exit code comes through the fork server
+    return gone
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Ctrl-C waits until a message is wholly sent or read: half of one desynchronises a pipe."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals are only ever handled on the main thread
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _how(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+        return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _death_hint(code: int | None) -> str:
+    if code == -signal.SIGKILL:
+        return (
+            " SIGKILL comes from outside the rank: most often the kernel's out-of-memory killer "
+            "(`dmesg` shows it), or a `kill -9`."
+        )
+    if code is not None and code < 0:
+        return " A crash in native code (torch, the backend): its stderr lines are above."
+    return ""
+
+
+def _stop_ranks(ranks: list[_Rank], folder: str, grace: float = 5.0) -> None:
+    """Ask every rank to stop, wait `grace`, kill what is left; close pipes; remove the store."""
+    for rk in ranks:
+        with contextlib.suppress(Exception):
+            rk.conn.send_bytes(pickle.dumps(("stop",)))
+    deadline = time.monotonic() + grace
+    for rk in ranks:
+        rk.proc.join(max(0.0, deadline - time.monotonic()))
+    for rk in ranks:
+        if rk.proc.is_alive():
+            rk.proc.kill()
+            rk.proc.join(2.0)
+    for rk in ranks:
+        with contextlib.suppress(Exception):
+            rk.output.drain()
+        rk.output.close()
+        with contextlib.suppress(Exception):
+            rk.conn.close()
+    shutil.rmtree(folder, ignore_errors=True)

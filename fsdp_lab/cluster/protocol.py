@@ -1,0 +1,78 @@
+"""The messages between the driver (notebook, CLI) and its ranks, and the error a learner sees.
+
+One duplex pipe per rank carries pickled tuples of plain values:
+
+    driver -> rank   ("call", call_id, payload)      payload: cloudpickle of (fn, args, kwargs)
+                     ("stop",)
+    rank -> driver   ("ready", pid)                   the rank joined the process group
+                     ("failed", traceback)            ... or could not
+                     ("reply", call_id, Reply)        one per call, echoing its id
+
+Every reply echoes the id of the call it answers, so a reply of a call the driver gave up on
+(interrupted, timed out) can never be taken for the answer to a later call: it is dropped.
+The result travels as its own cloudpickle inside the reply, so a result the driver cannot
+unpickle (a class that exists only on the ranks) is an error of *that* call, not a broken pipe.
+
+What ranks print does not travel here: their stdout and stderr are pipes the driver reads as
+the bytes arrive (`fsdp_lab.cluster.output`), so output printed before a hang or a death
+reaches the learner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A rank's answer to one call.
+
+    Args:
+        ok: the function returned (`result` holds its cloudpickle) or raised (`error`, `traceback`).
+        result: cloudpickle of the return value.
+        error: one line, e.g. "raised ValueError('boom')".
+        traceback: the remote traceback.
+        interrupted: the call ended in KeyboardInterrupt (the driver forwarded Ctrl-C).
+        collectives: collectives issued so far, per process group (name -> count): after an
+            interrupt, ranks whose counts agree are in step and can be kept.
+    """
+
+    ok: bool
+    result: bytes = b""
+    error: str = ""
+    traceback: str = ""
+    interrupted: bool = False
+    collectives: dict[str, int] | None = field(default=None)
+
+
+class RankError(RuntimeError):
+    """A rank failed: raised an exception, died, or did not answer in time.
+
+    Attributes:
+        rank: the rank the error is about (the one that died first, if any died).
+        message: what happened, and what the cluster did about it.
+        remote_traceback: the traceback on that rank ("" if it died or hung).
+        exitcode: for a rank that died, its exit code (negative: killed by that signal).
+        others: one line per other rank that failed in the same call (often a consequence).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        message: str,
+        remote_traceback: str = "",
+        *,
+        exitcode: int | None = None,
+        others: list[str] | None = None,
+    ) -> None:
+        self.rank = rank
+        self.message = message
+        self.remote_traceback = remote_traceback
+        self.exitcode = exitcode
+        self.others = list(others or [])
+        text = f"rank {rank}: {message}"
+        if self.others:
+            text += "\n" + "\n".join(f"  then {line}" for line in self.others)
+        if remote_traceback:
+            text += f"\n\n--- traceback on rank {rank} ---\n{remote_traceback.rstrip()}"
+        super().__init__(text)

@@ -1,0 +1,82 @@
+"""The `Cluster` interface for a process that already is one rank (torchrun, env://).
+
+Under ``torchrun --nproc-per-node N -m fsdp_lab <lab>`` every process runs the CLI; there is
+no notebook to ship functions from, so `AttachedCluster.run(fn)` calls `fn` here and
+all-gathers every rank's result. Lab code written for `Cluster` runs unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_lab.cluster.driver import Cluster, check_timeout
+from fsdp_lab.cluster.protocol import RankError
+from fsdp_lab.cluster.where import rank, resolve_backend
+
+
+class AttachedCluster:
+    """`run(fn)` calls `fn` on this rank and all-gathers the results of every rank."""
+
+    def __init__(self, backend: str = "auto", timeout: float = 600.0) -> None:
+        check_timeout("timeout", timeout)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        env_world = int(os.environ["WORLD_SIZE"])
+        self.backend = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", env_world)))
+        if self.backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group(self.backend, timeout=timedelta(seconds=timeout))
+        self.world_size = dist.get_world_size()
+        self.timeout = timeout
+        self.start_seconds = 0.0
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as exc:
+            raise RankError(rank(), repr(exc), traceback.format_exc()) from exc
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, result)
+        return gathered
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            # Every rank leaves together: a rank tearing gloo down while another is still in
+            # a collective makes the other's transport thread abort the process.
+            dist.barrier()
+            dist.destroy_process_group()
+
+    def __enter__(self) -> AttachedCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun (env:// rendezvous variables set)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def open_cluster(
+    world_size: int, backend: str = "auto", timeout: float = 120.0
+) -> Cluster | AttachedCluster:
+    """A `Cluster` of `world_size` ranks, or the torchrun job this process belongs to."""
+    if under_torchrun():
+        cluster = AttachedCluster(backend, timeout)
+        if world_size != cluster.world_size and rank() == 0:
+            print(
+                f"fsdp_lab: running under torchrun with {cluster.world_size} ranks "
+                f"(--world-size {world_size} ignored)",
+                file=sys.stderr,
+            )
+        return cluster
+    return Cluster(world_size, backend, timeout)

@@ -1,0 +1,63 @@
+"""Inside a rank: which rank am I, how many are we, which device do I compute on.
+
+These read the default process group, so the same lab code answers correctly in a `Cluster`
+rank, under torchrun, and in a plain single process (rank 0 of 1, on the CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def rank() -> int:
+    """This process's global rank (0 outside a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """Number of ranks in the default process group (1 outside one)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its own GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def intra_op_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to `count` (at least 1) for a block, then put back.
+
+    N ranks on one machine, each with torch's default thread count, oversubscribe its cores:
+    OpenMP threads spinning against each other made small steps 5-10x slower, now and then, in
+    our runs on 2 cores. Labs run their measured work inside this.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, count))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def resolve_backend(backend: str, world_size: int) -> str:
+    """'auto' -> 'nccl' when `world_size` GPUs are visible, else 'gloo'; validates the name."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        return "nccl" if gpus >= world_size else "gloo"
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(
+            f"backend='nccl' needs one GPU per rank: world_size={world_size} but {gpus} GPU(s) "
+            "found. Use backend='gloo' (CPU) or 'auto', or a smaller world_size."
+        )
+    return backend
