@@ -6,19 +6,23 @@ Every check compares against the unsharded model (its `state_dict()`, single-pro
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_lab import RankError, comm, rank, world_size
+from fsdp_lab import Cluster, RankError, comm, rank, world_size
 from fsdp_lab.models import Block, TinyGPT, synthetic_batch, tiny_gpt
 from fsdp_lab.reference import train_steps
 from fsdp_lab.sharding import shard, sharding_state
+from fsdp_lab.sharding import state_dict as state_dict_module
 from fsdp_lab.sharding.state_dict import (
     clip_grad_norm_,
     full_state_dict,
@@ -194,7 +198,7 @@ def _sharded_round_trip(folder: str, strategy: str) -> dict:
     load_sharded(forgetful, folder)
     train_steps(forgetful, forgetful_opt, 2, rank=r, world=n)
 
-    mine = torch.load(Path(folder) / f"rank{r:05d}.pt", weights_only=True)
+    mine = torch.load(_rank_files(Path(folder))[r], weights_only=True)
     return {
         "resumed_equal": _equal(resumed, uninterrupted),
         "forgetful_equal": _equal(full_state_dict(forgetful, rank0_only=False), uninterrupted),
@@ -217,15 +221,42 @@ def test_sharded_checkpoint_resumes_training_bitwise(cluster_of, tmp_path, n, st
         assert res["full_numel"] / n <= res["saved_numel"] < res["full_numel"] / n + 8
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["world_size"] == n and meta["strategy"] == strategy
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "meta.json",
-        *(f"rank{r:05d}.pt" for r in range(n)),
-    ]  # no temp file left behind
+    _assert_only_the_checkpoint(tmp_path, n)
 
 
-def _save(folder: str) -> None:
-    model = _sharded()
+def _rank_files(folder: Path) -> list[Path]:
+    """The checkpoint's rank files in rank order, wherever under `folder` the layout puts them."""
+    return sorted(folder.rglob("rank*.pt"), key=lambda p: p.name)
+
+
+def _assert_only_the_checkpoint(folder: Path, n: int) -> None:
+    """meta.json and one version folder of n rank files: no temp file, no stale version."""
+    entries = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))  # dotfiles too
+    versions = [e for e in entries if (folder / e).is_dir()]
+    assert len(versions) == 1, entries
+    (version,) = versions
+    expected = ["meta.json", version, *(f"{version}/rank{r:05d}.pt" for r in range(n))]
+    assert entries == sorted(expected)
+
+
+def _save(folder: str, seed: int | None = None) -> None:
+    model = _sharded(seed=seed)
     save_sharded(model, folder)
+
+
+def _load_values(folder: str) -> dict:
+    model = _sharded(seed=5)
+    load_sharded(model, folder)
+    return full_state_dict(model, rank0_only=False)
+
+
+def _load_error(folder: str) -> str:
+    """What load_sharded raised on this rank, as "TypeName: message" ("no error" if nothing)."""
+    try:
+        load_sharded(_sharded(seed=5), folder)
+    except Exception as exc:  # any type: a wrong one must show up in the assertion
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
 def _load_catching(folder: str) -> str:
@@ -247,6 +278,115 @@ def test_load_sharded_refuses_another_world_or_a_missing_folder(cluster_of, tmp_
     (tmp_path / "ckpt" / "meta.json").unlink()  # an interrupted save: no commit marker
     for msg in cluster_of(2).run(_load_catching, str(tmp_path / "ckpt")):
         assert msg.startswith("FileNotFoundError") and "meta.json" in msg
+
+
+def _save_killed_on_rank1(folder: str) -> None:
+    """save_sharded of other values, but rank 1's process dies halfway through its file."""
+    model = _sharded(seed=3)
+    if rank() == 1:
+        real_save = state_dict_module.torch.save
+
+        def half_then_die(obj, f, *args, **kwargs) -> None:
+            buffer = io.BytesIO()
+            real_save(obj, buffer, *args, **kwargs)
+            data = buffer.getvalue()
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os._exit(9)  # no cleanup, no exception handler: as a kill -9 or a lost node
+
+        state_dict_module.torch.save = half_then_die  # this process dies: nothing to restore
+    save_sharded(model, folder)
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(cluster_of, tmp_path):
+    folder = tmp_path / "ckpt"
+    cluster_of(2).run(_save, str(folder))  # checkpoint A: tiny_gpt's values
+    a = tiny_gpt().state_dict()
+
+    # Its own cluster: a rank dies, which stops all of its ranks (the shared one stays whole).
+    cluster = Cluster(2, backend="gloo", timeout=30, verbose=False)
+    pids = cluster.pids
+    try:
+        with pytest.raises(RankError):
+            cluster.run(_save_killed_on_rank1, str(folder))
+    finally:
+        cluster.close()
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert alive == []
+    # The kill really came mid-write: rank 1's half file is still there.
+    assert any(p.name.endswith(".tmp") for p in folder.rglob("*"))
+
+    for got in cluster_of(2).run(_load_values, str(folder)):
+        assert _equal(got, a)
+
+    # The next save completes: only its files remain (the crashed save's leftovers, A's files gone).
+    cluster_of(2).run(_save, str(folder), 4)
+    _assert_only_the_checkpoint(folder, 2)
+    torch.manual_seed(4)
+    b = TinyGPT().state_dict()
+    assert not _equal(a, b)  # control: the two checkpoints really differ
+    for got in cluster_of(2).run(_load_values, str(folder)):
+        assert _equal(got, b)
+
+
+def test_swapped_rank_files_are_refused_on_every_rank(cluster_of, tmp_path):
+    cluster_of(2).run(_save, str(tmp_path))
+    first, second = _rank_files(tmp_path)
+    shards = [torch.load(p, weights_only=True)["shards"] for p in (first, second)]
+    # Control: the two files hold different values, so a swap would load wrong tensors.
+    assert not any(torch.equal(shards[0][u], shards[1][u]) for u in shards[0])
+
+    first.rename(tmp_path / "swap")
+    second.rename(first)
+    (tmp_path / "swap").rename(second)
+    for r, msg in enumerate(cluster_of(2).run(_load_error, str(tmp_path))):
+        assert msg.startswith("CorruptCheckpointError"), msg
+        assert f"rank{r:05d}.pt" in msg and f"rank {1 - r}'s shards" in msg and "Fix:" in msg
+
+    first.rename(tmp_path / "swap")  # swapped back, the same files load
+    second.rename(first)
+    (tmp_path / "swap").rename(second)
+    assert cluster_of(2).run(_load_error, str(tmp_path)) == ["no error", "no error"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "one bit flipped"])
+def test_a_damaged_rank_file_is_refused_on_every_rank(cluster_of, tmp_path, damage):
+    cluster_of(2).run(_save, str(tmp_path))
+    path = _rank_files(tmp_path)[1]
+    data = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+        detail = [f"{len(data)} bytes", f"{len(data) // 2}"]
+    else:
+        # One bit inside a tensor's bytes: the zip container stays valid (torch.load checks no
+        # CRC), so the file loads without complaint; only the checksum can tell.
+        shards = torch.load(path, weights_only=True)["shards"]
+        unit = max(shards, key=lambda u: shards[u].numel())
+        at = data.find(shards[unit].numpy().tobytes()) + 4 * (shards[unit].numel() // 2)
+        assert at > 4 * (shards[unit].numel() // 2)  # found
+        path.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :])
+        edited = torch.load(path, weights_only=True)["shards"]
+        assert not torch.equal(edited[unit], shards[unit])  # control: it loads, and differs
+        detail = ["sha256"]
+    for msg in cluster_of(2).run(_load_error, str(tmp_path)):
+        assert msg.startswith("CorruptCheckpointError"), msg
+        assert str(path.relative_to(tmp_path)) in msg and "Fix:" in msg
+        assert all(d in msg for d in detail), msg
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "{not json", '{"world_size": 2}', "[1, 2]"],
+    ids=["empty", "garbage", "keys", "list"],
+)
+def test_an_invalid_meta_json_is_named(cluster_of, tmp_path, text):
+    cluster_of(2).run(_save, str(tmp_path))
+    meta = tmp_path / "meta.json"
+    meta.write_text(text)
+    for msg in cluster_of(2).run(_load_error, str(tmp_path)):
+        assert msg.startswith("CorruptCheckpointError"), msg
+        assert "not a valid sharded-checkpoint metadata file" in msg
+        assert str(meta) in msg and "Fix:" in msg
 
 
 # -- clip_grad_norm_ ----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ Read in this order: `flat_param.py` (the storage), `unit.py` (one unit's step, h
 
 from fsdp_lab.sharding.shard import MixedPrecision, shard, sharding_state
 from fsdp_lab.sharding.state_dict import (
+    CorruptCheckpointError,
     clip_grad_norm_,
     full_state_dict,
     load_full_state_dict,
@@ -17,6 +18,7 @@ from fsdp_lab.sharding.unit import STRATEGIES
 
 __all__ = [
     "STRATEGIES",
+    "CorruptCheckpointError",
     "MixedPrecision",
     "clip_grad_norm_",
     "full_state_dict",
