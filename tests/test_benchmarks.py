@@ -82,3 +82,12 @@ def test_bench_meta_init_prints_one_json_object():
             "torch_normal_",
         }
         assert all(v > 0 for v in by_case.values())
+
+
+def test_bench_cluster_prints_cold_warm_restart_and_call_medians():
+    proc = _run_benchmark("bench_cluster.py", "--world-size", "2", "--starts", "1", "--calls", "3")
+    text = proc.stdout
+    assert re.search(r"cold start, Cluster\(2\) after the import: median [\d.]+ s", text)
+    assert re.search(r"fresh process to ranks up \(torch imported\): median [\d.]+ s", text)
+    for line in ("warm start   median", "restart      median", "warm run()   median"):
+        assert line in text, text
