@@ -42,8 +42,17 @@ def test_svg_has_one_node_per_rank_plus_notebook_and_store():
     svg = cluster_diagram(4, "gloo", ["cpu", "cpu", "cuda:0", "cuda:1"]).svg()
     assert svg is not None and "<svg" in svg
     titles = re.findall(r'<g id="node\d+" class="node">\s*<title>([^<]+)</title>', svg)
-    assert sorted(titles) == ["notebook", "rank0", "rank1", "rank2", "rank3", "store"]
-    assert "gloo" in svg and "cuda:1" in svg and "127.0.0.1" in svg
+    assert sorted(titles) == [
+        "forkserver",
+        "notebook",
+        "rank0",
+        "rank1",
+        "rank2",
+        "rank3",
+        "store",
+    ]
+    assert "gloo" in svg and "cuda:1" in svg and "rendezvous file" in svg
+    assert "127.0.0.1" not in svg and "TCPStore" not in svg  # nothing listens on a port
 
 
 @needs_dot
@@ -63,6 +72,7 @@ def test_ring_edges_among_ranks():
         source = cluster_diagram(world_size, "gloo").source
         assert source.count("penwidth=2") == links
         assert len(re.findall(r"notebook -> rank\d+", source)) == world_size  # one pipe each
+        assert len(re.findall(r"forkserver -> rank\d+", source)) == 1  # to the group's box
         assert f"process group (gloo, world_size={world_size})" in source
 
 

@@ -170,8 +170,7 @@ class Cluster:
         if self.verbose:
             print(
                 f"fsdp_lab: {self.world_size} rank(s) up on {self.backend} "
-                f"in {self.start_seconds:.1f} s (pids {', '.join(str(p) for p in self.pids)})",
-                file=sys.stderr,
+                f"in {self.start_seconds:.1f} s (pids {', '.join(str(p) for p in self.pids)})"
             )
 
     def _start_error(self, call: _Call) -> RankError:
@@ -248,8 +247,7 @@ class Cluster:
             if self.verbose:
                 print(
                     f"fsdp_lab: starting {self.world_size} fresh rank(s) after the last failure "
-                    "(state kept on the old ranks is gone)",
-                    file=sys.stderr,
+                    "(state kept on the old ranks is gone)"
                 )
             self._start()
             return

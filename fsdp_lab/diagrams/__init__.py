@@ -1,10 +1,10 @@
 """Pictures of structure: which processes exist and how they talk, drawn with graphviz.
 
 What it teaches: before measuring a distributed run it helps to see its shape. A
-`fsdp_lab.Cluster` is a notebook process, a rendezvous store, N rank processes, a pipe from the
-notebook to each rank, and a process group joining the ranks; `cluster_diagram` draws exactly
-that, the picture `torch.distributed`'s docs describe in words (init_process_group over a
-TCPStore, then collectives among ranks).
+`fsdp_lab.Cluster` is a notebook process, a fork server the ranks are forked from, a rendezvous
+file, N rank processes, pipes from the notebook to each rank, and a process group joining the
+ranks; `cluster_diagram` draws exactly that, the picture `torch.distributed`'s docs describe in
+words (init_process_group over a store, then collectives among ranks).
 
 `wrap_diagram` draws the other picture the weight-tying lab needs: a model's module tree with
 its wrap units as boxes around it and every tied parameter as an ellipse linked to the modules

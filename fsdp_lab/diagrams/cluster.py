@@ -1,4 +1,4 @@
-"""What `fsdp_lab.Cluster` starts: notebook, rendezvous store, rank processes, pipes, group."""
+"""What `fsdp_lab.Cluster` starts: notebook, fork server, rendezvous file, ranks, pipes, group."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from fsdp_lab.diagrams.base import Diagram
 
 
 def cluster_diagram(world_size: int, backend: str, devices: list[str] | None = None) -> Diagram:
-    """What `fsdp_lab.Cluster` starts: notebook, rendezvous store, rank processes, pipes, group.
+    """What `fsdp_lab.Cluster` starts: notebook, fork server, rendezvous file, ranks, pipes, group.
 
     Args:
         world_size: number of rank processes (>= 1).
@@ -25,12 +25,19 @@ def cluster_diagram(world_size: int, backend: str, devices: list[str] | None = N
     g.attr("node", shape="box", style="rounded,filled", fontname="Helvetica", fontsize="11")
     g.attr("edge", fontname="Helvetica", fontsize="9")
     g.node("notebook", "notebook process\\n(parent: Cluster)", fillcolor="#FCE8B2")
-    g.node("store", "TCPStore rendezvous\\n127.0.0.1:<port>", shape="cylinder", fillcolor="#E0E0E0")
-    # The notebook hosts the store (side by side on the top row); ranks only connect to it to
-    # find each other, then talk through the process group.
+    g.node("forkserver", "fork server\\n(torch imported once)", fillcolor="#F2F2F2")
+    g.node(
+        "store",
+        "rendezvous file\\n(private temp folder)",
+        shape="cylinder",
+        fillcolor="#E0E0E0",
+    )
+    # Top row: the notebook starts the fork server (ranks are forked from it, in tens of ms);
+    # the rendezvous is a file, not a TCP port: nothing of a Cluster listens on the network.
     with g.subgraph() as top:
         top.attr(rank="same")
-        top.edge("notebook", "store", label="hosts", style="dashed", arrowhead="none")
+        top.edge("notebook", "forkserver", label="starts", style="dashed")
+        top.node("store")
 
     with g.subgraph(name="cluster_group") as group, group.subgraph() as row:
         group.attr(
@@ -53,11 +60,22 @@ def cluster_diagram(world_size: int, backend: str, devices: list[str] | None = N
         if world_size > 2:
             row.edge(f"rank{world_size - 1}:s", "rank0:s", constraint="false", **style)
     # Only the first pipe and the last rendezvous line are labelled: one label per edge is
-    # clutter. The store lines do not constrain the layout; if they did, dot would reorder the
-    # ranks to uncross them.
+    # clutter. The store lines do not constrain the layout; if they did, dot would
+    # reorder the ranks to uncross them.
     for r in range(world_size):
-        label = {"label": "pipe: commands ↓ results ↑"} if r == 0 else {}
+        label = {"label": "pipes: calls ↓ replies, prints ↑"} if r == 0 else {}
         g.edge("notebook", f"rank{r}", dir="both", color="#B07A00", **label)
+    # One edge to the group's box (compound), not one per rank: the fork lines were clutter.
+    g.attr(compound="true")
+    g.edge(
+        "forkserver",
+        f"rank{world_size - 1}",
+        lhead="cluster_group",
+        label="forks every rank",
+        style="dashed",
+        color="#999999",
+        constraint="false",
+    )
     for r in range(world_size):
         label = {"label": "rendezvous"} if r == world_size - 1 else {}
         style = {"style": "dotted", "dir": "none", "color": "#777777", "constraint": "false"}
