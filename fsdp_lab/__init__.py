@@ -11,10 +11,31 @@ Public names (everything else may change):
 - `LabResult`: what every `fsdp_lab.labs.<lab>.run(...)` returns.
 """
 
-from fsdp_lab import comm, trace
-from fsdp_lab.cluster import Cluster, RankError, device, rank, world_size
-from fsdp_lab.labs import LabResult
-from fsdp_lab.sharding import MixedPrecision, shard
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Loaded on first use (PEP 562), not here: `import fsdp_lab` must not import torch, which takes
+# seconds, so that `fsdp-lab --help` and the labs' configs load at once.
+_PUBLIC = {  # public name -> the module that defines it
+    "Cluster": "fsdp_lab.cluster",
+    "LabResult": "fsdp_lab.labs",
+    "MixedPrecision": "fsdp_lab.sharding",
+    "RankError": "fsdp_lab.cluster",
+    "comm": "fsdp_lab.comm",  # a module: the name is the module itself
+    "device": "fsdp_lab.cluster",
+    "rank": "fsdp_lab.cluster",
+    "shard": "fsdp_lab.sharding",
+    "trace": "fsdp_lab.trace",
+    "world_size": "fsdp_lab.cluster",
+}
+
+if TYPE_CHECKING:  # what type checkers and editors see: the names, eagerly
+    from fsdp_lab import comm, trace
+    from fsdp_lab.cluster import Cluster, RankError, device, rank, world_size
+    from fsdp_lab.labs import LabResult
+    from fsdp_lab.sharding import MixedPrecision, shard
 
 __all__ = [
     "Cluster",
@@ -29,3 +50,16 @@ __all__ = [
     "world_size",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'fsdp_lab' has no attribute {name!r}")
+    module = importlib.import_module(_PUBLIC[name])
+    value = module if module.__name__ == f"fsdp_lab.{name}" else getattr(module, name)
+    globals()[name] = value  # found once: later lookups do not come back here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -5,40 +5,90 @@
     fsdp-lab tour --out out/                           every lab, with a summary.md/.json
     torchrun --nproc-per-node 4 -m fsdp_lab collectives   the same on a multi-GPU node
 
-With ``--json`` everything else (progress, rank output) goes to stderr, so stdout parses.
+Everything that can be checked is checked before any rank starts: the options, the config,
+``--out`` (created, and written to once), ``--model`` (built on the meta device), the backend.
+A wrong input is one line naming the value and what was expected, and one line with the fix.
+
+With ``--json``, stdout carries exactly one JSON object whatever happens: the result, or
+``{"error": ..., "hint": ...}``. Everything else (progress, rank output, C libraries) goes to
+stderr. Exit codes: 0 done, 1 a rank or fsdp_lab itself failed, 2 wrong input, 130 Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import json
 import os
 import sys
+import tempfile
 import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple, NoReturn
 
-from fsdp_lab.cluster import BACKENDS, open_cluster
+# torch-free on purpose: `fsdp-lab --help` imports this module and the labs' config modules
+# only (importing torch took 4-18 s); torch comes in when a lab is about to run.
+from fsdp_lab.choices import BACKENDS
 
-# CLI name -> module in fsdp_lab.labs. Each module has a frozen `*Config` dataclass accepted
-# by `run(config, cluster=None) -> LabResult`, plus `figures(result)` and `summary(result)`.
-LABS: dict[str, tuple[str, str]] = {
-    "collectives": ("fsdp_lab.labs.collectives", "CollectivesConfig"),
-    "shard": ("fsdp_lab.labs.shard", "ShardConfig"),
-    "checkpoint": ("fsdp_lab.labs.checkpoint", "CheckpointConfig"),
-    "tying": ("fsdp_lab.labs.tying", "TyingConfig"),
-    "meta-init": ("fsdp_lab.labs.meta_init", "MetaInitConfig"),
-    "pp-seed": ("fsdp_lab.labs.pp_seed", "PPSeedConfig"),
+
+class Lab(NamedTuple):
+    module: str  # run(config, cluster=None) -> LabResult, figures(result), summary(result),
+    # and optionally preflight(config): its own checks of this machine before ranks start
+    config_module: str  # torch-free: the frozen config, add_arguments, config_from_args, TOUR
+    config: str  # the config dataclass's name
+
+
+LABS: dict[str, Lab] = {
+    "collectives": Lab(
+        "fsdp_lab.labs.collectives", "fsdp_lab.labs.collectives_config", "CollectivesConfig"
+    ),
+    "shard": Lab("fsdp_lab.labs.shard", "fsdp_lab.labs.shard_config", "ShardConfig"),
+    "checkpoint": Lab(
+        "fsdp_lab.labs.checkpoint", "fsdp_lab.labs.checkpoint_config", "CheckpointConfig"
+    ),
+    "tying": Lab("fsdp_lab.labs.tying", "fsdp_lab.labs.tying_config", "TyingConfig"),
+    "meta-init": Lab("fsdp_lab.labs.meta_init", "fsdp_lab.labs.meta_init_config", "MetaInitConfig"),
+    "pp-seed": Lab("fsdp_lab.labs.pp_seed", "fsdp_lab.labs.pp_seed_config", "PPSeedConfig"),
 }
+PLANNED = {"hsdp": "the hybrid-sharding lab (HSDP: a 2-D replicate x shard mesh)"}
 DEFAULT_OUT = "fsdp_lab_out"
+INTERRUPTED = "interrupted — ranks stopped"
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130  # 130 = 128 + SIGINT, as shells report
+
+
+class UsageError(Exception):
+    """Wrong input: `error` names the value and what was expected, `hint` says the fix."""
+
+    def __init__(self, error: str, hint: str, where: str | None = None) -> None:
+        super().__init__(error)
+        self.error, self.hint, self.where = error, hint, where
+
+
+def usage_error(exc: ValueError, where: str | None = None) -> UsageError:
+    """A config's ValueError ("... . Fix: --x 1", the labs' convention) as error + hint."""
+    error, _, fix = str(exc).partition(" Fix: ")
+    hint = fix or (f"see `{where} --help` for the options" if where else "see `fsdp-lab --help`")
+    return UsageError(error.rstrip().removesuffix("."), hint, where)
 
 
 def _is_main_process() -> bool:
     # Under torchrun every rank runs this CLI; only global rank 0 prints and writes files.
     return int(os.environ.get("RANK", "0")) == 0
+
+
+# -- the parser ------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are raised as UsageError: one line and a hint, not usage + exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message, f"see `{self.prog} --help` for the options", self.prog)
 
 
 def _positive_int(text: str) -> int:
@@ -67,45 +117,145 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsdp-lab", description=__doc__.split("\n\n")[0])
+    """The parser of every lab's options, built from the torch-free config modules."""
+    parser = _Parser(prog="fsdp-lab", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="lab", required=True, metavar="<lab>")
-    for name, (module, _) in LABS.items():
-        p = sub.add_parser(name, help=importlib.import_module(module).__doc__.split("\n")[0])
+    for name, lab in LABS.items():
+        config_module = importlib.import_module(lab.config_module)
+        p = sub.add_parser(name, help=config_module.__doc__.split("\n")[0])
         _common(p)
-        adder = getattr(importlib.import_module(module), "add_arguments", None)
-        if adder is not None:
-            adder(p)
+        config_module.add_arguments(p)
     tour = sub.add_parser("tour", help="run every lab headless; write figures and a summary")
     _common(tour)
     return parser
 
 
-def _config(name: str, args: argparse.Namespace, tour: bool = False) -> tuple[ModuleType, Any]:
-    module_name, config_name = LABS[name]
-    module = importlib.import_module(module_name)
-    config_cls = getattr(module, config_name)
+def check_lab_name(argv: list[str]) -> None:
+    """The first word must be a lab; say so when it is a planned one or a typo."""
+    if not argv or argv[0].startswith("-"):
+        return  # --help, or nothing: argparse answers
+    name, labs = argv[0], [*LABS, "tour"]
+    if name in labs:
+        return
+    available = f"available labs: {', '.join(labs)}"
+    if name in PLANNED:
+        raise UsageError(f"{name!r} is {PLANNED[name]}: planned, not built yet", available)
+    close = difflib.get_close_matches(name, labs, n=1)
+    guess = f"; did you mean {close[0]!r}?" if close else ""
+    raise UsageError(f"invalid choice: {name!r} is not a lab{guess}", available)
+
+
+# -- before any rank starts: everything that can be checked ---------------------------------
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A lab ready to run: its name, its validated config, where its files go."""
+
+    name: str
+    config: Any
+    out: Path | None
+
+
+def check_out(out: Path, where: str) -> None:
+    """``--out`` is a folder this process can write (created now), or a UsageError."""
+    example = f"--out {DEFAULT_OUT}/"
+    if out.exists() and not out.is_dir():
+        raise UsageError(
+            f"--out {out}: is a file, not a folder", f"name a folder: {example}", where
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):  # permissions, read-only mounts, quotas: try it
+            pass
+    except OSError as exc:
+        raise UsageError(
+            f"--out {out}: cannot write there ({exc.strerror or exc})",
+            f"name a folder you can write: {example}",
+            where,
+        ) from None
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. under taskset or a cgroup)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def too_many_ranks(world_size: int, cores: int) -> str | None:
+    """The one-line warning for more ranks than cores, or None."""
+    if world_size <= cores:
+        return None
+    return (
+        f"warning: {world_size} ranks on {cores} CPU core{'s' if cores > 1 else ''}: expect a "
+        "slow start (each rank imports torch) and times that measure contention for the cores, "
+        f"not the mechanism; use --world-size {cores} or fewer for representative times"
+    )
+
+
+def prepare(name: str, args: argparse.Namespace, out: Path | None, tour: bool = False) -> Planned:
+    """Validate one lab's options before any rank starts; UsageError names what is wrong."""
+    where = f"fsdp-lab {name}"
+    if out is not None:
+        check_out(out, where)
+    lab = LABS[name]
+    config_module = importlib.import_module(lab.config_module)
+    config_cls = getattr(config_module, lab.config)
     # The tour runs each lab at a laptop-friendly size (a lab's TOUR, if it has one).
-    overrides: dict[str, Any] = dict(getattr(module, "TOUR", {})) if tour else {}
+    overrides: dict[str, Any] = dict(getattr(config_module, "TOUR", {})) if tour else {}
     overrides["backend"] = args.backend
     if args.world_size is not None:
         overrides["world_size"] = args.world_size
     if args.model is not None:
         if "model" not in config_cls.__dataclass_fields__:
-            raise SystemExit(
-                f"fsdp-lab {name}: --model is not used by this lab (it moves raw tensors); "
-                "drop it, or pass it to a lab that trains a model"
+            raise UsageError(
+                "--model is not used by this lab (it moves raw tensors or builds its own models)",
+                "drop --model, or pass it to a lab that trains a model: shard, tying",
+                where,
             )
         overrides["model"] = args.model
-    from_args = getattr(module, "config_from_args", None)
-    if from_args is not None:
-        overrides.update(from_args(args))
+    overrides.update(config_module.config_from_args(args))
     try:
-        return module, config_cls(**overrides)
+        config = config_cls(**overrides)
     except ValueError as exc:
-        raise SystemExit(f"fsdp-lab {name}: {exc}") from None
+        raise usage_error(exc, where) from None
+
+    # From here on torch is imported: the lab is going to run.
+    from fsdp_lab.cluster import resolve_backend, under_torchrun
+    from fsdp_lab.labs.model_spec import check_model
+
+    try:
+        if args.model is not None:
+            check_model(args.model)
+        if not under_torchrun():  # under torchrun the job's size and devices are given
+            resolve_backend(config.backend, config.world_size)
+        preflight = getattr(importlib.import_module(lab.module), "preflight", None)
+        if preflight is not None:  # a lab's own check of this machine (e.g. host memory)
+            preflight(config)
+    except ValueError as exc:
+        raise usage_error(exc, where) from None
+    return Planned(name, config, out)
 
 
-def _save(module: ModuleType, result: Any, out: Path) -> list[Path]:
+def warn_about_cores(planned: list[Planned]) -> None:
+    """One line on stderr per distinct warning, before the ranks start (not under torchrun)."""
+    from fsdp_lab.cluster import under_torchrun
+
+    if under_torchrun():
+        return
+    said = set()
+    for p in planned:
+        warning = too_many_ranks(p.config.world_size, available_cores())
+        if warning and warning not in said:
+            print(f"fsdp-lab {p.name}: {warning}", file=sys.stderr, flush=True)
+            said.add(warning)
+
+
+# -- running ------------------------------------------------------------------------------------
+
+
+def _save(module: Any, result: Any, out: Path) -> list[Path]:
     from fsdp_lab.diagrams import Diagram
     from fsdp_lab.plots import save_figure
 
@@ -120,31 +270,37 @@ def _save(module: ModuleType, result: Any, out: Path) -> list[Path]:
     return written
 
 
-def run_lab(name: str, args: argparse.Namespace, out: Path | None, tour: bool = False) -> Any:
-    module, config = _config(name, args, tour)
-    cluster = open_cluster(config.world_size, config.backend)
+def run_lab(planned: Planned) -> Any:
+    """Start the ranks, run the lab, stop the ranks (also on Ctrl-C or a failure), save."""
+    from fsdp_lab.cluster import open_cluster
+
+    module = importlib.import_module(LABS[planned.name].module)
+    cluster = open_cluster(planned.config.world_size, planned.config.backend)
     try:
-        result = module.run(config, cluster=cluster)
+        result = module.run(planned.config, cluster=cluster)
     finally:
-        cluster.close()
-    if out is not None and _is_main_process():
-        _save(module, result, out)
+        cluster.close()  # on KeyboardInterrupt too: no rank outlives the driver
+    if planned.out is not None and _is_main_process():
+        _save(module, result, planned.out)
     return result
 
 
 def tour(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out or DEFAULT_OUT)
+    # Every lab's options checked before the first rank starts, not after three labs ran.
+    planned = [prepare(name, args, out / name, tour=True) for name in LABS]
+    warn_about_cores(planned)
     summary: dict[str, Any] = {}
     markdown = ["# fsdp_lab tour", ""]
-    for i, name in enumerate(LABS, 1):
-        print(f"[{i}/{len(LABS)}] {name} ...", file=sys.stderr, flush=True)
+    for i, p in enumerate(planned, 1):
+        print(f"[{i}/{len(LABS)}] {p.name} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        module, _ = _config(name, args, tour=True)
-        result = run_lab(name, args, out / name, tour=True)
+        result = run_lab(p)
         seconds = time.perf_counter() - t0
-        summary[name] = {"seconds": round(seconds, 2), "result": result.to_dict()}
-        markdown += [f"## {name} ({seconds:.1f} s)", "", module.summary(result), ""]
-        print(f"[{i}/{len(LABS)}] {name} done in {seconds:.1f} s -> {out / name}/", file=sys.stderr)
+        summary[p.name] = {"seconds": round(seconds, 2), "result": result.to_dict()}
+        module = importlib.import_module(LABS[p.name].module)
+        markdown += [f"## {p.name} ({seconds:.1f} s)", "", module.summary(result), ""]
+        print(f"[{i}/{len(LABS)}] {p.name} done in {seconds:.1f} s -> {p.out}/", file=sys.stderr)
     if _is_main_process():
         (out / "summary.md").write_text("\n".join(markdown))
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -152,25 +308,109 @@ def tour(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+def one_lab(args: argparse.Namespace) -> dict[str, Any]:
+    if args.out:
+        out: Path | None = Path(args.out)
+    else:
+        out = None if args.json else Path(DEFAULT_OUT) / args.lab
+    planned = prepare(args.lab, args, out)
+    warn_about_cores([planned])
+    result = run_lab(planned)
+    if not args.json and _is_main_process():
+        print(importlib.import_module(LABS[args.lab].module).summary(result))
+        if out is not None:
+            print(f"figures and {args.lab}.json written to {out}/")
+    return result.to_dict()
+
+
+# -- errors, stdout, exit codes ------------------------------------------------------------------
+
+
+def _say(where: str, error: str, hint: str | None = None) -> None:
+    print(f"{where}: {error}", file=sys.stderr)
+    if hint:
+        print(f"  hint: {hint}", file=sys.stderr)
+
+
+def _rank_error(exc: BaseException) -> Any:
+    # RankError lives in fsdp_lab.cluster (torch); if that was never imported, no rank ran.
+    cluster = sys.modules.get("fsdp_lab.cluster")
+    return exc if cluster is not None and isinstance(exc, cluster.RankError) else None
+
+
+def _run(argv: list[str]) -> tuple[int, dict[str, Any]]:
+    """Parse, validate, run; (exit code, the JSON payload: the result or the error object)."""
+    where = "fsdp-lab"
+    try:
+        check_lab_name(argv)
+        args = build_parser().parse_args(argv)
+        where = f"fsdp-lab {args.lab}"
+        return 0, tour(args) if args.lab == "tour" else one_lab(args)
+    except UsageError as exc:
+        _say(exc.where or where, exc.error, exc.hint)
+        return EXIT_USAGE, {"error": exc.error, "hint": exc.hint}
+    except KeyboardInterrupt:  # the cluster was closed on the way out (run_lab's finally)
+        print(f"fsdp-lab: {INTERRUPTED}", file=sys.stderr)
+        return EXIT_INTERRUPTED, {"error": INTERRUPTED, "hint": "run it again to get a result"}
+    except Exception as exc:
+        failed = _rank_error(exc)
+        if failed is not None:  # the summary first; the rank's own traceback under it
+            error = f"rank {failed.rank}: {failed.message}"
+            _say(where, error)
+            if failed.remote_traceback:
+                trace = failed.remote_traceback.rstrip()
+                print(f"--- traceback on rank {failed.rank} ---\n{trace}", file=sys.stderr)
+            hint = f"rank {failed.rank}'s traceback is on stderr, under the first line"
+            return EXIT_FAILED, {"error": error, "hint": hint}
+        traceback.print_exc()  # not the input: a bug in fsdp_lab, whose traceback helps
+        error = f"internal error: {exc!r}"
+        hint = "a bug in fsdp_lab, not in your options: please report it with the traceback"
+        _say(where, error, hint)
+        return EXIT_FAILED, {"error": error, "hint": hint}
+
+
+def _wants_json(argv: list[str]) -> bool:
+    # Decided before parsing, so that a parse error is reported as JSON too; argparse also
+    # accepts an unambiguous prefix (--js).
+    return any(len(a) >= 3 and "--json".startswith(a) for a in argv)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+@contextlib.contextmanager
+def stdout_kept_for_json(enabled: bool) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """With --json, fd 1 belongs to the one JSON object alone.
+
+    Rank processes inherit the driver's fd 1, and C code writes to it below Python's
+    sys.stdout: a redirect in Python cannot stop them. So, before anything starts, keep a
+    private duplicate of fd 1 for the JSON and point fd 1 itself at stderr; whatever anyone
+    writes to fd 1 then lands on stderr. Yields the function that writes the JSON object.
+    """
+    if not enabled:
+        yield lambda payload: None
+        return
+    python_stdout = sys.stdout
+    python_stdout.flush()
+    private = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # print() in order with stderr's lines
+            yield lambda payload: _write_all(private, (json.dumps(payload) + "\n").encode())
+    finally:
+        python_stdout.flush()  # what was buffered for fd 1 goes where fd 1 pointed: stderr
+        os.dup2(private, 1)
+        os.close(private)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    # Keep stdout for the one JSON object: rank output and progress go to stderr.
-    redirect = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
-    with redirect:
-        if args.lab == "tour":
-            payload: Any = tour(args)
-        else:
-            out = (
-                Path(args.out)
-                if args.out
-                else (None if args.json else Path(DEFAULT_OUT) / args.lab)
-            )
-            result = run_lab(args.lab, args, out)
-            payload = result.to_dict()
-            if not args.json and _is_main_process():
-                print(importlib.import_module(LABS[args.lab][0]).summary(result))
-                if out is not None:
-                    print(f"figures and {args.lab}.json written to {out}/")
-    if args.json and _is_main_process():
-        print(json.dumps(payload))
-    return 0
+    """``fsdp-lab``: returns the exit code (0 done, 1 failed, 2 wrong input, 130 Ctrl-C)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    as_json = _wants_json(argv)
+    with stdout_kept_for_json(as_json) as write_json:
+        code, payload = _run(argv)
+        if as_json and _is_main_process():
+            write_json(payload)
+    return code

@@ -1,5 +1,8 @@
 """One module per lab; each has ``run(...) -> LabResult`` and is what the notebook, the CLI
-(`fsdp-lab <lab>`) and the tests call, so all three show the same measured numbers."""
+(`fsdp-lab <lab>`) and the tests call, so all three show the same measured numbers.
+
+Beside each, ``<lab>_config.py`` holds its frozen config and command-line options without
+importing torch, so that ``fsdp-lab --help`` answers at once; the lab module re-exports it."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -23,30 +23,10 @@ import torch
 from fsdp_lab import comm
 from fsdp_lab.cluster import AttachedCluster, Cluster, device, rank, world_size
 from fsdp_lab.labs import LabResult
+from fsdp_lab.labs.collectives_config import CollectivesConfig
 from fsdp_lab.trace import MemoryTracker, Timeline, category
 
 OPS = ("broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
-
-
-@dataclass(frozen=True)
-class CollectivesConfig:
-    """Args:
-    world_size: number of ranks.
-    numel: float32 elements of each rank's shard in the measured runs.
-    repeats: measured calls per op (the median time is reported).
-    backend: "auto", "gloo" or "nccl".
-    """
-
-    world_size: int = 4
-    numel: int = 1 << 18
-    repeats: int = 5
-    backend: str = "auto"
-
-    def __post_init__(self) -> None:
-        for name in ("numel", "repeats"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected an int >= 1")
 
 
 def theory_bytes(op: str, shard_bytes: int, n: int) -> float:
@@ -214,12 +194,3 @@ def summary(result: LabResult) -> str:
     lines.append("")
     lines.append(f"measured equals theory on every rank: {result['matches_theory']}")
     return "\n".join(lines)
-
-
-def add_arguments(parser: Any) -> None:
-    parser.add_argument("--numel", type=int, default=None, help="float32 elements per shard")
-    parser.add_argument("--repeats", type=int, default=None, help="measured calls per op")
-
-
-def config_from_args(args: Any) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ("numel", "repeats") if getattr(args, k, None) is not None}

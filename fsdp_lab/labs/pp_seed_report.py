@@ -19,17 +19,15 @@ does, so `stages_distinct` is decided on pairs.
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from fsdp_lab.labs import LabResult
+from fsdp_lab.labs.pp_seed_config import PPSeedConfig
 from fsdp_lab.pipeline import PipeGPT, PipeGPTConfig, stage_info
 from fsdp_lab.pipeline.rng import record_init_order, stage_of_module
-
-if TYPE_CHECKING:
-    from fsdp_lab.labs import LabResult
-    from fsdp_lab.labs.pp_seed import PPSeedConfig
 
 LOSS_RTOL = 1e-5  # "within float rounding": GPipe sums M micro-batch losses in another order
 LETTERS = {"seed_checkpoint": "a", "same_seed": "b", "per_stage_seed": "c", "rng_replay": "d"}

@@ -10,11 +10,10 @@ beside DESIGN.md's formulas (Ψ parameters, N ranks, b bytes per element).
 
 from __future__ import annotations
 
-import importlib
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -22,58 +21,12 @@ import torch
 from fsdp_lab import comm, reference
 from fsdp_lab.cluster import AttachedCluster, Cluster, device, rank, world_size
 from fsdp_lab.labs import LabResult
-from fsdp_lab.sharding import STRATEGIES, shard, sharding_state
+from fsdp_lab.labs.model_spec import load_factory
+from fsdp_lab.labs.shard_config import ShardConfig
+from fsdp_lab.sharding import shard, sharding_state
 from fsdp_lab.trace import MemoryTracker, Timeline
 
 MODEL_STATE = ("parameters", "gradients", "optimizer_state", "comm_buffers")
-
-
-@dataclass(frozen=True)
-class ShardConfig:
-    """Args:
-    world_size: ranks.
-    strategy: "none" (DDP), "optimizer" (ZeRO-1), "grad_op" (ZeRO-2), "full" (ZeRO-3).
-    steps: training steps.
-    prefetch: overlap the next unit's all-gather with the current unit's compute.
-    model: "module:factory" returning a token model (default: TinyGPT with a tied head).
-    optimizer: "adam" (16 B/param of model state, DESIGN.md's formulas) or "sgd" (momentum).
-    lr: learning rate.
-    global_batch: sequences per step over all ranks (must divide by world_size).
-    compare_fsdp2: also train PyTorch's fully_shard on the same model and data.
-    backend: "auto", "gloo" or "nccl".
-    """
-
-    world_size: int = 2
-    strategy: str = "full"
-    steps: int = 5
-    prefetch: bool = True
-    model: str = "fsdp_lab.models:tiny_gpt"
-    optimizer: str = "adam"
-    lr: float = 1e-3
-    global_batch: int = 12
-    compare_fsdp2: bool = True
-    backend: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy={self.strategy!r} is not one of {sorted(STRATEGIES)}")
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"optimizer={self.optimizer!r} is not 'adam' or 'sgd'")
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
-            raise ValueError(f"steps={self.steps!r}: expected an int >= 1")
-        if ":" not in self.model:
-            raise ValueError(f"model={self.model!r}: expected 'module:factory'")
-
-
-def load_factory(spec: str) -> Any:
-    """``"package.module:factory"`` -> the factory function."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(
-            f"--model {spec!r}: cannot load {attr!r} from {module_name!r} ({exc})"
-        ) from exc
 
 
 def _unit_classes(model: torch.nn.Module) -> tuple[type, ...]:
@@ -315,15 +268,3 @@ def summary(result: LabResult) -> str:
         )
     lines.append(f"\nmeasured equals theory on every rank: {result['comm_matches_theory']}")
     return "\n".join(lines)
-
-
-def add_arguments(parser: Any) -> None:
-    parser.add_argument("--strategy", choices=sorted(STRATEGIES), default=None)
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--no-prefetch", dest="prefetch", action="store_false", default=None)
-    parser.add_argument("--optimizer", choices=("adam", "sgd"), default=None)
-
-
-def config_from_args(args: Any) -> dict[str, Any]:
-    keys = ("strategy", "steps", "prefetch", "optimizer")
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}

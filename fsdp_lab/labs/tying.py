@@ -10,8 +10,7 @@ the tied pair to the root unit (`fsdp_lab.labs.tying_spike`).
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -20,7 +19,9 @@ from fsdp_lab import reference
 from fsdp_lab.audit import audit_table, audit_worker
 from fsdp_lab.cluster import AttachedCluster, Cluster, device, rank, world_size
 from fsdp_lab.labs import LabResult
-from fsdp_lab.labs.shard import load_factory, max_abs_diff
+from fsdp_lab.labs.model_spec import load_factory
+from fsdp_lab.labs.shard import max_abs_diff
+from fsdp_lab.labs.tying_config import LAB_MODEL, TyingConfig
 from fsdp_lab.labs.tying_spike import (
     PHASES,
     SYSTEM_NAMES,
@@ -36,88 +37,6 @@ from fsdp_lab.models import Block, GPTConfig, tiny_gpt
 from fsdp_lab.sharding import shard, sharding_state
 from fsdp_lab.tying import find_ties, record_ties, retie, untied_by_to_empty, verify_weight_tying
 from fsdp_lab.wrap import PlanError, build_plan, ownership
-
-LAB_MODEL = "fsdp_lab.models:tiny_gpt"
-_SIZES = {  # config field -> (CLI flag, what it is)
-    "vocab": ("--vocab", "rows of the tied embedding/head matrix"),
-    "dim": ("--dim", "model width"),
-    "layers": ("--layers", "transformer blocks"),
-    "heads": ("--heads", "attention heads"),
-    "seq_len": ("--seq-len", "tokens per sequence"),
-    "batch": ("--batch", "sequences per rank"),
-    "steps": ("--steps", "optimizer steps of the verification"),
-    "spike_steps": ("--spike-steps", "training steps measured for the spike"),
-}
-
-
-@dataclass(frozen=True)
-class TyingConfig:
-    """Args:
-    world_size: ranks.
-    steps: SGD steps before the tie is verified again (and compared with one process).
-    lr: SGD learning rate (momentum 0.9).
-    model: "module:factory" whose ties are reported too (the lab trains TinyGPT).
-    vocab, dim, layers, heads, seq_len: the spike's TinyGPT (a large tied vocabulary).
-    batch: sequences per rank in the spike.
-    spike_steps: training steps under the memory tracker (figures from the last one).
-    compare_fsdp2: also measure the spike with PyTorch's `fully_shard`.
-    backend: "auto", "gloo" or "nccl".
-    """
-
-    world_size: int = 2
-    steps: int = 5
-    lr: float = 0.1
-    model: str | None = None
-    vocab: int = 32768
-    dim: int = 256
-    layers: int = 4
-    heads: int = 4
-    seq_len: int = 64
-    batch: int = 2
-    spike_steps: int = 2
-    compare_fsdp2: bool = True
-    backend: str = "auto"
-
-    def __post_init__(self) -> None:
-        ws = self.world_size
-        if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
-            raise ValueError(
-                f"world_size={ws!r} is out of range: allowed >= 1. Fix: --world-size 2"
-            )
-        for name, (flag, what) in _SIZES.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"{name}={value!r} is out of range: allowed an int >= 1 ({what}). "
-                    f"Fix: {flag} {getattr(TyingConfig, name)}"
-                )
-        if self.dim % self.heads:
-            raise ValueError(
-                f"dim={self.dim} is not divisible by heads={self.heads}: each head gets dim/heads "
-                f"channels. Fix: --dim {self.heads * max(1, round(self.dim / self.heads))} or "
-                f"--heads 1"
-            )
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(
-                f"lr={self.lr!r} is out of range: allowed a number > 0. Fix: lr=0.1 (the default)"
-            )
-        if self.model is not None and ":" not in self.model:
-            raise ValueError(
-                f"model={self.model!r}: expected 'module:factory'. Fix: e.g. --model {LAB_MODEL}"
-            )
-        if self.model is not None:
-            load_factory(self.model)  # a clear ValueError now, not a traceback from run()
-
-    def gpt(self) -> dict[str, int]:
-        """`tiny_gpt` arguments of the spike's model."""
-        return {
-            "vocab_size": self.vocab,
-            "dim": self.dim,
-            "n_layers": self.layers,
-            "n_heads": self.heads,
-            "seq_len": self.seq_len,
-        }
-
 
 # -- 1. detection and 2. plans ------------------------------------------------------------------
 
@@ -359,14 +278,3 @@ def summary(result: LabResult) -> str:
         )
         lines.append(f"- {SYSTEM_NAMES[system]}, where the peak is (rank 0): {where}")
     return "\n".join(lines)
-
-
-def add_arguments(parser: Any) -> None:
-    for name, (flag, what) in _SIZES.items():
-        parser.add_argument(flag, dest=name, type=int, default=None, help=what)
-    parser.add_argument("--no-fsdp2", dest="compare_fsdp2", action="store_false", default=None)
-
-
-def config_from_args(args: Any) -> dict[str, Any]:
-    keys = (*_SIZES, "compare_fsdp2")
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}

@@ -13,19 +13,17 @@ gradient is held too. What changes is the memory under the peak — the lab meas
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fsdp_lab import reference
 from fsdp_lab.cluster import AttachedCluster, Cluster, device, rank, world_size
+from fsdp_lab.labs.tying_config import TyingConfig
 from fsdp_lab.models import tiny_gpt
 from fsdp_lab.sharding import shard, sharding_state
 from fsdp_lab.trace import MemoryTracker, mark
 from fsdp_lab.wrap import build_plan
-
-if TYPE_CHECKING:
-    from fsdp_lab.labs.tying import TyingConfig
 
 WRAPPINGS = ("root_unit", "joint_unit")
 SYSTEMS = ("fsdp_lab", "fsdp2")

@@ -41,11 +41,11 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from fsdp_lab import comm
+from fsdp_lab.choices import SEEDING_STRATEGIES as STRATEGIES
 from fsdp_lab.pipeline.model import PipeGPT, PipeGPTConfig, init_module
 from fsdp_lab.pipeline.stages import StageInfo, split_model, stage_module_names
 from fsdp_lab.trace import MemoryTracker
 
-STRATEGIES = ("seed_checkpoint", "same_seed", "per_stage_seed", "rng_replay")
 CHECKPOINT_NAME = "pp_seed_checkpoint.pt"
 
 

@@ -5,6 +5,7 @@ Read in this order: `flat_param.py` (the storage), `unit.py` (one unit's step, h
 `state_dict.py` (checkpoints, grad clipping).
 """
 
+from fsdp_lab.choices import SHARDING_STRATEGIES as STRATEGIES
 from fsdp_lab.sharding.shard import MixedPrecision, shard, sharding_state
 from fsdp_lab.sharding.state_dict import (
     CorruptCheckpointError,
@@ -14,7 +15,6 @@ from fsdp_lab.sharding.state_dict import (
     load_sharded,
     save_sharded,
 )
-from fsdp_lab.sharding.unit import STRATEGIES
 
 __all__ = [
     "STRATEGIES",

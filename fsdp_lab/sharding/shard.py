@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_lab import comm
+from fsdp_lab.choices import SHARDING_STRATEGIES as STRATEGIES
 from fsdp_lab.sharding.flat_param import FlatParameter, SliceValues
 from fsdp_lab.sharding.materialize import (
     ParamInitFn,
@@ -45,7 +46,7 @@ from fsdp_lab.sharding.materialize import (
     reset_parameters,
     to_empty_keeping_ties,
 )
-from fsdp_lab.sharding.unit import STRATEGIES, ShardedUnit, TrainingState
+from fsdp_lab.sharding.unit import ShardedUnit, TrainingState
 from fsdp_lab.tying import find_ties, record_ties, recorded_ties, verify_weight_tying
 from fsdp_lab.wrap import Units, build_plan
 

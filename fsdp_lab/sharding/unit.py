@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
 
@@ -36,41 +35,13 @@ import torch
 import torch.nn as nn
 
 from fsdp_lab import comm
+from fsdp_lab.choices import Strategy  # the table of strategies: fsdp_lab.choices
 from fsdp_lab.sharding.flat_param import FlatParameter
 from fsdp_lab.trace import category, mark
 from fsdp_lab.trace.timeline import active_timeline
 
 if TYPE_CHECKING:
     from fsdp_lab.sharding.shard import ShardingState
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """What a strategy keeps sharded and when it frees (see `STRATEGIES`)."""
-
-    sharded: bool  # parameters split over ranks (False: replicated, DDP)
-    reshard_after_forward: bool  # ZeRO-3 frees between forward and backward
-    reshard_after_backward: bool  # ZeRO-2/3 free the gathered parameters after backward
-    reduce_at_end: bool  # ZeRO-1: full gradients stay until the end of backward
-
-
-STRATEGIES: dict[str, Strategy] = {
-    "none": Strategy(
-        sharded=False,
-        reshard_after_forward=False,
-        reshard_after_backward=False,
-        reduce_at_end=False,
-    ),
-    "optimizer": Strategy(
-        sharded=True, reshard_after_forward=False, reshard_after_backward=False, reduce_at_end=True
-    ),
-    "grad_op": Strategy(
-        sharded=True, reshard_after_forward=False, reshard_after_backward=True, reduce_at_end=False
-    ),
-    "full": Strategy(
-        sharded=True, reshard_after_forward=True, reshard_after_backward=True, reduce_at_end=False
-    ),
-}
 
 
 class TrainingState(Enum):

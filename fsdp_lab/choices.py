@@ -1,0 +1,46 @@
+"""The names a user picks from: process-group backends, sharding strategies, pipeline seeding.
+
+Kept free of torch on purpose. Lab configs validate against these names and ``fsdp-lab --help``
+lists them; importing torch for that took 4-18 s per ``--help``. The mechanisms import their
+tables from here, so each name has one home.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Process-group backends: "auto" picks NCCL with one GPU per rank, gloo otherwise.
+# (fsdp_lab.cluster still spells this tuple out itself; it should import it from here.)
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What a sharding strategy keeps sharded and when it frees (`fsdp_lab.sharding.unit`)."""
+
+    sharded: bool  # parameters split over ranks (False: replicated, DDP)
+    reshard_after_forward: bool  # ZeRO-3 frees between forward and backward
+    reshard_after_backward: bool  # ZeRO-2/3 free the gathered parameters after backward
+    reduce_at_end: bool  # ZeRO-1: full gradients stay until the end of backward
+
+
+SHARDING_STRATEGIES: dict[str, Strategy] = {
+    "none": Strategy(
+        sharded=False,
+        reshard_after_forward=False,
+        reshard_after_backward=False,
+        reduce_at_end=False,
+    ),
+    "optimizer": Strategy(
+        sharded=True, reshard_after_forward=False, reshard_after_backward=False, reduce_at_end=True
+    ),
+    "grad_op": Strategy(
+        sharded=True, reshard_after_forward=False, reshard_after_backward=True, reduce_at_end=False
+    ),
+    "full": Strategy(
+        sharded=True, reshard_after_forward=True, reshard_after_backward=True, reduce_at_end=False
+    ),
+}
+
+# How the stages of a pipeline are initialised (`fsdp_lab.pipeline.rng` explains each).
+SEEDING_STRATEGIES = ("seed_checkpoint", "same_seed", "per_stage_seed", "rng_replay")
