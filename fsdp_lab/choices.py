@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Process-group backends: "auto" picks NCCL with one GPU per rank, gloo otherwise.
-# (fsdp_lab.cluster still spells this tuple out itself; it should import it from here.)
 BACKENDS = ("auto", "gloo", "nccl")
 
 

@@ -481,16 +481,7 @@ IDLE = ["meta-init", "--world-size", "2", "--model-mb", "8", "--sizes-mb", "8"]
     [
         pytest.param("terminal", BUSY, id="terminal-ranks-busy"),
         pytest.param("driver only", BUSY, id="driver-only-ranks-busy"),
-        pytest.param(
-            "terminal",
-            IDLE,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="an idle rank gets the terminal's SIGINT too and prints a traceback, "
-                "until cluster.py starts ranks in their own process group (issue 11)",
-            ),
-            id="terminal-ranks-idle",
-        ),
+        pytest.param("terminal", IDLE, id="terminal-ranks-idle"),
     ],
 )
 def test_ctrl_c_stops_the_ranks_with_one_line(how, lab):

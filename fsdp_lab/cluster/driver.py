@@ -22,7 +22,7 @@ Failure policy (what a learner sees; `RankError` names the rank):
 - Ctrl-C / the notebook's stop button during run(): the ranks still running the call get
   SIGINT too. If they all stop within a few seconds with their process groups in step (the
   same number of collectives issued on every group), they are kept; otherwise all ranks are
-  stopped and the next run() starts fresh ones. One line says which, then KeyboardInterrupt.
+  stopped and the next run() starts fresh ones. The KeyboardInterrupt's message says which.
 - every call and reply carries an id, so an abandoned call's late reply is dropped: run()
   never returns another call's result.
 """
@@ -237,8 +237,8 @@ class Cluster:
             call.send(payload)
             call.wait(time.monotonic() + self.timeout)
         except KeyboardInterrupt:
-            self._after_interrupt(call)
-            raise
+            # The learner sees one line, at the end of the KeyboardInterrupt it pressed for.
+            raise KeyboardInterrupt(self._after_interrupt(call)) from None
         return self._finish(call)
 
     def _ensure_live_ranks(self) -> None:
@@ -312,8 +312,9 @@ class Cluster:
             f"very slow work (raise Cluster(timeout=...)).{after}",
         )
 
-    def _after_interrupt(self, call: _Call) -> None:
-        """Ctrl-C in the driver: stop the call on the ranks too, then keep them or restart."""
+    def _after_interrupt(self, call: _Call) -> str:
+        """Ctrl-C in the driver: stop the call on the ranks too, keep them or restart them, and
+        say which."""
         if call.sent_all:
             deadline = time.monotonic() + INTERRUPT_GRACE
             with contextlib.suppress(KeyboardInterrupt):  # pressed again: stop waiting
@@ -325,12 +326,10 @@ class Cluster:
                             os.kill(self._ranks[r].proc.pid, signal.SIGINT)
                     call.wait(min(deadline, time.monotonic() + 0.5), grace=INTERRUPT_GRACE)
         if call.sent_all and not call.pending and not call.deaths and call.in_step():
-            print(
+            return (
                 f"fsdp_lab: interrupted {call.what}; every rank stopped it and is kept, its "
-                "state intact (process groups in step). The cluster is ready for the next run().",
-                file=sys.stderr,
+                "state intact (process groups in step). The cluster is ready for the next run()."
             )
-            return
         why = (
             f"rank(s) {sorted(call.pending)} could not stop (inside a collective or native code)"
             if call.pending
@@ -339,10 +338,9 @@ class Cluster:
             else "the call was only half sent"
         )
         self._teardown(grace=0)
-        print(
+        return (
             f"fsdp_lab: interrupted {call.what}; {why}, so all ranks were stopped. The next "
-            "run() starts fresh ones (state kept on the ranks is lost).",
-            file=sys.stderr,
+            "run() starts fresh ones (state kept on the ranks is lost)."
         )
 
 

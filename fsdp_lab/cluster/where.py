@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("auto", "gloo", "nccl")
+from fsdp_lab.choices import BACKENDS
 
 
 def rank() -> int:
