@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import Any, NamedTuple, NoReturn
 # torch-free on purpose: `fsdp-lab --help` imports this module and the labs' config modules
 # only (importing torch took 4-18 s); torch comes in when a lab is about to run.
 from fsdp_lab.choices import BACKENDS
+from fsdp_lab.cores import OversubscribedWarning, available_cores, too_many_ranks
 
 
 class Lab(NamedTuple):
@@ -176,24 +178,6 @@ def check_out(out: Path, where: str) -> None:
         ) from None
 
 
-def available_cores() -> int:
-    """CPU cores this process may run on (its affinity mask, e.g. under taskset or a cgroup)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def too_many_ranks(world_size: int, cores: int) -> str | None:
-    """The one-line warning for more ranks than cores, or None."""
-    if world_size <= cores:
-        return None
-    return (
-        f"warning: {world_size} ranks on {cores} CPU core{'s' if cores > 1 else ''}: expect a "
-        "slow start (each rank imports torch) and times that measure contention for the cores, "
-        f"not the mechanism; use --world-size {cores} or fewer for representative times"
-    )
-
-
 def prepare(name: str, args: argparse.Namespace, out: Path | None, tour: bool = False) -> Planned:
     """Validate one lab's options before any rank starts; UsageError names what is wrong."""
     where = f"fsdp-lab {name}"
@@ -246,7 +230,9 @@ def warn_about_cores(planned: list[Planned]) -> None:
         return
     said = set()
     for p in planned:
-        warning = too_many_ranks(p.config.world_size, available_cores())
+        warning = too_many_ranks(
+            p.config.world_size, available_cores(), f"--world-size {available_cores()}"
+        )
         if warning and warning not in said:
             print(f"fsdp-lab {p.name}: {warning}", file=sys.stderr, flush=True)
             said.add(warning)
@@ -275,7 +261,9 @@ def run_lab(planned: Planned) -> Any:
     from fsdp_lab.cluster import open_cluster
 
     module = importlib.import_module(LABS[planned.name].module)
-    cluster = open_cluster(planned.config.world_size, planned.config.backend)
+    with warnings.catch_warnings():  # prepare() already warned, naming the flag to change
+        warnings.simplefilter("ignore", OversubscribedWarning)
+        cluster = open_cluster(planned.config.world_size, planned.config.backend)
     try:
         result = module.run(planned.config, cluster=cluster)
     finally:

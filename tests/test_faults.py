@@ -352,3 +352,12 @@ def test_sharding_a_submodule_of_a_sharded_model_is_refused():
         messages = cluster.run(_shard_a_block_of_a_sharded_model)
     for message in messages:
         assert "already sharded" in message and "shard the whole model once" in message
+
+
+def test_more_ranks_than_cores_warns_naming_what_to_set(monkeypatch):
+    import fsdp_lab.cluster.driver as driver
+    from fsdp_lab.cores import OversubscribedWarning
+
+    monkeypatch.setattr(driver, "available_cores", lambda: 1)
+    with pytest.warns(OversubscribedWarning, match=r"2 ranks on 1 CPU core: .*world_size=1"):
+        Cluster(2, backend="gloo", verbose=False).close()

@@ -37,10 +37,10 @@ import os
 import pickle
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -54,6 +54,7 @@ from fsdp_lab.cluster.output import RankOutput
 from fsdp_lab.cluster.protocol import RankError, Reply
 from fsdp_lab.cluster.rank_main import RankSpec, rank_label, rank_main
 from fsdp_lab.cluster.where import resolve_backend
+from fsdp_lab.cores import OversubscribedWarning, available_cores, too_many_ranks
 
 # After one rank failed, how long the others get to answer before they count as stuck (a rank
 # in a collective with a dead peer would otherwise hold the notebook for the whole timeout).
@@ -123,14 +124,10 @@ class Cluster:
         self._calls = itertools.count(1)
         self._closed = False
         self._finalizer: weakref.finalize | None = None
-        cores = os.cpu_count() or 1
-        if verbose and world_size > cores:
-            print(
-                f"fsdp_lab: {world_size} ranks on {cores} CPU core(s): the ranks take turns on "
-                "the cores, so every step is slower and timings are noise; bytes and values "
-                f"stay exact. For timings use world_size <= {cores}.",
-                file=sys.stderr,
-            )
+        cores = available_cores()
+        crowded = too_many_ranks(world_size, cores, f"world_size={cores}")
+        if crowded:
+            warnings.warn(OversubscribedWarning(f"fsdp_lab: {crowded}"), stacklevel=2)
         self._start()
 
     # -- lifecycle ----------------------------------------------------------------------------
