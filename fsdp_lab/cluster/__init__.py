@@ -14,11 +14,17 @@ Modules, in the order a call travels:
     torchrun.py   AttachedCluster: the same interface under torchrun
 """
 
+# First, before this package imports torch itself: the fork server starts importing torch in
+# parallel (launcher.py needs no torch), so by the time a notebook creates its first Cluster
+# the ranks are a fork away.
 from fsdp_lab.cluster import launcher
-from fsdp_lab.cluster.driver import Cluster
-from fsdp_lab.cluster.protocol import RankError
-from fsdp_lab.cluster.torchrun import AttachedCluster, open_cluster, under_torchrun
-from fsdp_lab.cluster.where import (
+
+launcher.warm_up()
+
+from fsdp_lab.cluster.driver import Cluster  # noqa: E402
+from fsdp_lab.cluster.protocol import RankError  # noqa: E402
+from fsdp_lab.cluster.torchrun import AttachedCluster, open_cluster, under_torchrun  # noqa: E402
+from fsdp_lab.cluster.where import (  # noqa: E402
     BACKENDS,
     device,
     intra_op_threads,
@@ -40,7 +46,3 @@ __all__ = [
     "under_torchrun",
     "world_size",
 ]
-
-# The fork server starts importing torch now, while the importer goes on: by the time a
-# notebook creates its first Cluster, the ranks are a fork away (see launcher.py).
-launcher.warm_up()

@@ -447,13 +447,27 @@ def _has_died(rk: _Rank) -> bool:
     """Dead, or a zombie whose exit the fork server has not reported yet (then wait for it)."""
     if not rk.proc.is_alive():
         return True
-    try:
-        gone = psutil.Process(rk.proc.pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        gone = True
+    gone = _state_of(rk.proc.pid) in ("Z", "X", None)
     if gone:
         rk.proc.join(2.0)  # the exit code comes through the fork server
     return gone
+
+
+def _state_of(pid: int) -> str | None:
+    """The process state letter ('R', 'S', 'Z' zombie, ...), None if there is no such process.
+
+    /proc read directly: psutil.Process() costs ~0.1 ms, and this runs for every rank on
+    every call."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc (not Linux): ask psutil
+        try:
+            return "Z" if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE else "R"
+        except psutil.NoSuchProcess:
+            return None
 
 
 @contextlib.contextmanager
