@@ -161,8 +161,9 @@ class Cluster:
             self._teardown()
             raise
         if call.failed:
+            error = self._start_error(call)  # before teardown: it reads the exit codes
             self._teardown()
-            raise self._start_error(call)
+            raise error
         self.start_seconds = time.perf_counter() - t0
         if self.verbose:
             print(
@@ -176,7 +177,7 @@ class Cluster:
             return RankError(r, "failed to join the process group", call.replies[r].traceback)
         if call.deaths:
             r = call.deaths[0]
-            code = self._ranks[r].proc.exitcode if self._ranks else None
+            code = self._ranks[r].proc.exitcode
             return RankError(r, f"died while starting ({_how(code)})", exitcode=code)
         return RankError(
             min(call.pending),
