@@ -145,10 +145,13 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
         with FullyShardedDataParallel.summon_full_params(model, writeback=False):
             named = model.named_parameters(remove_duplicate=False)
             return {_clean(k): p.detach().cpu().clone() for k, p in named}
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = isinstance(model, DistributedDataParallel)
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):  # tied: both names
         full = p.full_tensor() if hasattr(p, "full_tensor") else p  # DTensor (FSDP2)
-        out[_clean(name)] = full.detach().cpu().clone()
+        out[_clean(name, ddp)] = full.detach().cpu().clone()
     return out
 
 
@@ -160,7 +163,18 @@ def _param_names(model: nn.Module) -> set[str]:
     }
 
 
-def _clean(name: str) -> str:
-    for prefix in ("_fsdp_wrapped_module.", "module.", "_checkpoint_wrapped_module."):
-        name = name.replace(prefix, "")
-    return name
+# Attributes PyTorch's wrappers put between a model and its parameters, as whole name
+# components: FSDP1, `checkpoint_wrapper`, `torch.compile`. DDP adds one leading "module".
+_WRAPPER_COMPONENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+
+
+def _clean(name: str, ddp: bool = False) -> str:
+    """The original name of a wrapped model's parameter.
+
+    Only what a wrapper really adds is removed, and only as a whole component: a submodule the
+    user called `module` (PyTorch's own `NestedWrappedModule` has one) or `submodule` keeps it.
+    """
+    parts = [p for p in name.split(".") if p not in _WRAPPER_COMPONENTS]
+    if ddp and parts and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)

@@ -177,12 +177,13 @@ def _size_based(model: nn.Module, min_params: int) -> list[str]:
         def inside(m: str, name: str = name) -> bool:
             return m == name or m.startswith(name + ".")
 
-        # A tied parameter counts only for a module that holds all of its owners.
-        free = [
-            p
-            for p in module.parameters()
-            if id(p) not in claimed and all(inside(m) for m in users[id(p)])
-        ]
+        unclaimed = [p for p in module.parameters() if id(p) not in claimed]
+        # A module that holds one owner of an unclaimed tie but not the other cannot be a unit:
+        # the tie would be split (build_plan refuses that). The tie goes up to the first module
+        # that holds all its owners, and counts there.
+        if any(not all(inside(m) for m in users[id(p)]) for p in unclaimed):
+            continue
+        free = unclaimed
         if sum(p.numel() for p in free) >= min_params:
             chosen.append(name)
             claimed.update(id(p) for p in free)

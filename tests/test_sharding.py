@@ -128,7 +128,8 @@ def test_mixed_precision_gathers_half_the_bytes_and_still_trains(cluster_of):
     def bf16_params():
         model = shard(tiny_gpt(), units={Block}, mixed_precision=MixedPrecision())
         reference.train_steps(model, _sgd(model.parameters()), 5, rank=fsdp_lab.rank(), world=n)
-        dtypes = (sharding_state(model).units[1].flat.unsharded.dtype, model.flat_param.dtype)
+        units = sharding_state(model).units
+        dtypes = (units[1].flat.unsharded.dtype, units[0].flat.shard.dtype)
         return reference.full_parameters(model), dtypes
 
     (params, (compute, master)), _ = cluster_of(n).run(bf16_params)
@@ -353,12 +354,24 @@ def test_checkpointing_a_sharded_unit_costs_a_gather_only_across_units(cluster_o
             assert torch.equal(runs[mode]["params"][name], value), (mode, name)
 
 
-def _attribute_after_free() -> tuple:
-    model = shard(tiny_gpt(), units={Block}, strategy="full")
+def _attribute_after_free(use_orig_params: bool) -> tuple:
+    model = shard(tiny_gpt(), units={Block}, strategy="full", use_orig_params=use_orig_params)
     reference.train_steps(model, _sgd(model.parameters()), 1, rank=fsdp_lab.rank(), world=2)
-    weight = model.blocks[0].mlp.fc.weight  # freed unit: a shape-only stand-in, not freed memory
-    return weight.device.type, tuple(weight.shape), model.head.weight is model.tok_emb.weight
+    weight = model.blocks[0].mlp.fc.weight  # freed unit: never a view of freed memory
+    registered = any(weight is p for p in model.parameters())
+    return (
+        weight.device.type,
+        tuple(weight.shape),
+        model.head.weight is model.tok_emb.weight,
+        (registered),
+    )
 
 
-def test_a_freed_unit_shows_shape_only_stand_ins_not_dangling_views(cluster_of):
-    assert cluster_of(2).run(_attribute_after_free) == [("meta", (128, 32), True)] * 2
+def test_a_freed_unit_shows_its_slices_or_stand_ins_not_dangling_views(cluster_of):
+    # Per-parameter views: the attribute is this rank's slice again, the Parameter the
+    # optimizer steps (its 1-D part of the 128x32 weight; the unit's shard splits at 2 ranks).
+    slices = cluster_of(2).run(_attribute_after_free, True)
+    assert [s[0] for s in slices] == ["cpu", "cpu"] and all(s[2] and s[3] for s in slices)
+    assert sum(s[1][0] for s in slices) == 128 * 32
+    # The flat view: shape-only stand-ins on meta.
+    assert cluster_of(2).run(_attribute_after_free, False) == [("meta", (128, 32), True, False)] * 2

@@ -203,7 +203,7 @@ def _sharded_round_trip(folder: str, strategy: str) -> dict:
         "resumed_equal": _equal(resumed, uninterrupted),
         "forgetful_equal": _equal(full_state_dict(forgetful, rank0_only=False), uninterrupted),
         "saved_numel": sum(t.numel() for t in mine["shards"].values()),
-        "shard_numel": sum(p.numel() for p in model.parameters()),
+        "shard_numel": sum(u.flat.shard_numel for u in sharding_state(model).units),
         "full_numel": sum(t.numel() for t in tiny_gpt().parameters()),
         "adam_steps": [s["step"].item() for s in mine["optimizer"]["state"].values()],
     }
@@ -417,7 +417,7 @@ def _clip_sharded(strategy: str, max_norm: float, norm_type: float) -> dict:
     state = sharding_state(model)
     grads = {}
     for unit in state.units:  # gather the clipped gradient back to full size
-        g = unit.flat.shard.grad
+        g = unit.flat_shard_grad()
         full = torch.empty(unit.flat.padded_numel) if unit.flat.shard_size > 1 else g
         if unit.flat.shard_size > 1:
             dist.all_gather_into_tensor(full, g)

@@ -99,30 +99,50 @@ def _verify_sharded() -> dict:
     record_ties(model)
     model = shard(model, units={Block})
     right_after = verify_weight_tying(model)
-    head_before = getattr(model.head, "weight", None)
+    # One slice Parameter under both names (per-parameter views): the tie is visible at once.
+    one_slice = model.head.weight is model.tok_emb.weight
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     reference.train_steps(model, opt, 3, rank=fsdp_lab.rank(), world=fsdp_lab.world_size())
     after_steps = verify_weight_tying(model)
     same_view = model.head.weight is model.tok_emb.weight
-    # Break the gathered tie by hand: the object check must notice. (zeros_like, not clone:
-    # the views point into a freed buffer, 0 bytes, whose values must not be read.)
-    model.head.weight = torch.zeros_like(model.tok_emb.weight)
+    # Break the tie by hand: the object check must notice.
+    model.head.weight = torch.nn.Parameter(torch.zeros_like(model.tok_emb.weight))
     broken = verify_weight_tying(model)
     return {
         "right_after": right_after,
-        "head_before": head_before,
+        "one_slice": one_slice,
         "after_steps": after_steps,
         "same_view": same_view,
         "broken": broken,
     }
 
 
+def _verify_flat() -> dict:
+    model = tiny_gpt()
+    record_ties(model)
+    model = shard(model, units={Block}, use_orig_params=False)
+    head_before = getattr(model.head, "weight", None)  # the flat view: no attribute until used
+    reference.train_steps(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        1,
+        rank=fsdp_lab.rank(),
+        world=fsdp_lab.world_size(),
+    )
+    # zeros_like, not clone: the views point into a freed buffer, 0 bytes.
+    model.head.weight = torch.zeros_like(model.tok_emb.weight)
+    return {"head_before": head_before, "broken": verify_weight_tying(model)}
+
+
 def test_verify_on_a_sharded_tiny_gpt_before_and_after_training(cluster_of):
     for res in cluster_of(2).run(_verify_sharded):
         assert res["right_after"] == []
-        assert res["head_before"] is None  # not gathered yet: only the segment check ran
+        assert res["one_slice"]
         assert res["after_steps"] == []
         assert res["same_view"]
+        assert len(res["broken"]) == 1 and "'head.weight'" in res["broken"][0]
+    for res in cluster_of(2).run(_verify_flat):
+        assert res["head_before"] is None  # not gathered yet: only the segment check ran
         assert len(res["broken"]) == 1 and "'head.weight'" in res["broken"][0]
 
 

@@ -61,6 +61,7 @@ class FlatParameter:
         template: dtype and device to use when `params` is empty.
         values: for meta `params`: produces any slice of a parameter (a deterministic init).
         device: where the shard lives when `params` are on meta.
+        requires_grad: whether any of the parameters trains (False: no gradient is built).
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class FlatParameter:
         template: torch.Tensor | None = None,
         values: SliceValues | None = None,
         device: torch.device | None = None,
+        requires_grad: bool = True,
     ) -> None:
         # A root unit can be left with no parameters: `template` then gives dtype and device.
         like = params[0] if params else template
@@ -108,7 +110,7 @@ class FlatParameter:
             # filled slice by slice: no full-size flat copy of the unit is ever made.
             shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
             self._fill(shard, values)
-            self.shard = nn.Parameter(shard)
+            self.shard = nn.Parameter(shard, requires_grad=requires_grad)
 
         # Replicated and not cast: the parameter itself is the unsharded buffer (plain DDP).
         self.aliased = shard_size == 1 and self.compute_dtype == dtype
@@ -124,7 +126,7 @@ class FlatParameter:
                     (0,),
                     dtype=self.compute_dtype,
                     device=device,
-                    requires_grad=True,
+                    requires_grad=requires_grad,
                 )
             self.free_unsharded()
 
@@ -178,6 +180,13 @@ class FlatParameter:
                         f"({b - a},)"
                     )
                 shard[a - start : b - start].copy_(piece)
+
+    def local_range(self, segment: Segment) -> tuple[int, int]:
+        """Where `segment`'s elements on this rank sit in the shard: [a, b), maybe empty."""
+        start = self.shard_rank * self.shard_numel
+        a = min(max(segment.offset - start, 0), self.shard_numel)
+        b = min(max(segment.offset + segment.numel - start, 0), self.shard_numel)
+        return a, b
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split a full (unpadded or padded) flat tensor into named, shaped tensors."""

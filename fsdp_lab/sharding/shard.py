@@ -132,6 +132,7 @@ class ShardingState:
             unit.wait_unshard()  # a prefetch whose backward never came
             if unit.strategy.reshard_after_backward:
                 unit.reshard()
+            unit._use_sharded()  # views set by a pre-backward: the slices show again
             unit.training_state = TrainingState.IDLE
 
 
@@ -258,6 +259,7 @@ def shard(
     param_init_fn: ParamInitFn | None = None,
     shard_init: SliceInit | None = None,
     sync_module_states: bool = False,
+    use_orig_params: bool = True,
 ) -> nn.Module:
     """Shard `model` in place (FSDP/ZeRO) and return it.
 
@@ -278,7 +280,12 @@ def shard(
         shard_init: a meta model only: fills each rank's shard directly from a counter-based
             init (`fsdp_lab.meta_init.DeterministicInit`), without materialising any unit.
         sync_module_states: rank 0's values are broadcast to every rank before sharding (on a
-            meta model, only rank 0 runs `param_init_fn`).
+            meta model, only rank 0 runs `param_init_fn`). Always on for "none", as DDP does.
+        use_orig_params: True (default, FSDP2's behaviour): every parameter keeps its name, as
+            this rank's slice of it (its full shape under "none"); frozen parameters stay
+            frozen and a parameter without a gradient keeps ``grad=None``. False: one flat
+            parameter per unit, ``flat_param`` (FSDP1's default; the sharding lab draws it).
+            See [Note: per-parameter views] in `fsdp_lab.sharding.unit`.
     """
     _check_model(model, strategy)
     group, world, rank = _resolve_group(mesh)
@@ -296,6 +303,9 @@ def shard(
             "shard_init and sync_module_states=True both make ranks agree; pick one "
             "(shard_init needs no communication)"
         )
+    _check_units(model, plan, use_orig_params)
+    if strategy == "none" and shard_init is None:
+        sync_module_states = True  # DDP: every replica starts from rank 0's values
     target = _target_device(device) if on_meta else None
     init_fn = param_init_fn or reset_parameters
     if on_meta and not recorded_ties(model):
@@ -315,15 +325,12 @@ def shard(
     for name in plan.units:
         refs = plan.params[name]
         params = [lookup[r.name] for r in refs]
+        frozen = [not p.requires_grad for p in params]
         values = None
         if on_meta and shard_init is None:  # the whole unit, briefly: the largest unit counts
             params = materialize_unit(model, refs, target, init_fn, group, sync_module_states)
         elif on_meta:
             values = _slice_values(model, refs, shard_init, target, init_fn)
-        elif sync_module_states:
-            with torch.no_grad():
-                for p in params:
-                    comm.broadcast(p.data, src=0, group=group)
         flat = FlatParameter(
             [r.name for r in refs],
             params,
@@ -333,18 +340,36 @@ def shard(
             template=next(iter(lookup.values())),
             values=values,
             device=target,
+            requires_grad=not all(frozen),
         )
         del params  # a materialised unit's full tensors go once the modules drop them below
+        if sync_module_states and not on_meta:  # the whole unit in one message
+            with torch.no_grad():
+                comm.broadcast(flat.shard.data, src=0, group=group)
         owners = [[(model.get_submodule(m), attr) for m, attr in r.owners] for r in refs]
-        for ref_owners in owners:
-            for module, attr in ref_owners:
-                del module._parameters[attr]  # from now on a view, set by the unit
         modules = [model.get_submodule(m) for m in plan.members_of(name)]
-        modules[0].register_parameter(FLAT_PARAM, flat.shard)  # a group: on its first member
+        sharded = None
+        if use_orig_params:
+            sharded = _register_slices(flat, owners, frozen)
+        else:
+            for ref_owners in owners:
+                for module, attr in ref_owners:
+                    del module._parameters[attr]  # from now on a view, set by the unit
+            modules[0].register_parameter(FLAT_PARAM, flat.shard)  # a group: its first member
         aliases = [tuple(f"{m}.{a}" if m else a for m, a in r.owners) for r in refs]
         reduce_dtype = mp.reduce_dtype if mp else None
         unit = ShardedUnit(
-            name, modules, flat, owners, aliases, policy, state, name in free_after, reduce_dtype
+            name,
+            modules,
+            flat,
+            owners,
+            aliases,
+            policy,
+            state,
+            name in free_after,
+            reduce_dtype,
+            sharded,
+            frozen,
         )
         state.units.append(unit)
     if on_meta:
@@ -358,6 +383,51 @@ def shard(
         if module is not model:
             module._fsdp_lab_sharded_in = weakref.ref(model)
     return model
+
+
+def _register_slices(
+    flat: FlatParameter, owners: list[list[tuple[nn.Module, str]]], frozen: list[bool]
+) -> list[nn.Parameter]:
+    """Each original parameter becomes this rank's slice of it, a view into the flat shard,
+    registered in its own slot (same name, same place in `named_parameters()`)."""
+    params = []
+    storage = flat.shard.detach()  # a view of it shares the shard's memory, not its autograd
+    for segment, ref_owners, is_frozen in zip(flat.segments, owners, frozen, strict=True):
+        a, b = flat.local_range(segment)
+        piece = storage[a:b]
+        if flat.shard_size == 1:  # replicated: the whole parameter, in its own shape (DDP)
+            piece = piece.view(segment.shape)
+        param = nn.Parameter(piece, requires_grad=not is_frozen)
+        for module, attr in ref_owners:  # tied: one Parameter under every name, as before
+            module._parameters[attr] = param
+        params.append(param)
+    return params
+
+
+def _check_units(model: nn.Module, plan: Any, use_orig_params: bool) -> None:
+    """One dtype per unit (one flat buffer); one `requires_grad` per unit for the flat view."""
+    for unit in plan.units:
+        named = [(r.name, model.get_parameter(r.name)) for r in plan.params[unit]]
+        dtypes = {p.dtype for _, p in named}
+        where = "the root unit" if unit == "" else f"unit {unit!r}"
+        if len(dtypes) > 1:
+            first = {d: next(n for n, p in named if p.dtype == d) for d in dtypes}
+            shown = ", ".join(f"{n!r} is {d}" for d, n in first.items())
+            raise ValueError(
+                f"{where} mixes parameter dtypes: {shown}. A unit is one flat buffer of one "
+                "dtype (fully_shard refuses this too). Fix: model.to(one_dtype) and "
+                "mixed_precision=MixedPrecision(...) for compute, or put the parameters of each "
+                "dtype in their own unit (units=[...])"
+            )
+        frozen = {p.requires_grad for _, p in named}
+        if not use_orig_params and len(frozen) > 1:
+            stiff = [n for n, p in named if not p.requires_grad]
+            raise ValueError(
+                f"{where} mixes frozen and trainable parameters (frozen: {stiff[:3]}"
+                f"{' ...' if len(stiff) > 3 else ''}), and with use_orig_params=False the unit "
+                "is one flat parameter with one requires_grad (FSDP1 refuses this too). Fix: "
+                "use_orig_params=True (the default), or put the frozen modules in their own unit"
+            )
 
 
 def _slice_values(

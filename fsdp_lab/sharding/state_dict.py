@@ -526,7 +526,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         norm_type: p of the p-norm (`math.inf`: the largest |g|).
     """
     state, p = sharding_state(model), float(norm_type)
-    grads = [u.flat.shard.grad for u in state.units if u.flat.shard.grad is not None]
+    grads = [g for u in state.units for g in u.shard_grads() if g.numel()]
     # Each rank holds a slice of every unit's gradient: add up the slices' sums of |g|^p (for
     # the inf-norm: take the largest maximum). Padding has zero gradient; a tied weight sits in
     # its flat buffer once, so it counts once, as in torch (model.parameters() dedups it).

@@ -22,6 +22,24 @@ unit. In backward the gradients of all members' views meet in one accumulator, s
 reduce-scatter (post-backward) fires once, after the last member's backward; between member
 backwards the unit is freed as soon as every input of a member call has its gradient (the
 member's backward is then done) and gathered again by the next member's pre-backward.
+
+[Note: per-parameter views] By default (`use_orig_params=True`, FSDP2's behaviour) each original
+parameter stays registered under its own name as an `nn.Parameter` holding this rank's slice of
+it: a 1-D view into the flat shard (its full shape when replicated, as DDP keeps it). So
+`named_parameters()` keeps names, order and `requires_grad`, optimizer groups work, and an
+optimizer step on a slice writes the flat shard in place. While the unit runs, the module's
+attribute is the gathered view instead (put in the module's `__dict__`, which attribute lookup
+reads before `_parameters`); outside forward and backward it is the slice again.
+Gradients: post-backward reduce-scatters the unit's whole gradient in one message, then hands
+each parameter its slice of it — except a frozen parameter (`requires_grad=False`: its view is
+detached, so autograd never computes it) and a parameter that got no gradient in this backward
+(a hook on its view never fired): their `.grad` stays None, so no optimizer moves them, weight
+decay included. FSDP1 needs a uniform `requires_grad` per flat parameter; here one unit mixes
+them, since the choice is made per view. Like `fully_shard`, the unit decides from its own
+backward which parameters got a gradient: every rank must take the same path through the model.
+With `use_orig_params=False` the unit's one flat parameter is what the optimizer sees (FSDP1's
+default, which the sharding lab draws): one `requires_grad` per unit, and a parameter with no
+gradient gets zeros there, as in FSDP1.
 """
 
 from __future__ import annotations
@@ -65,6 +83,8 @@ class ShardedUnit:
         state: ShardingState,
         reshard_after_forward: bool,
         reduce_dtype: torch.dtype | None,
+        params: list[nn.Parameter] | None = None,
+        frozen: list[bool] | None = None,
     ) -> None:
         self.name, self.module, self.flat, self.owners = name, modules[0], flat, owners
         self.grouped = len(modules) > 1  # a unit of several modules (see the Note above)
@@ -80,6 +100,10 @@ class ShardedUnit:
         self._recomputing = False
         self._compute_start = 0.0
         self.label = "root" if name == "" else name
+        # Per-parameter views (see the Note): each segment's sharded Parameter; None: flat.
+        self.params = params
+        self.frozen = frozen or [False] * len(flat.segments)
+        self._got_grad = [False] * len(flat.segments)  # in this backward, per segment
         # The tensor keeps its hooks on the C++ side, out of sight of Python's cycle collector:
         # a bound method there (buffer -> hook -> unit -> buffer) would keep every sharded model
         # alive for the life of the process. The hook holds the unit weakly instead.
@@ -90,7 +114,8 @@ class ShardedUnit:
             if alive is not None:
                 alive._post_backward(unsharded)
 
-        flat.unsharded.register_post_accumulate_grad_hook(post_backward)
+        if flat.unsharded.requires_grad:  # an all-frozen unit builds no gradient
+            flat.unsharded.register_post_accumulate_grad_hook(post_backward)
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward)
             module.register_forward_hook(self._post_forward)
@@ -136,18 +161,37 @@ class ShardedUnit:
             return
         self.wait_unshard()
         self.flat.free_unsharded()
-        # The views now point at 0 bytes; reading one would touch freed memory. The modules get
-        # shape-only stand-ins instead (autograd keeps its own references to the views).
-        for segment, owners in zip(self.flat.segments, self.owners, strict=True):
-            stand_in = torch.empty(segment.shape, dtype=self.flat.compute_dtype, device="meta")
-            for module, attr in owners:  # tied: one stand-in shared, as the view was
-                setattr(module, attr, stand_in)
+        if self.params is not None:
+            self._use_sharded()  # the attributes are this rank's slices again
+        else:
+            # The views now point at 0 bytes; reading one would touch freed memory. The modules
+            # get shape-only stand-ins (autograd keeps its own references to the views).
+            for segment, owners in zip(self.flat.segments, self.owners, strict=True):
+                stand_in = torch.empty(segment.shape, dtype=self.flat.compute_dtype, device="meta")
+                for module, attr in owners:  # tied: one stand-in shared, as the view was
+                    setattr(module, attr, stand_in)
         mark(f"free {self.label}")
 
     def _use_views(self) -> None:
-        for view, owners in zip(self.flat.views(), self.owners, strict=True):
+        unit = weakref.ref(self)
+        for i, (view, owners) in enumerate(zip(self.flat.views(), self.owners, strict=True)):
+            if self.frozen[i]:
+                view = view.detach()  # no gradient is computed for a frozen parameter
+            elif self.params is not None and view.requires_grad:
+                view.register_hook(_GotGrad(unit, i))
             for module, attr in owners:  # tied: every owner gets the very same view
-                setattr(module, attr, view)
+                if self.params is not None:
+                    module.__dict__[attr] = view  # read before module._parameters[attr]
+                else:
+                    setattr(module, attr, view)
+
+    def _use_sharded(self) -> None:
+        """Per-parameter views: each attribute is its registered slice again (see the Note)."""
+        if self.params is None:
+            return
+        for owners in self.owners:
+            for module, attr in owners:
+                module.__dict__.pop(attr, None)
 
     # -- forward --------------------------------------------------------------------------------
 
@@ -184,6 +228,7 @@ class ShardedUnit:
             )
         if self.reshard_after_forward:
             self.reshard()
+        self._use_sharded()  # kept gathered or not: between passes, the slices show
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
@@ -256,6 +301,9 @@ class ShardedUnit:
             if flat.aliased:  # DDP: all-reduce the parameter's own gradient in place
                 comm.all_reduce(full_grad, group=self.state.group)
                 full_grad.div_(world)
+                if self.params is not None:
+                    flat.shard.grad = None  # handed to the parameters below
+                    self._hand_out(full_grad)
                 return
             with category("gradients"):
                 grad = full_grad.to(self.reduce_dtype)
@@ -268,13 +316,60 @@ class ShardedUnit:
                 out = out.div_(world).to(flat.shard.dtype)
                 flat.unsharded.grad = None  # the full gradient is freed here
                 del grad, full_grad
-                if flat.shard.grad is None:
+                if self.params is not None:
+                    self._hand_out(out)
+                elif flat.shard.grad is None:
                     flat.shard.grad = out
                 else:  # gradient accumulation over several backwards
                     flat.shard.grad += out
         mark(
             f"reduce-scatter {self.label}" if self.strategy.sharded else f"all-reduce {self.label}"
         )
+
+    def _hand_out(self, grad: torch.Tensor) -> None:
+        """Give each parameter that got a gradient its slice of the unit's shard gradient."""
+        assert self.params is not None
+        for i, (segment, param) in enumerate(zip(self.flat.segments, self.params, strict=True)):
+            got, self._got_grad[i] = self._got_grad[i], False
+            if self.frozen[i] or not got:
+                continue  # stays None: no optimizer touches it (weight decay included)
+            a, b = self.flat.local_range(segment)
+            piece = grad[a:b].view(param.shape)
+            if param.grad is None:
+                param.grad = piece  # a view: the unit's gradient is one allocation
+            else:  # gradient accumulation over several backwards
+                param.grad += piece
+
+    def flat_shard_grad(self) -> torch.Tensor | None:
+        """This rank's gradient of the unit as one flat shard (zeros where a parameter has none)."""
+        if self.params is None:
+            return self.flat.shard.grad
+        if all(p.grad is None for p in self.params):
+            return None
+        grad = torch.zeros_like(self.flat.shard)
+        for segment, param in zip(self.flat.segments, self.params, strict=True):
+            if param.grad is not None:
+                a, b = self.flat.local_range(segment)
+                grad[a:b] = param.grad.reshape(-1)
+        return grad
+
+    def shard_grads(self) -> list[torch.Tensor]:
+        """This rank's gradients of the unit, each element once (for norms and clipping)."""
+        if self.params is None:
+            return [] if self.flat.shard.grad is None else [self.flat.shard.grad]
+        return [p.grad for p in self.params if p.grad is not None]
+
+
+class _GotGrad:
+    """Hook on one parameter's view: records that a gradient reached it in this backward."""
+
+    def __init__(self, unit: weakref.ref[ShardedUnit], index: int) -> None:
+        self.unit, self.index = unit, index  # weakly: the hook lives on the C++ side
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        alive = self.unit()
+        if alive is not None:
+            alive._got_grad[self.index] = True
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
