@@ -191,7 +191,7 @@ def _size_based(model: nn.Module, min_params: int) -> list[str]:
     return sorted(chosen, key=order.index)
 
 
-def _unit_of(module_name: str, roots: Iterable[tuple[str, ...]]) -> str:
+def unit_of_module(module_name: str, roots: Iterable[tuple[str, ...]]) -> str:
     """The unit of a module: the one whose member encloses it most closely (longest prefix)."""
     best, best_len = ROOT, -1
     for members in roots:
@@ -227,7 +227,7 @@ def ownership(model: nn.Module, units: Units = None) -> list[Ownership]:
 
 def _ownership(model: nn.Module, roots: list[tuple[str, ...]]) -> list[Ownership]:
     return [
-        Ownership(ref, tuple(_unit_of(m, roots) for m, _ in ref.owners))
+        Ownership(ref, tuple(unit_of_module(m, roots) for m, _ in ref.owners))
         for ref in _param_refs(model)
     ]
 

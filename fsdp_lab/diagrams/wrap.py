@@ -16,10 +16,10 @@ from fsdp_lab.wrap import (
     PlanError,
     Units,
     _roots_of,
-    _unit_of,
     build_plan,
     ownership,
     unit_name,
+    unit_of_module,
 )
 
 
@@ -104,7 +104,7 @@ def wrap_diagram(
                 fontsize="10",
             )
             for m in modules:
-                if m in shown and _unit_of(m, roots) == unit:
+                if m in shown and unit_of_module(m, roots) == unit:
                     c.node(_module_id(m), _module_label(m, modules[m], node_sizes, folded))
             # A tie inside one unit is drawn inside it: one copy, gathered and freed with it.
             for s in shared:
@@ -151,7 +151,7 @@ def _shared_params(
         if tie.kind == "storage":  # distinct Parameters over one storage: each name its shape
             lines = [f"{n} {tuple(model.get_parameter(n).shape)}" for n in tie.names]
             label = "\\n".join([*lines, "shared storage"])
-            tie_units = tuple(_unit_of(m, roots) for m in tie.modules)
+            tie_units = tuple(unit_of_module(m, roots) for m in tie.modules)
             shared.append(_Shared(" ~ ".join(tie.names), label, tie.modules, tie_units))
     return shared
 

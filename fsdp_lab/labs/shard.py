@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
@@ -68,6 +69,7 @@ def _ours(cfg: ShardConfig) -> dict[str, Any]:
         model = factory().to(device())
         units = _unit_classes(model)
         shard(model, units=set(units) or None, strategy=cfg.strategy, prefetch=cfg.prefetch)
+        at_wrap = len(log.records)  # "none" broadcasts rank 0's values here, as DDP does
         opt = _optimizer(cfg, model.parameters())
         mem.track(model)
         mem.track(opt)
@@ -87,8 +89,11 @@ def _ours(cfg: ShardConfig) -> dict[str, Any]:
         "losses": losses,
         "step_time_s": step_time,
         "params": reference.full_parameters(model),
-        "comm_bytes_per_step": {op: b / cfg.steps for op, b in log.bytes_by_op().items()},
-        "calls_per_step": {op: c / cfg.steps for op, c in log.calls_by_op().items()},
+        "comm_bytes_per_step": {op: b / cfg.steps for op, b in _by_op(log.records[at_wrap:])},
+        "calls_per_step": {
+            op: c / cfg.steps for op, c in Counter(r.op for r in log.records[at_wrap:]).items()
+        },
+        "comm_bytes_at_wrap": dict(_by_op(log.records[:at_wrap])),
         "memory_trace": trace,
         "peak_bytes": trace["peak_bytes"],
         "peak_model_state_bytes": max(model_state),
@@ -104,6 +109,13 @@ def _ours(cfg: ShardConfig) -> dict[str, Any]:
             for u in state.units
         ],
     }
+
+
+def _by_op(records: list[comm.CommRecord]) -> list[tuple[str, float]]:
+    totals: dict[str, float] = {}
+    for r in records:
+        totals[r.op] = totals.get(r.op, 0.0) + r.bytes
+    return list(totals.items())
 
 
 def _fsdp2(cfg: ShardConfig) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Read in this order: `flat_param.py` (the storage), `unit.py` (one unit's step, hook by hook),
 `shard.py` (the entry point and strategies), `materialize.py` (meta models, unit by unit),
-`state_dict.py` (checkpoints, grad clipping).
+`whole_view.py` (a model's own init code on its shards), `state_dict.py` (checkpoints, grad
+clipping).
 """
 
 from fsdp_lab.choices import SHARDING_STRATEGIES as STRATEGIES
@@ -15,12 +16,14 @@ from fsdp_lab.sharding.state_dict import (
     load_sharded,
     save_sharded,
 )
+from fsdp_lab.sharding.whole_view import full_init
 
 __all__ = [
     "STRATEGIES",
     "CorruptCheckpointError",
     "MixedPrecision",
     "clip_grad_norm_",
+    "full_init",
     "full_state_dict",
     "load_full_state_dict",
     "load_sharded",

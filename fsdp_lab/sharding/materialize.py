@@ -20,6 +20,17 @@ slice directly; see `fsdp_lab.meta_init`.
 
 Buffers (a rotary cache, BatchNorm statistics) are not sharded: each rank materialises them and
 runs ``param_init_fn`` on their module (rank 0's values are broadcast under ``sync``).
+
+[Note: init order] ``param_init_fn`` is called on *every* module, parents included (FSDP1 calls
+it on each module it materialises), children before their parent — the order in which an
+ordinary build finishes constructing them, so a parent's own init (GPT-2 scales its residual
+projections from the block; a root re-initialises everything) runs last and wins, as it does
+in an ordinary build. A unit is materialised when the walk first meets one of its modules and
+sharded as soon as the walk has left all of them. A parent whose init reaches into a unit
+that is already sharded sees that unit's parameters whole (`whole_view.WholeView`): a random
+op draws the whole parameter and keeps this rank's slice, so the values are bitwise those of
+one process running the same code. `materialize()` walks the same order without sharding:
+the reference the sharded result must equal.
 """
 
 from __future__ import annotations
@@ -31,9 +42,10 @@ import torch
 import torch.nn as nn
 
 from fsdp_lab import comm
-from fsdp_lab.wrap import ParamRef, Units, build_plan
+from fsdp_lab.wrap import ParamRef, Units, WrapPlan, build_plan, unit_of_module
 
 ParamInitFn = Callable[[nn.Module], None]
+EMPTY = "empty"  # param_init_fn="empty": allocate only, init later (torchtitan's to_empty)
 
 
 class SliceInit(Protocol):
@@ -51,11 +63,17 @@ class SliceInit(Protocol):
 
 
 def reset_parameters(module: nn.Module) -> None:
-    """The default ``param_init_fn``: the module's own ``reset_parameters()``."""
+    """The default ``param_init_fn``: the module's own ``reset_parameters()``.
+
+    A module without one is fine if it owns no tensor itself (a container, a block); one that
+    owns parameters or buffers directly and has no ``reset_parameters()`` is an error.
+    """
     reset = getattr(module, "reset_parameters", None)
     if reset is None:
         own = [n for n, _ in module.named_parameters(recurse=False)]
         own += [n for n, _ in module.named_buffers(recurse=False)]
+        if not own:
+            return
         raise ValueError(
             f"{type(module).__name__} has no reset_parameters() to initialise {own} after "
             "materialising from meta. Fix: pass param_init_fn=<function of the module> to shard()"
@@ -88,6 +106,65 @@ def to_empty_keeping_ties(modules: list[nn.Module], device: torch.device) -> Non
                 slots[key] = made[id(t)]
 
 
+def post_order(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """Every module, children before their parent (siblings in registration order)."""
+    out = []
+    for name, child in module.named_children():
+        out += post_order(child, f"{prefix}.{name}" if prefix else name)
+    return out + [(prefix, module)]
+
+
+def walk_build_order(
+    model: nn.Module,
+    plan: WrapPlan,
+    device: torch.device,
+    param_init_fn: ParamInitFn | str,
+    on_unit_ready: Callable[[str, list[torch.Tensor]], None] | None = None,
+    group: object | None = None,
+    sync: bool = False,
+) -> None:
+    """Materialise and initialise `model` module by module in build order ([Note: init order]).
+
+    `on_unit_ready(unit, params)` is called as soon as the walk has left every module of the
+    unit (its parameters are real and initialised; under `sync`, rank 0's values everywhere).
+    """
+    order = post_order(model)
+    roots = [plan.members_of(u) for u in plan.units]
+    unit_of = {name: unit_of_module(name, roots) for name, _ in order}
+    last = {unit_of[name]: i for i, (name, _) in enumerate(order)}
+    is_src = not sync or torch.distributed.get_rank() == 0
+    started: set[str] = set()
+    for i, (name, module) in enumerate(order):
+        unit = unit_of[name]
+        if unit not in started:  # the unit's owners together, so a tie stays one tensor
+            started.add(unit)
+            to_empty_keeping_ties([m for _, m in owning_modules(model, plan.params[unit])], device)
+        to_empty_keeping_ties([module], device)  # its own buffers, if it owns only buffers
+        if is_src and param_init_fn != EMPTY:
+            param_init_fn(module)  # type: ignore[operator]
+        if i == last[unit]:
+            refs = plan.params[unit]
+            params = [model.get_parameter(ref.name) for ref in refs]
+            for ref, p in zip(refs, params, strict=True):
+                _check_initialised(ref.name, p, device)
+            if sync:
+                with torch.no_grad():
+                    for p in params:
+                        comm.broadcast(p.data, src=0, group=group)
+            if on_unit_ready is not None:
+                on_unit_ready(unit, params)
+    for name, module in model.named_modules():
+        for b, tensor in module.named_buffers(recurse=False):
+            if tensor.is_meta:
+                full = f"{name}.{b}" if name else b
+                raise ValueError(
+                    f"param_init_fn left buffer {full!r} on the meta device: it must fill the "
+                    "buffer (e.g. recompute a rotary cache in reset_parameters())"
+                )
+            if sync:
+                comm.broadcast(tensor, src=0, group=group)
+
+
 def materialize_unit(
     model: nn.Module,
     refs: tuple[ParamRef, ...],
@@ -109,7 +186,13 @@ def materialize_unit(
             param_init_fn(module)
     params = [model.get_parameter(ref.name) for ref in refs]
     for ref, p in zip(refs, params, strict=True):
-        _check_initialised(ref.name, p, shapes[ref.name], device)
+        _check_initialised(ref.name, p, device)
+        if p.shape != shapes[ref.name]:
+            raise ValueError(
+                f"param_init_fn changed the shape of {ref.name!r} from "
+                f"{tuple(shapes[ref.name])} to {tuple(p.shape)}: initialise in place, keeping "
+                "the shape built on meta"
+            )
     if sync:
         with torch.no_grad():
             for p in params:
@@ -156,16 +239,11 @@ def materialize_buffers(
     return done
 
 
-def _check_initialised(name: str, p: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
+def _check_initialised(name: str, p: torch.Tensor, device: torch.device) -> None:
     if p.is_meta:
         raise ValueError(
             f"param_init_fn left parameter {name!r} on the meta device: it must fill the "
             "materialised parameter in place (nn.init.*_ or reset_parameters), not replace it"
-        )
-    if p.shape != shape:
-        raise ValueError(
-            f"param_init_fn changed the shape of {name!r} from {tuple(shape)} to "
-            f"{tuple(p.shape)}: initialise in place, keeping the shape built on meta"
         )
     if p.device != device:
         raise ValueError(
@@ -177,17 +255,14 @@ def materialize(
     model: nn.Module,
     units: Units = None,
     device: torch.device | str = "cpu",
-    param_init_fn: ParamInitFn = reset_parameters,
+    param_init_fn: ParamInitFn | str = reset_parameters,
 ) -> nn.Module:
     """Single process, no sharding: materialise and initialise `model` in place, in the very
-    order `shard(model, units, param_init_fn=...)` does (units in plan order, modules in module
-    order, buffers last) — the reference its sharded result must equal bitwise.
+    order `shard(model, units, param_init_fn=...)` does ([Note: init order]) — the reference
+    its sharded result must equal bitwise. ``param_init_fn="empty"``: allocate only.
     """
     if not any(p.is_meta for p in model.parameters()):
         raise ValueError("materialize() takes a model built on meta; this one has values")
     device = torch.device(device)
-    plan = build_plan(model, units)
-    for unit in plan.units:
-        materialize_unit(model, plan.params[unit], device, param_init_fn)
-    materialize_buffers(model, device, param_init_fn)
+    walk_build_order(model, build_plan(model, units), device, param_init_fn)
     return model

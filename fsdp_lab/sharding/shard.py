@@ -38,15 +38,21 @@ from fsdp_lab import comm
 from fsdp_lab.choices import SHARDING_STRATEGIES as STRATEGIES
 from fsdp_lab.sharding.flat_param import FlatParameter, SliceValues
 from fsdp_lab.sharding.materialize import (
+    EMPTY,
     ParamInitFn,
     SliceInit,
     materialize_buffers,
-    materialize_unit,
     owning_modules,
     reset_parameters,
     to_empty_keeping_ties,
+    walk_build_order,
 )
 from fsdp_lab.sharding.unit import ShardedUnit, TrainingState
+from fsdp_lab.sharding.whole_view import (
+    install_whole_views,
+    remove_whole_views,
+    whole_init_functions,
+)
 from fsdp_lab.tying import find_ties, record_ties, recorded_ties, verify_weight_tying
 from fsdp_lab.wrap import Units, build_plan
 
@@ -256,7 +262,7 @@ def shard(
     reshard_after_forward: bool | Iterable[str] | None = None,
     *,
     device: torch.device | str | None = None,
-    param_init_fn: ParamInitFn | None = None,
+    param_init_fn: ParamInitFn | str | None = None,
     shard_init: SliceInit | None = None,
     sync_module_states: bool = False,
     use_orig_params: bool = True,
@@ -275,8 +281,10 @@ def shard(
             after forward (e.g. keep the last unit, whose backward comes right next).
         device: a meta model only: where its shards go (default: this rank's GPU under NCCL,
             else CPU).
-        param_init_fn: a meta model only: called on each module after it is materialised
-            (default: its ``reset_parameters()``); see `fsdp_lab.sharding.materialize`.
+        param_init_fn: a meta model only: called on every module, children before parents
+            (default: its ``reset_parameters()``); see [Note: init order] in
+            `fsdp_lab.sharding.materialize`. ``"empty"``: allocate the shards only (NaN), and
+            initialise afterwards with ``with full_init(model): model.init_weights()``.
         shard_init: a meta model only: fills each rank's shard directly from a counter-based
             init (`fsdp_lab.meta_init.DeterministicInit`), without materialising any unit.
         sync_module_states: rank 0's values are broadcast to every rank before sharding (on a
@@ -322,15 +330,12 @@ def shard(
     state = ShardingState(group, world, rank, prefetch, strategy)
     lookup = dict(model.named_parameters(remove_duplicate=False))
     mp = mixed_precision
-    for name in plan.units:
+    built: dict[str, _Built] = {}
+    seen_whole: list = []  # WholeViews of units already sharded, during the init walk
+
+    def build(name: str, params: list[torch.Tensor], values: SliceValues | None = None) -> None:
         refs = plan.params[name]
-        params = [lookup[r.name] for r in refs]
         frozen = [not p.requires_grad for p in params]
-        values = None
-        if on_meta and shard_init is None:  # the whole unit, briefly: the largest unit counts
-            params = materialize_unit(model, refs, target, init_fn, group, sync_module_states)
-        elif on_meta:
-            values = _slice_values(model, refs, shard_init, target, init_fn)
         flat = FlatParameter(
             [r.name for r in refs],
             params,
@@ -346,43 +351,78 @@ def shard(
         if sync_module_states and not on_meta:  # the whole unit in one message
             with torch.no_grad():
                 comm.broadcast(flat.shard.data, src=0, group=group)
+        if param_init_fn == EMPTY and flat.shard.is_floating_point():
+            with torch.no_grad():  # uninitialised, loudly: a forgotten init_weights() shows
+                flat.shard.fill_(float("nan"))
         owners = [[(model.get_submodule(m), attr) for m, attr in r.owners] for r in refs]
+        aliases = [tuple(f"{m}.{a}" if m else a for m, a in r.owners) for r in refs]
+        built[name] = _Built(flat, owners, aliases, _register_slices(flat, owners, frozen), frozen)
+        if on_meta and shard_init is None:  # a parent's init may still reach into this unit
+            refuse = "sync_module_states=True" if sync_module_states else None
+            seen_whole.extend(install_whole_views([built[name]], refuse))
+
+    if on_meta and shard_init is None:  # each unit whole, briefly: the largest unit counts
+        try:
+            with whole_init_functions():
+                walk_build_order(model, plan, target, init_fn, build, group, sync_module_states)
+        finally:
+            remove_whole_views(seen_whole)
+    else:
+        for name in plan.units:
+            refs = plan.params[name]
+            if on_meta:
+                build(
+                    name,
+                    [lookup[r.name] for r in refs],
+                    _slice_values(model, refs, shard_init, target, init_fn),
+                )
+            else:
+                build(name, [lookup[r.name] for r in refs])
+        if on_meta:
+            materialize_buffers(model, target, init_fn, group, sync_module_states)
+        elif sync_module_states:
+            with torch.no_grad():
+                for b in model.buffers():
+                    comm.broadcast(b, src=0, group=group)
+    for name in plan.units:  # root first: the order the hooks and `finish_backward` expect
+        b = built[name]
         modules = [model.get_submodule(m) for m in plan.members_of(name)]
-        sharded = None
-        if use_orig_params:
-            sharded = _register_slices(flat, owners, frozen)
-        else:
-            for ref_owners in owners:
+        if not use_orig_params:
+            for ref_owners in b.owners:
                 for module, attr in ref_owners:
                     del module._parameters[attr]  # from now on a view, set by the unit
-            modules[0].register_parameter(FLAT_PARAM, flat.shard)  # a group: its first member
-        aliases = [tuple(f"{m}.{a}" if m else a for m, a in r.owners) for r in refs]
-        reduce_dtype = mp.reduce_dtype if mp else None
-        unit = ShardedUnit(
-            name,
-            modules,
-            flat,
-            owners,
-            aliases,
-            policy,
-            state,
-            name in free_after,
-            reduce_dtype,
-            sharded,
-            frozen,
+            modules[0].register_parameter(FLAT_PARAM, b.flat.shard)  # a group: its first member
+        state.units.append(
+            ShardedUnit(
+                name,
+                modules,
+                b.flat,
+                b.owners,
+                b.aliases,
+                policy,
+                state,
+                name in free_after,
+                mp.reduce_dtype if mp else None,
+                b.params if use_orig_params else None,
+                b.frozen,
+            )
         )
-        state.units.append(unit)
-    if on_meta:
-        materialize_buffers(model, target, init_fn, group, sync_module_states)
-    elif sync_module_states:
-        with torch.no_grad():
-            for b in model.buffers():
-                comm.broadcast(b, src=0, group=group)
     model._fsdp_lab_state = state
     for module in model.modules():  # so that shard(model.blocks[0]) later is refused
         if module is not model:
             module._fsdp_lab_sharded_in = weakref.ref(model)
     return model
+
+
+@dataclass
+class _Built:
+    """One unit's storage, before its hooks: what `install_whole_views` and the unit need."""
+
+    flat: FlatParameter
+    owners: list[list[tuple[nn.Module, str]]]
+    aliases: list[tuple[str, ...]]
+    params: list[nn.Parameter]
+    frozen: list[bool]
 
 
 def _register_slices(
