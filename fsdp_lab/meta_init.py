@@ -1,8 +1,10 @@
 """Build any size on the meta device, then give every rank the same values without talking.
 
 A model built under ``torch.device("meta")`` has every shape and no storage: Llama-3-70B
-(70.55e9 parameters, 282 GB in fp32) builds in 0.03 s and 2 MB, plus a one-time 0.7 s and
-79 MB per process for PyTorch's Python meta kernels (`benchmarks/bench_meta_init.py`). Left
+(70.55e9 parameters, 282 GB in fp32) builds in 0.05 s and 2 MB, plus, the first time in a
+process, 1-2 s and 80 MB for PyTorch's import of torch._dynamo that ``normal_`` on meta
+triggers; `build_on_meta` skips init fills on meta (`fsdp_lab.meta_device`) and so never pays
+it (`benchmarks/bench_meta_init.py` measures both, and accelerate's ``init_empty_weights``). Left
 to do — torchtitan's ``to_empty`` + ``init_weights``, FSDP's ``param_init_fn`` — is to
 materialise only each rank's shard and initialise it so that all ranks agree.
 
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp_lab.meta_device import meta_device
 from fsdp_lab.trace.rss import RssSampler  # noqa: F401  (here for the lab's readers)
 
 # -- what a meta model is, and what it would cost ---------------------------------------------
@@ -73,10 +76,17 @@ def meta_summary(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def build_on_meta(factory: Callable[[], nn.Module]) -> tuple[nn.Module, float]:
-    """``factory()`` under ``torch.device("meta")``, and the seconds it took (perf_counter)."""
+def build_on_meta(
+    factory: Callable[[], nn.Module], skip_init: bool = True
+) -> tuple[nn.Module, float]:
+    """``factory()`` on the meta device, and the seconds it took (perf_counter).
+
+    With `skip_init` (`fsdp_lab.meta_device`), init fills are no-ops on meta: the same model,
+    without PyTorch's one-time import of torch._dynamo; ``skip_init=False`` is a plain
+    ``with torch.device("meta")`` build.
+    """
     start = time.perf_counter()
-    with torch.device("meta"):
+    with meta_device(skip_init):
         model = factory()
     return model, time.perf_counter() - start
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -56,7 +57,7 @@ def test_bench_shard_prints_one_row_per_system_and_world_size(tmp_path):
         assert max(losses) - min(losses) < 1e-4, losses
 
 
-def test_bench_meta_init_prints_one_json_object():
+def test_bench_meta_init_prints_one_json_object_with_every_way():
     proc = _run_benchmark(
         "bench_meta_init.py",
         "--repeats",
@@ -70,9 +71,29 @@ def test_bench_meta_init_prints_one_json_object():
     data = json.loads(proc.stdout)  # exactly one JSON object, nothing else on stdout
     meta = data["llama_70b_on_meta"]
     assert meta["parameters"] == 70_553_706_496 and meta["fp32_bytes"] == 4 * meta["parameters"]
-    for build in ("first", "second"):
-        assert len(meta[build]["seconds_per_repeat"]) == 1 and meta[build]["median_seconds"] > 0
-        assert meta[build]["median_rss_growth_bytes"] < 200 * 10**6  # memory, not time
+    has_accelerate = importlib.util.find_spec("accelerate") is not None
+    ways = (
+        {"plain", "ours", "accelerate"} if meta["accelerate_skipped"] is None else {"plain", "ours"}
+    )
+    assert set(meta["ways"]) == set(meta["ratio_to_ours"]) == ways
+    if not has_accelerate:  # skipped, saying how to install it
+        assert (
+            "accelerate" in meta["accelerate_skipped"]
+            and "pip install" in meta["accelerate_skipped"]
+        )
+    for way, entry in meta["ways"].items():
+        assert entry["parameter_devices"] == ["meta"], way
+        for build in ("first", "second"):
+            b = entry[build]
+            assert len(b["seconds_per_repeat"]) == 1 and b["median_seconds"] > 0
+            assert b["median_rss_growth_bytes"] < 200 * 10**6  # memory, not time
+            assert b["median_gc_seconds"] >= 0
+    assert meta["ratio_to_ours"]["ours"] == {"first": 1.0, "second": 1.0}
+    # Behaviour, not time: the plain first build imports torch._dynamo, ours imports nothing.
+    assert meta["ways"]["plain"]["first"]["median_modules_imported"] > 100
+    assert meta["ways"]["ours"]["first"]["median_modules_imported"] <= 5
+    assert meta["ways"]["ours"]["second"]["median_modules_imported"] == 0
+    assert set(data["meets_targets"]) == {"seconds", "rss_growth"}
     assert data["ordinary_build"] is None
     for by_case in data["init_elements_per_second"].values():
         assert set(by_case) == {
@@ -82,6 +103,19 @@ def test_bench_meta_init_prints_one_json_object():
             "torch_normal_",
         }
         assert all(v > 0 for v in by_case.values())
+
+
+def test_bench_meta_init_text_prints_the_side_by_side_table():
+    proc = _run_benchmark(
+        "bench_meta_init.py", "--repeats", "1", "--real-gib", "0", "--init-elements", "4096"
+    )
+    text = proc.stdout
+    row = r"^\| {}: .+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \d+ \| [\d.]+ \| [\d., ]+ \|$"
+    for way in ("plain", "ours"):
+        assert re.search(row.format(way), text, re.M), text
+    if importlib.util.find_spec("accelerate") is None:
+        assert re.search(r"^accelerate: skipped — .*pip install", text, re.M), text
+    assert re.search(r"targets \(ours, first build\): < 0\.5 s: (yes|no), < 200 MB: (yes|no)", text)
 
 
 def test_bench_cluster_prints_cold_warm_restart_and_call_medians():

@@ -77,9 +77,11 @@ WORLD_SIZES_70B = (1, 8, 64, 512)
 def build_70b_report() -> dict[str, Any]:
     """In this process: Llama-3-70B's shape built on meta twice, timed, resident memory sampled.
 
-    The first build pays PyTorch's one-time cost (the first meta operator without a C++ meta
-    kernel imports its Python meta kernels); the second is the model's own: module and
-    Parameter objects, no storage. Both are reported; the lab's figures are the first's.
+    `build_on_meta` skips init fills on meta, so neither build imports torch._dynamo (a plain
+    ``torch.device("meta")`` build's first ``normal_`` would). The first build still pays what
+    a process pays once (first calls, a full garbage collection over what ``import torch``
+    left); the second is the model's own: module and Parameter objects, no storage. Both are
+    reported; the lab's figures are the first's.
     """
     builds, models = {}, []
     for build in ("first", "second"):
