@@ -129,6 +129,7 @@ def walk_build_order(
     unit (its parameters are real and initialised; under `sync`, rank 0's values everywhere).
     """
     order = post_order(model)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
     roots = [plan.members_of(u) for u in plan.units]
     unit_of = {name: unit_of_module(name, roots) for name, _ in order}
     last = {unit_of[name]: i for i, (name, _) in enumerate(order)}
@@ -147,6 +148,7 @@ def walk_build_order(
             params = [model.get_parameter(ref.name) for ref in refs]
             for ref, p in zip(refs, params, strict=True):
                 _check_initialised(ref.name, p, device)
+                _check_shape(ref.name, p, shapes[ref.name])
             if sync:
                 with torch.no_grad():
                     for p in params:
@@ -163,44 +165,6 @@ def walk_build_order(
                 )
             if sync:
                 comm.broadcast(tensor, src=0, group=group)
-
-
-def materialize_unit(
-    model: nn.Module,
-    refs: tuple[ParamRef, ...],
-    device: torch.device,
-    param_init_fn: ParamInitFn,
-    group: object | None = None,
-    sync: bool = False,
-) -> list[torch.Tensor]:
-    """Make one unit's parameters real and initialised; returns them in `refs` order.
-
-    With `sync`, only rank 0 runs `param_init_fn`; its values are broadcast to the others.
-    """
-    modules = owning_modules(model, refs)
-    shapes = {ref.name: model.get_parameter(ref.name).shape for ref in refs}
-    to_empty_keeping_ties([m for _, m in modules], device)
-    is_src = not sync or torch.distributed.get_rank() == 0
-    if is_src:
-        for _, module in modules:
-            param_init_fn(module)
-    params = [model.get_parameter(ref.name) for ref in refs]
-    for ref, p in zip(refs, params, strict=True):
-        _check_initialised(ref.name, p, device)
-        if p.shape != shapes[ref.name]:
-            raise ValueError(
-                f"param_init_fn changed the shape of {ref.name!r} from "
-                f"{tuple(shapes[ref.name])} to {tuple(p.shape)}: initialise in place, keeping "
-                "the shape built on meta"
-            )
-    if sync:
-        with torch.no_grad():
-            for p in params:
-                comm.broadcast(p.data, src=0, group=group)
-            for _, module in modules:
-                for b in module.buffers(recurse=False):
-                    comm.broadcast(b, src=0, group=group)
-    return params
 
 
 def materialize_buffers(
@@ -237,6 +201,14 @@ def materialize_buffers(
                 comm.broadcast(tensor, src=0, group=group)
             done.append(full)
     return done
+
+
+def _check_shape(name: str, p: torch.Tensor, shape: torch.Size) -> None:
+    if p.shape != shape:
+        raise ValueError(
+            f"param_init_fn changed the shape of {name!r} from {tuple(shape)} to "
+            f"{tuple(p.shape)}: initialise in place, keeping the shape built on meta"
+        )
 
 
 def _check_initialised(name: str, p: torch.Tensor, device: torch.device) -> None:
