@@ -4,6 +4,7 @@ exactly the parameters' bytes, and without that broadcast the replicas would dri
 
 from __future__ import annotations
 
+import copy
 import io
 from typing import Any
 
@@ -312,6 +313,40 @@ def test_param_groups_schedulers_and_state_dict_behave_as_a_plain_optimizer(clus
             assert torch.equal(res["resumed"][k], v), k
 
 
+def _save_after_two_steps() -> dict[str, Any]:
+    model = Net()
+    opt = ShardedOptimizer(_groups(model), torch.optim.AdamW, lr=LR)
+    _train(_ddp(model), opt, 2, fsdp_lab.rank(), fsdp_lab.world_size())
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+def _resume(saved: dict[str, Any]) -> dict[str, Any]:
+    """Two more steps from `saved`, with ShardedOptimizer and with the plain AdamW."""
+    out = {}
+    for cls in (ShardedOptimizer, torch.optim.AdamW):
+        model = Net()
+        model.load_state_dict(saved["model"])
+        groups = _groups(model)
+        if cls is ShardedOptimizer:
+            opt = ShardedOptimizer(groups, torch.optim.AdamW, lr=LR)
+        else:
+            opt = torch.optim.AdamW(groups, lr=LR)
+        # A copy each: load_state_dict keeps the given tensors (as torch's optimizers do), and
+        # training updates them in place.
+        opt.load_state_dict(copy.deepcopy(saved["optimizer"]))
+        _train(_ddp(model), opt, 2, fsdp_lab.rank(), fsdp_lab.world_size(), first=2)
+        out[cls.__name__] = _params(model)
+    return out
+
+
+def test_a_state_dict_saved_on_3_ranks_resumes_on_2_as_the_plain_optimizer(cluster_of):
+    saved = cluster_of(3).run(_save_after_two_steps)[0]  # the same dict on every rank
+    assert set(saved["optimizer"]["state"]) == set(range(6))
+    for res in cluster_of(2).run(_resume, saved):
+        for k, v in res["AdamW"].items():
+            assert torch.equal(res["ShardedOptimizer"][k], v), k
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 
@@ -348,3 +383,18 @@ def test_parameters_on_several_devices_are_refused(cluster_of):
     message = cluster_of(2).run(_several_devices)[0]
     assert "several devices (cpu: parameters [0]; meta: parameters [1])" in message
     assert "model.to(device)" in message
+
+
+def _group_from_a_generator() -> dict[str, Any]:
+    model = Net()
+    opt = ShardedOptimizer([{"params": model.parameters(), "lr": 0.5}], torch.optim.SGD, lr=LR)
+    return {
+        "in_group": len(opt.param_groups[0]["params"]),
+        "owned": [len(ps) for ps in opt.params_per_rank],
+        "lr": opt.optim.param_groups[0]["lr"],
+    }
+
+
+def test_a_param_group_given_as_a_generator_keeps_its_parameters(cluster_of):
+    for res in cluster_of(2).run(_group_from_a_generator):
+        assert res == {"in_group": 6, "owned": [3, 3], "lr": 0.5}

@@ -99,8 +99,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "tensors or of param groups (dicts). Fix: ShardedOptimizer([tensor], ...) or "
                 "ShardedOptimizer(model.parameters(), ...)"
             )
-        params = list(params)
-        if not params or all(isinstance(g, dict) and not list(g.get("params", [])) for g in params):
+        params = [_listed(g) if isinstance(g, dict) else g for g in params]
+        if not params or all(isinstance(g, dict) and not g["params"] for g in params):
             raise ValueError(
                 f"ShardedOptimizer(params={params!r}): expected at least one parameter, got "
                 "none. Fix: build the model first and pass model.parameters() (or param groups "
@@ -260,6 +260,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 # -- input checks: each error names the value, what was expected, and the fix -------------------
+
+
+def _listed(group: dict[str, Any]) -> dict[str, Any]:
+    # A copy whose "params" is a list: a generator (model.parameters()) would be spent by the
+    # emptiness check before the optimizer saw it. One tensor is one parameter, as in torch.
+    params = group.get("params", [])
+    return {**group, "params": [params] if isinstance(params, torch.Tensor) else list(params)}
 
 
 def _check_optimizer_class(optimizer_class: Any) -> None:
