@@ -8,6 +8,8 @@ Public names (everything else may change):
 - `trace.MemoryTracker`, `trace.Timeline`: measured memory and compute/communication spans.
 - `comm`: the collectives, with byte and time accounting.
 - `shard(model, units=..., strategy=...)`, `MixedPrecision`: FSDP/ZeRO from scratch.
+- `ShardedOptimizer(params, optimizer_class, **kwargs)`: ZeRO-1 as an optimizer, with
+  PyTorch's `ZeroRedundancyOptimizer` contract (beside DDP).
 - `LabResult`: what every `fsdp_lab.labs.<lab>.run(...)` returns.
 """
 
@@ -23,6 +25,7 @@ _PUBLIC = {  # public name -> the module that defines it
     "LabResult": "fsdp_lab.labs",
     "MixedPrecision": "fsdp_lab.sharding",
     "RankError": "fsdp_lab.cluster",
+    "ShardedOptimizer": "fsdp_lab.sharding",
     "comm": "fsdp_lab.comm",  # a module: the name is the module itself
     "device": "fsdp_lab.cluster",
     "rank": "fsdp_lab.cluster",
@@ -35,13 +38,14 @@ if TYPE_CHECKING:  # what type checkers and editors see: the names, eagerly
     from fsdp_lab import comm, trace
     from fsdp_lab.cluster import Cluster, RankError, device, rank, world_size
     from fsdp_lab.labs import LabResult
-    from fsdp_lab.sharding import MixedPrecision, shard
+    from fsdp_lab.sharding import MixedPrecision, ShardedOptimizer, shard
 
 __all__ = [
     "Cluster",
     "LabResult",
     "MixedPrecision",
     "RankError",
+    "ShardedOptimizer",
     "comm",
     "device",
     "rank",

@@ -448,10 +448,11 @@ def test_the_public_names_still_resolve_lazily():
     from fsdp_lab import cluster, labs, sharding
 
     assert fsdp_lab.__all__ == [
-        *("Cluster", "LabResult", "MixedPrecision", "RankError", "comm", "device"),
-        *("rank", "shard", "trace", "world_size"),
+        *("Cluster", "LabResult", "MixedPrecision", "RankError", "ShardedOptimizer", "comm"),
+        *("device", "rank", "shard", "trace", "world_size"),
     ]
     assert fsdp_lab.Cluster is cluster.Cluster and fsdp_lab.RankError is cluster.RankError
+    assert fsdp_lab.ShardedOptimizer is sharding.ShardedOptimizer
     assert fsdp_lab.shard is sharding.shard and fsdp_lab.LabResult is labs.LabResult
     assert fsdp_lab.comm.__name__ == "fsdp_lab.comm" and fsdp_lab.trace.MemoryTracker
     with pytest.raises(AttributeError, match="no attribute 'nope'"):

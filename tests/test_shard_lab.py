@@ -49,6 +49,39 @@ def test_shard_lab_reports_agreement_and_exact_bytes(cluster_of, strategy):
         assert peak < 12 * th["psi"] * 0.75
     assert set(shard_lab.figures(result)) == {"memory_trace", "bytes_vs_theory", "timeline"}
     assert "measured equals theory on every rank: True" in shard_lab.summary(result)
+    assert data["sharded_optimizer"] is None  # measured beside strategy="optimizer" only
+
+
+def test_sharded_optimizer_is_measured_beside_zero1(cluster_of):
+    """DDP + ShardedOptimizer next to shard(strategy="optimizer"): same training, state per
+    rank as assigned, DDP's all-reduce plus a broadcast of every parameter."""
+    config = shard_lab.ShardConfig(
+        world_size=3, strategy="optimizer", steps=2, optimizer="sgd", lr=0.1
+    )
+    data = shard_lab.run(config, cluster=cluster_of(3)).to_dict()
+    so, psi = data["sharded_optimizer"], data["theory"]["psi"]
+    assert so["max_abs_diff_vs_single_process"] < 1e-5
+    assert so["max_abs_diff_vs_zero1_transformation"] < 1e-5
+    assert so["max_abs_diff_vs_zero_redundancy_optimizer"] < 1e-5
+    # Every parameter owned by one rank: the shares add up to Ψ, none is smaller than 0.
+    assert sum(so["owned_numel_per_rank"]) == psi and min(so["owned_numel_per_rank"]) > 0
+    # SGD's momentum: 4 B per element owned, nothing else (Adam would add a step counter).
+    th = so["theory"]
+    assert so["optimizer_state_bytes_per_rank"] == th["optimizer_state_bytes_per_rank"]
+    assert th["optimizer_state_bytes_per_rank"] == [4 * x for x in so["owned_numel_per_rank"]]
+    assert th["largest_share_over_even_split"] >= 1
+    # ZeRO-1 as a transformation: the rank's (padded) slice of the momentum, 4·Ψ_padded/N.
+    assert data["optimizer_state_bytes_per_rank"] == [4 * data["theory"]["psi_padded"] / 3] * 3
+    # Bytes: DDP's all-reduce 2(N-1)/N·Ψ·4 plus a broadcast of every parameter, Ψ·4.
+    assert so["comm_matches_theory"] is True
+    for measured in so["comm_bytes_per_rank"]:
+        assert measured == {
+            "all_reduce": pytest.approx(2 * 2 / 3 * psi * 4, rel=1e-12),
+            "broadcast": pytest.approx(psi * 4, rel=1e-12),
+        }
+    assert "DDP + ShardedOptimizer bytes equal their formula on every rank: True" in (
+        shard_lab.summary(shard_lab.LabResult("shard", data))
+    )
 
 
 @pytest.mark.parametrize(

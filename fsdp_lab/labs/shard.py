@@ -6,6 +6,10 @@ One run: the same model and data trained three ways —
   3. PyTorch's `fully_shard` (FSDP2) on N ranks    (the real thing)
 — then compared parameter by parameter, and our measured memory and bytes per step set
 beside DESIGN.md's formulas (Ψ parameters, N ranks, b bytes per element).
+
+With strategy="optimizer" (ZeRO-1 as a whole-model transformation) the run also trains ZeRO-1
+as an optimizer: DDP (``shard(strategy="none")``) + `ShardedOptimizer`, PyTorch's
+ZeroRedundancyOptimizer contract, and measures its optimizer state and bytes beside it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from fsdp_lab.cluster import AttachedCluster, Cluster, device, rank, world_size
 from fsdp_lab.labs import LabResult
 from fsdp_lab.labs.model_spec import load_factory
 from fsdp_lab.labs.shard_config import ShardConfig
-from fsdp_lab.sharding import shard, sharding_state
+from fsdp_lab.sharding import ShardedOptimizer, shard, sharding_state
 from fsdp_lab.trace import MemoryTracker, Timeline
 
 MODEL_STATE = ("parameters", "gradients", "optimizer_state", "comm_buffers")
@@ -38,10 +42,15 @@ def _unit_classes(model: torch.nn.Module) -> tuple[type, ...]:
     return tuple(blocks)
 
 
-def _optimizer(cfg: ShardConfig, params: Any) -> torch.optim.Optimizer:
+def _optimizer_class(cfg: ShardConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+        return torch.optim.Adam, {"lr": cfg.lr}
+    return torch.optim.SGD, {"lr": cfg.lr, "momentum": 0.9}
+
+
+def _optimizer(cfg: ShardConfig, params: Any) -> torch.optim.Optimizer:
+    optimizer_class, kwargs = _optimizer_class(cfg)
+    return optimizer_class(params, **kwargs)
 
 
 def _timed_training(
@@ -97,6 +106,7 @@ def _ours(cfg: ShardConfig) -> dict[str, Any]:
         "memory_trace": trace,
         "peak_bytes": trace["peak_bytes"],
         "peak_model_state_bytes": max(model_state),
+        "optimizer_state_bytes": max(trace["bytes"]["optimizer_state"]),
         "timeline": tl.to_dict(),
         "units": [
             {
@@ -124,6 +134,64 @@ def _fsdp2(cfg: ShardConfig) -> dict[str, Any]:
     opt = _optimizer(cfg, model.parameters())
     losses, step_time = _timed_training(cfg, model, opt)
     return {"losses": losses, "step_time_s": step_time, "params": reference.full_parameters(model)}
+
+
+def _ddp_sharded_optimizer(cfg: ShardConfig) -> dict[str, Any]:
+    """ZeRO-1 as an optimizer: DDP's all-reduce, then `ShardedOptimizer` steps and broadcasts."""
+    factory = load_factory(cfg.model)
+    optimizer_class, kwargs = _optimizer_class(cfg)
+    with MemoryTracker(device(), rank=rank()) as mem:
+        model = factory().to(device())
+        units = _unit_classes(model)
+        shard(model, units=set(units) or None, strategy="none")
+        opt = ShardedOptimizer(model.parameters(), optimizer_class, **kwargs)
+        mem.track(model)
+        mem.track(opt)
+        mem.mark("sharded")
+        with comm.CommLog() as log:  # from here on: the bytes of the training steps only
+            losses = reference.train_steps(
+                model,
+                opt,
+                cfg.steps,
+                global_batch=cfg.global_batch,
+                rank=rank(),
+                world=world_size(),
+                device=device(),
+            )
+    trace = mem.trace()
+    model_state = [sum(trace["bytes"][c][i] for c in MODEL_STATE) for i in range(len(trace["t"]))]
+    owned = opt.params_per_rank
+    return {
+        "losses": losses,
+        "params": reference.full_parameters(model),
+        "optimizer_state_bytes": max(trace["bytes"]["optimizer_state"]),
+        "peak_model_state_bytes": max(model_state),
+        "comm_bytes_per_step": {op: b / cfg.steps for op, b in log.bytes_by_op().items()},
+        "calls_per_step": {op: c / cfg.steps for op, c in log.calls_by_op().items()},
+        "owned_numel_per_rank": [sum(p.numel() for p in ps) for ps in owned],
+        "owned_tensors_per_rank": [len(ps) for ps in owned],
+        "trainable_numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "element_size": next(model.parameters()).element_size(),
+    }
+
+
+def _ddp_zero_redundancy(cfg: ShardConfig) -> dict[str, torch.Tensor]:
+    """PyTorch's own: DistributedDataParallel + ZeroRedundancyOptimizer, same model and data."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = reference.apply_ddp(load_factory(cfg.model)().to(device()))
+    optimizer_class, kwargs = _optimizer_class(cfg)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, **kwargs)
+    reference.train_steps(
+        model,
+        opt,
+        cfg.steps,
+        global_batch=cfg.global_batch,
+        rank=rank(),
+        world=world_size(),
+        device=device(),
+    )
+    return reference.full_parameters(model)
 
 
 def _single_process(cfg: ShardConfig) -> dict[str, torch.Tensor]:
@@ -184,6 +252,62 @@ def theory(strategy: str, units: list[dict[str, Any]], n: int) -> dict[str, Any]
     }
 
 
+def sharded_optimizer_theory(
+    owned_numel_per_rank: list[int], trainable_numel: int, b: int, optimizer: str, n: int
+) -> dict[str, Any]:
+    """DDP + ShardedOptimizer per rank and step, for the assignment the ranks made.
+
+    Optimizer state: K bytes per element owned (Adam: two moments, K = 2b; SGD: momentum,
+    K = b), so K·Ψ_r on rank r, against K·Ψ/N for a perfect split (parameters are not cut, so
+    the largest share is what a rank must hold). Bytes: DDP's all-reduce of every gradient,
+    2(N-1)/N·Ψ·b, plus one broadcast of every trainable parameter, Ψ·b on every rank — where
+    ZeRO-1 as a transformation (`theory`) moves 2(N-1)/N·Ψ·b in all.
+    """
+    psi, f = sum(owned_numel_per_rank), (n - 1) / n
+    k = 2 * b if optimizer == "adam" else b
+    return {
+        "optimizer_state_bytes_per_rank": [k * numel for numel in owned_numel_per_rank],
+        "optimizer_state_bytes_even_split": k * psi / n,
+        "largest_share_over_even_split": max(owned_numel_per_rank) / (psi / n),
+        "comm_bytes": {"all_reduce": 2 * f * psi * b, "broadcast": trainable_numel * b},
+    }
+
+
+def _sharded_optimizer_data(
+    config: ShardConfig,
+    ours: list[dict[str, Any]],
+    runs: list[dict[str, Any]],
+    pytorch: list[dict[str, torch.Tensor]] | None,
+    single: dict[str, torch.Tensor],
+) -> dict[str, Any]:
+    """The measured entry for DDP + ShardedOptimizer, beside strategy="optimizer"'s run."""
+    first = runs[0]
+    th = sharded_optimizer_theory(
+        first["owned_numel_per_rank"],
+        first["trainable_numel"],
+        first["element_size"],
+        config.optimizer,
+        len(runs),
+    )
+    return {
+        "max_abs_diff_vs_single_process": max_abs_diff(first["params"], single),
+        "max_abs_diff_vs_zero1_transformation": max_abs_diff(first["params"], ours[0]["params"]),
+        "max_abs_diff_vs_zero_redundancy_optimizer": max_abs_diff(first["params"], pytorch[0])
+        if pytorch
+        else None,
+        "owned_numel_per_rank": first["owned_numel_per_rank"],
+        "owned_tensors_per_rank": first["owned_tensors_per_rank"],
+        "optimizer_state_bytes_per_rank": [r["optimizer_state_bytes"] for r in runs],
+        "peak_model_state_bytes_per_rank": [r["peak_model_state_bytes"] for r in runs],
+        "comm_bytes_per_rank": [r["comm_bytes_per_step"] for r in runs],
+        "calls_per_step": first["calls_per_step"],
+        "comm_matches_theory": all(
+            _same_bytes(r["comm_bytes_per_step"], th["comm_bytes"]) for r in runs
+        ),
+        "theory": th,
+    }
+
+
 def run(
     config: ShardConfig = ShardConfig(), cluster: Cluster | AttachedCluster | None = None
 ) -> LabResult:
@@ -196,6 +320,15 @@ def run(
             raise ValueError(f"global_batch={config.global_batch} does not divide over {n} ranks")
         ours = cluster.run(_ours, config)
         fsdp2 = cluster.run(_fsdp2, config) if config.compare_fsdp2 else None
+        with_sharded_optimizer = config.strategy == "optimizer" and config.sharded_optimizer
+        sharded_opt = (
+            cluster.run(_ddp_sharded_optimizer, config) if with_sharded_optimizer else None
+        )
+        zero_redundancy = (
+            cluster.run(_ddp_zero_redundancy, config)
+            if with_sharded_optimizer and config.compare_fsdp2
+            else None
+        )
     finally:
         if owned:
             cluster.close()
@@ -230,6 +363,12 @@ def run(
         "fsdp2_step_time_s": max(f["step_time_s"] for f in fsdp2) if fsdp2 else None,
         "memory_traces": [o["memory_trace"] for o in ours],
         "timelines": [o["timeline"] for o in ours],
+        "optimizer_state_bytes_per_rank": [o["optimizer_state_bytes"] for o in ours],
+        "sharded_optimizer": _sharded_optimizer_data(
+            config, ours, sharded_opt, zero_redundancy, single
+        )
+        if sharded_opt
+        else None,
     }
     return LabResult("shard", data)
 
@@ -279,4 +418,63 @@ def summary(result: LabResult) -> str:
             f"| {op} | {format_bytes(m)} | {format_bytes(t)} | {result['calls_per_step'].get(op, 0):g} |"
         )
     lines.append(f"\nmeasured equals theory on every rank: {result['comm_matches_theory']}")
+    so = result.data.get("sharded_optimizer")
+    if so:
+        lines += [
+            "",
+            "DDP + ShardedOptimizer (ZeRO-1 as an optimizer):",
+            "",
+            f"- max |it - single process| = {so['max_abs_diff_vs_single_process']:.3g}",
+            f"- max |it - shard(strategy='optimizer')| = "
+            f"{so['max_abs_diff_vs_zero1_transformation']:.3g}",
+        ]
+        if so["max_abs_diff_vs_zero_redundancy_optimizer"] is not None:
+            lines.append(
+                f"- max |it - PyTorch's ZeroRedundancyOptimizer| = "
+                f"{so['max_abs_diff_vs_zero_redundancy_optimizer']:.3g}"
+            )
+        share = so["theory"]["largest_share_over_even_split"]
+        lines += [f"- busiest rank's share of the state / even split: {share:.3f}", ""]
+        lines.append(sharded_optimizer_table(result))
+    return "\n".join(lines)
+
+
+def sharded_optimizer_table(result: LabResult) -> str:
+    """Markdown: ZeRO-1 two ways, measured — `shard(strategy="optimizer")` and DDP +
+    `ShardedOptimizer` — optimizer state per rank and bytes per step, with their formulas."""
+    from fsdp_lab.plots import format_bytes
+
+    so = result["sharded_optimizer"]
+    th = so["theory"]
+    lines = [
+        "| rank | elements owned (ShardedOptimizer) | optimizer state: ShardedOptimizer "
+        "| formula K·Ψ_r | even split K·Ψ/N | shard(strategy='optimizer') |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r, measured in enumerate(so["optimizer_state_bytes_per_rank"]):
+        lines.append(
+            f"| {r} | {so['owned_numel_per_rank'][r]} | {format_bytes(measured)} "
+            f"| {format_bytes(th['optimizer_state_bytes_per_rank'][r])} "
+            f"| {format_bytes(th['optimizer_state_bytes_even_split'])} "
+            f"| {format_bytes(result['optimizer_state_bytes_per_rank'][r])} |"
+        )
+    lines += [
+        "",
+        "| collective | shard(strategy='optimizer') | formula | DDP + ShardedOptimizer | formula |",
+        "|---|---|---|---|---|",
+    ]
+    columns = [  # rank 0, measured and formula, for each of the two
+        result["comm_bytes_per_rank"][0],
+        result["theory_comm_bytes"],
+        so["comm_bytes_per_rank"][0],
+        th["comm_bytes"],
+    ]
+    for op in (*result["theory_comm_bytes"], *th["comm_bytes"]):
+        cells = [format_bytes(c[op]) if op in c else "-" for c in columns]
+        lines.append(f"| {op} | {' | '.join(cells)} |")
+    lines.append(f"| total | {' | '.join(format_bytes(sum(c.values())) for c in columns)} |")
+    lines.append(
+        f"\nDDP + ShardedOptimizer bytes equal their formula on every rank: "
+        f"{so['comm_matches_theory']}"
+    )
     return "\n".join(lines)

@@ -23,7 +23,10 @@ class ShardConfig:
     optimizer: "adam" (16 B/param of model state, DESIGN.md's formulas) or "sgd" (momentum).
     lr: learning rate.
     global_batch: sequences per step over all ranks (must divide by world_size).
-    compare_fsdp2: also train PyTorch's fully_shard on the same model and data.
+    compare_fsdp2: also train PyTorch's fully_shard on the same model and data (and, beside
+        the sharded optimizer, PyTorch's DDP + ZeroRedundancyOptimizer).
+    sharded_optimizer: with strategy="optimizer", also train ZeRO-1 as an optimizer — DDP
+        (``shard(strategy="none")``) + `fsdp_lab.ShardedOptimizer` — and measure it beside.
     backend: "auto", "gloo" or "nccl".
     """
 
@@ -36,6 +39,7 @@ class ShardConfig:
     lr: float = 1e-3
     global_batch: int = 12
     compare_fsdp2: bool = True
+    sharded_optimizer: bool = True
     backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -64,8 +68,15 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--no-prefetch", dest="prefetch", action="store_false", default=None)
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default=None)
+    parser.add_argument(
+        "--no-sharded-optimizer",
+        dest="sharded_optimizer",
+        action="store_false",
+        default=None,
+        help="with --strategy optimizer: skip DDP + ShardedOptimizer (ZeRO-1 as an optimizer)",
+    )
 
 
 def config_from_args(args: Any) -> dict[str, Any]:
-    keys = ("strategy", "steps", "prefetch", "optimizer")
+    keys = ("strategy", "steps", "prefetch", "optimizer", "sharded_optimizer")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
