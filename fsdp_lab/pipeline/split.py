@@ -1,0 +1,436 @@
+"""Cutting any model into pipeline stages by module names, checked before anything is sent.
+
+torchtitan's manual split (`torchtitan/distributed/pipeline_parallel.py`,
+``pipeline_module_split``) names the modules of each stage; so does `plan_stages`, for any
+``nn.Module``:
+
+    plan_stages(model, 2)                               default: the model's `layers` / `blocks`
+                                                        / `h` container (ModuleList, ModuleDict
+                                                        or Sequential; or the model itself if it
+                                                        is an nn.Sequential) cut by `partition`;
+                                                        the children before it (named_children
+                                                        order) go to stage 0, those after it to
+                                                        the last stage
+    plan_stages(model, [["tok_embeddings", "layers.0", "layers.1"],
+                        ["layers.2", "layers.3", "norm", "output"]])
+                                                        explicit: module names per stage, in
+                                                        the order the stage runs them
+
+A stage runs its modules in one of two ways (`forward`), and which one is the model's to say:
+
+    "sequence"  ``x = module(x)`` for each of its modules, in order (a `SequentialStage` that
+                keeps the full-model names, so state_dict keys line up). Right when the model's
+                forward *is* that chain: an nn.Sequential, or embedding -> blocks -> norm -> head
+                with every block taking and returning one tensor. The default.
+    "model"     the model's own forward on the model with the other stages' modules removed
+                (None, or deleted from a ModuleDict). Right when the forward skips absent
+                modules — torchtitan's convention, ``h = self.tok_embeddings(x) if
+                self.tok_embeddings else x`` — as `PipeGPT`'s does (its default).
+
+Everything the pipeline needs from the model is derived here, on the whole model, with no
+message sent: every parameter lies in exactly one stage (none on the root or on an unowned
+container, no tie across stages); a probe batch of token ids (2, 3) runs through the stages one
+after another on a meta copy (free at any size), which gives the shape of what flows between
+stages, (B, T, ...), and checks that the last stage returns logits (B, T, vocab); on a model
+with values, the chain's logits are compared with the model's own forward (a forward that is
+not the plain chain would train something else, silently). The plan is a pure function of the
+model, so every rank computes the same one: a model that cannot be split fails on every rank
+before the first send, never on one rank while the others wait for it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from fsdp_lab.pipeline.model import PipeGPT
+from fsdp_lab.pipeline.stages import (
+    FORWARDS,
+    PROBE_SHAPE,
+    StagePlan,
+    StageSpec,
+    build_stage,
+    partition,
+    stage_module_names,
+)
+
+CONTAINER_NAMES = ("layers", "blocks", "h")  # torchtitan/Llama, nanoGPT-style, GPT-2
+
+
+def find_container(model: nn.Module) -> str | None:
+    """Name of the model's `layers`/`blocks`/`h` container child, "" if the model is an
+    nn.Sequential itself, None if it has neither."""
+    if type(model) is nn.Sequential:
+        return ""
+    kinds = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+    found = [
+        name
+        for name, child in model.named_children()
+        if name in CONTAINER_NAMES and isinstance(child, kinds)
+    ]
+    if len(found) > 1:
+        raise ValueError(
+            f"{type(model).__name__} has {len(found)} layer containers {found}: the default split "
+            f"cuts one. Give the stages as module names: {_example(model)}"
+        )
+    return found[0] if found else None
+
+
+def default_stages(
+    model: nn.Module, stages: int, layers_per_stage: list[int] | None = None
+) -> list[list[str]]:
+    """The default split: the container's entries cut by `partition`, what comes before it in
+    `named_children` on stage 0, what comes after it on the last stage."""
+    container = find_container(model)
+    if container is None:
+        raise ValueError(
+            f"{type(model).__name__} has no child named {' / '.join(CONTAINER_NAMES)} that is an "
+            f"nn.ModuleList, nn.ModuleDict or nn.Sequential (its children: "
+            f"{[n for n, _ in model.named_children()]}), so there is no default split: give the "
+            f"stages as module names, e.g. stages={_example(model)}"
+        )
+    holder = model if container == "" else model.get_submodule(container)
+    keys = [key for key, _ in holder.named_children()]
+    prefix = "" if container == "" else f"{container}."
+    before, after, seen = [], [], False
+    for name, _ in model.named_children() if container else []:
+        if name == container:
+            seen = True
+        else:
+            (after if seen else before).append(name)
+    parts = partition(len(keys), stages, layers_per_stage)
+    names = [[prefix + keys[i] for i in part] for part in parts]
+    names[0] = before + names[0]
+    names[-1] = names[-1] + after
+    return names
+
+
+def plan_stages(
+    model: nn.Module,
+    stages: int | Sequence[Sequence[str]] | StagePlan,
+    layers_per_stage: list[int] | None = None,
+    *,
+    forward: str | None = None,
+    vocab_size: int | None = None,
+) -> StagePlan:
+    """Which modules each stage owns and what flows between them, checked on the whole model.
+
+    Args:
+        model: the whole model, on any device (meta included); not modified.
+        stages: S for the default split, or the module names of each stage (see the module
+            docstring), or a `StagePlan` made for this model before: its names and parameters
+            are checked again, it is not probed again (the probe of a meta model costs ~0.1 s).
+        layers_per_stage: with an int `stages`, the container entries per stage (`partition`).
+        forward: "sequence" or "model" (see the module docstring); default "model" for
+            `PipeGPT`, "sequence" for any other model.
+        vocab_size: tokens of the vocabulary; default ``model.vocab_size``, else the last
+            dimension of the logits.
+    """
+    if getattr(model, "stage_spec", None) is not None:
+        spec = model.stage_spec
+        raise ValueError(
+            f"split_model needs the whole model, but this {type(model).__name__} was split "
+            f"already (it is stage {spec.index} of {spec.plan.stages}): build a fresh model "
+            "and split that"
+        )
+    if isinstance(stages, StagePlan):
+        names = [list(n) for n in stages.names]
+        _check_names(model, names, stages.forward)
+        _check_parameters(model, names)
+        return stages
+    if forward is None:  # PipeGPT's forward skips absent modules; nothing else is assumed to
+        forward = "model" if isinstance(model, PipeGPT) else "sequence"
+    if forward not in FORWARDS:
+        raise ValueError(f"forward={forward!r}: allowed {list(FORWARDS)}")
+    if isinstance(model, PipeGPT) and isinstance(stages, int):
+        # PipeGPT's own names: the same split as the default, spelled out (and its checks).
+        names = [
+            stage_module_names(model.config, s, stages, layers_per_stage) for s in range(stages)
+        ]
+    elif isinstance(stages, int) and not isinstance(stages, bool):
+        names = default_stages(model, stages, layers_per_stage)
+    else:
+        if layers_per_stage is not None:
+            raise ValueError(
+                "layers_per_stage goes with a number of stages; with stages given as module "
+                "names, the names say which layers each stage gets"
+            )
+        names = _as_names(model, stages)
+    _check_names(model, names, forward)
+    _check_parameters(model, names)
+    vocab = vocab_size if vocab_size is not None else getattr(model, "vocab_size", None)
+    if isinstance(model, PipeGPT):
+        shapes, vocab = _pipegpt_shapes(model, names)
+    else:
+        shapes, vocab = _probe(model, names, forward, vocab)
+    return StagePlan(
+        names=tuple(tuple(n) for n in names),
+        forward=forward,
+        activations=shapes,
+        vocab_size=vocab,
+        container=find_container(model),
+    )
+
+
+def split_model(
+    model: nn.Module,
+    stage: int,
+    stages: int | Sequence[Sequence[str]] | StagePlan,
+    layers_per_stage: list[int] | None = None,
+    *,
+    forward: str | None = None,
+) -> nn.Module:
+    """This stage's part of `model` (see the module docstring); the model must be whole.
+
+    With forward="model" the model itself is returned, the other stages' modules deleted in
+    place (torchtitan's way; `PipeGPT`); with "sequence" a `SequentialStage` holding this
+    stage's modules under their full names. Either way the result has ``.stage_spec``, which
+    `fsdp_lab.pipeline.schedule.gpipe_step` reads. Works on meta and on materialised models.
+    """
+    plan = plan_stages(model, stages, layers_per_stage, forward=forward)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < plan.stages:
+        raise ValueError(f"stage={stage!r}: allowed 0..{plan.stages - 1}")
+    return build_stage(model, StageSpec(plan, stage))
+
+
+# -- checks (every rank runs them, on the whole model, before any message) ----------------------
+
+
+def _example(model: nn.Module) -> list[list[str]]:
+    """A two-stage split of this model's children, to show the form (and copy, and edit)."""
+    names = [n for n, child in model.named_children() if next(child.parameters(), None) is not None]
+    half = max(1, len(names) // 2)
+    return [names[:half], names[half:]]
+
+
+def _as_names(model: nn.Module, stages: Sequence[Sequence[str]]) -> list[list[str]]:
+    def refuse(what: str, expected: str) -> ValueError:
+        form = f'e.g. stages={_example(model)}: a list per stage of module names like "layers.0"'
+        return ValueError(f"{what}: expected {expected}, {form}")
+
+    if isinstance(stages, str) or not isinstance(stages, Sequence) or not stages:
+        raise refuse(f"stages={stages!r}", "an int >= 1 or")
+    names = []
+    for s, stage in enumerate(stages):
+        if isinstance(stage, str) or not isinstance(stage, Sequence) or not stage:
+            raise refuse(f"stages[{s}]={stage!r}", "a non-empty list of names")
+        if not all(isinstance(n, str) for n in stage):
+            raise refuse(f"stages[{s}]={list(stage)!r}", "module names (str)")
+        names.append(list(stage))
+    return names
+
+
+def _check_names(model: nn.Module, names: list[list[str]], forward: str) -> None:
+    modules = dict(model.named_modules())
+    flat = [n for stage in names for n in stage]
+    for s, stage in enumerate(names):
+        for name in stage:
+            if name not in modules or name == "":
+                children = [n for n, _ in model.named_children()]
+                raise ValueError(
+                    f"stages[{s}] names {name!r}, which is not a module of "
+                    f"{type(model).__name__}: names are paths as named_modules() gives them, "
+                    f"e.g. {children[:4]} or 'layers.0'"
+                )
+    for i, name in enumerate(flat):
+        for other in flat[i + 1 :]:
+            if name == other or other.startswith(name + ".") or name.startswith(other + "."):
+                raise ValueError(
+                    f"{name!r} and {other!r} are both named in the stages: a module belongs to "
+                    "one stage, with everything inside it"
+                )
+    if forward == "model":
+        for name in flat:
+            parent, _, _ = name.rpartition(".")
+            if parent and ("." in parent or not isinstance(modules[parent], nn.ModuleDict)):
+                raise ValueError(
+                    f"forward='model' removes the modules a stage does not own from the model, "
+                    f"but {name!r} is inside {type(modules[parent]).__name__} {parent!r}: only "
+                    "children of the model and entries of a ModuleDict child can be removed "
+                    "without renumbering the rest (an nn.ModuleList would make 'layers.3' "
+                    "'layers.0'). Use an nn.ModuleDict (as PipeGPT and torchtitan do), or "
+                    "forward='sequence'"
+                )
+
+
+def _check_parameters(model: nn.Module, names: list[list[str]]) -> None:
+    """Every parameter in exactly one stage: none outside the named modules, no tie across."""
+    stage_of = {name: s for s, stage in enumerate(names) for name in stage}
+    where: dict[int, tuple[str, int]] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        owner = next((n for n in stage_of if pname.startswith(n + ".")), None)
+        if owner is None:
+            raise ValueError(
+                f"parameter {pname!r} lies in no stage's modules: every parameter must belong "
+                f"to one named module (one on the root or on a container a stage does not own "
+                f"cannot be given to a stage). Name its module in a stage, or move the "
+                f"parameter into a submodule"
+            )
+        s = stage_of[owner]
+        if id(p) in where and where[id(p)][1] != s:
+            first, t = where[id(p)]
+            raise ValueError(
+                f"{first!r} (stage {t}) and {pname!r} (stage {s}) are one tied Parameter: a "
+                "pipeline cannot split a tie (each stage would train its own copy; Megatron-LM "
+                "all-reduces the two halves of its gradient, see fsdp_lab.tying). Put both "
+                "modules on one stage, or untie them"
+            )
+        where.setdefault(id(p), (pname, s))
+    held = {s for _, s in where.values()}
+    for s, stage in enumerate(names):
+        if s not in held:
+            raise ValueError(
+                f"stage {s} ({stage}) owns no parameter: a stage with nothing to train only "
+                "passes on what it receives. Give it a module with parameters"
+            )
+
+
+def _has_values(model: nn.Module) -> bool:
+    return any(not t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` with every parameter and buffer on the meta device (ties kept): shapes
+    to build stages from at no cost, the model itself untouched."""
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)  # deepcopy takes what memo already holds as copied
+
+
+Activations = tuple[tuple[tuple[int, ...], torch.dtype], ...]
+
+
+def _pipegpt_shapes(model: nn.Module, names: list[list[str]]) -> tuple[Activations, int]:
+    """PipeGPT declares its shapes in its config: (B, T, dim) between stages, its vocab."""
+    every = stage_module_names(model.config, 0, 1)  # all its modules, in forward order
+    if [n for stage in names for n in stage] != every:
+        raise ValueError(
+            f"PipeGPT's stages must name its modules in forward order, each once: {every} "
+            f"cut into pieces; got {names}"
+        )
+    dtype = model.tok_emb.weight.dtype
+    return (((model.config.dim,), dtype),) * (len(names) - 1), model.config.vocab_size
+
+
+def _probe(
+    model: nn.Module, names: list[list[str]], forward: str, vocab: int | None
+) -> tuple[Activations, int]:
+    """Token ids (B, T) = PROBE_SHAPE through the stages, one after another: what each stage
+    sends, and the vocab. A model with values runs its chain for real (a few microseconds at
+    this size) and is compared with its own forward; a meta model (or forward="model", whose
+    stages are cut from copies) runs on meta: shapes only, no values to compare."""
+    real = forward == "sequence" and _has_values(model)
+    target = model if real or not _has_values(model) else meta_copy(model)
+    device = next(t.device for t in (*target.parameters(), *target.buffers()))
+    ids = torch.zeros(PROBE_SHAPE, dtype=torch.long, device=device)
+    x: object = ids
+    plan = StagePlan(tuple(tuple(n) for n in names), forward, (), 0)
+    sends = []
+    with _probing(target):
+        for s in range(len(names)):
+            whole = copy.deepcopy(target) if forward == "model" else target  # "model" deletes
+            try:
+                x = build_stage(whole, StageSpec(plan, s))(x)
+            except Exception as exc:
+                raise ValueError(_cannot_run(model, names, forward, s, exc)) from exc
+            _check_output(x, names, s)
+            if s < len(names) - 1:
+                sends.append((tuple(x.shape[2:]), x.dtype))
+        if real:
+            _check_chain_is_forward(model, names, x, model(ids))
+    logits_vocab = x.shape[-1]
+    vocab = logits_vocab if vocab is None else vocab
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or not 1 <= vocab <= logits_vocab:
+        raise ValueError(
+            f"vocab_size={vocab!r}: allowed 1..{logits_vocab} (the logits have {logits_vocab} "
+            "entries per token); pass vocab_size= or set model.vocab_size"
+        )
+    return tuple(sends), vocab
+
+
+@contextmanager
+def _probing(model: nn.Module) -> Iterator[None]:
+    """No gradients, no dropout, no BatchNorm statistics updated, the global RNG restored."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _check_output(x: object, names: list[list[str]], s: int) -> None:
+    last = s == len(names) - 1
+    ok = isinstance(x, torch.Tensor) and tuple(x.shape[:2]) == PROBE_SHAPE
+    if ok and (x.dim() == 3 if last else x.is_floating_point()):
+        return
+    got = (
+        f"{x.dtype} of shape {tuple(x.shape)}"
+        if isinstance(x, torch.Tensor)
+        else (f"a {type(x).__name__}")
+    )
+    want = (
+        "logits (B, T, vocab)"
+        if last
+        else "an activation (B, T, ...), floating point to carry a gradient back"
+    )
+    raise ValueError(
+        f"stage {s} of {len(names)} ({names[s]}) returns {got} for token ids (B, T) = "
+        f"{PROBE_SHAPE}, but a pipeline stage must return {want}. Check the order of the "
+        "names (a stage runs them in the order given), or give the stages explicitly"
+    )
+
+
+def _cannot_run(
+    model: nn.Module, names: list[list[str]], forward: str, s: int, exc: Exception
+) -> str:
+    what = type(model).__name__
+    if forward == "model":
+        return (
+            f"stage {s} of {len(names)} ({names[s]}): {what}'s own forward fails once the "
+            f"other stages' modules are removed — {type(exc).__name__}: {exc}. forward='model' "
+            "needs a forward that skips absent modules (torchtitan's convention: "
+            "`h = self.tok_embeddings(x) if self.tok_embeddings else x`); else use "
+            "forward='sequence'"
+        )
+    return (
+        f"stage {s} of {len(names)} cannot run its modules {names[s]} one after another "
+        f"(forward='sequence': x = module(x), each in turn) on token ids (B, T) = {PROBE_SHAPE} "
+        f"— {type(exc).__name__}: {exc}. So the names are not in the order the forward runs "
+        f"them, or {what}'s forward is not a plain sequence of these modules (a layer takes "
+        "extra arguments, say rotary tables, or two modules' outputs are added). Fix: give each piece one tensor in and one out (e.g. compute the rotary "
+        "table inside the attention), or give the model a forward that skips absent modules "
+        "(torchtitan's `h = self.tok_embeddings(x) if self.tok_embeddings else x`) and pass "
+        "forward='model', or name other modules in stages=[[...], [...]]"
+    )
+
+
+def _check_chain_is_forward(
+    model: nn.Module, names: list[list[str]], chained: torch.Tensor, expected: object
+) -> None:
+    """The chain of all stages must compute the model's own logits, bit for bit (the same
+    kernels on the same inputs); else the pipeline would train another function, silently."""
+    if isinstance(expected, torch.Tensor) and torch.equal(chained, expected):
+        return
+    diff = (
+        f"max |difference| {(chained - expected).abs().max().item():.3g}"
+        if isinstance(expected, torch.Tensor) and expected.shape == chained.shape
+        else f"its forward returns {type(expected).__name__}"
+    )
+    raise ValueError(
+        f"{type(model).__name__}'s forward is not the plain sequence of the stages' modules "
+        f"{[n for stage in names for n in stage]}: on token ids {PROBE_SHAPE} the chain's "
+        f"logits differ from model(x) ({diff}), so the pipeline would train another function. "
+        "Its forward does something between the modules (scales, adds, reshapes): move that "
+        "into a module, or give the model a forward that skips absent modules and pass "
+        "forward='model'"
+    )
