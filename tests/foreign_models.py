@@ -128,6 +128,7 @@ def torch_sequential(vocab_size: int = VOCAB, dim: int = DIM) -> nn.Sequential:
 
 
 FACTORIES = {"titan_llama": TitanLlama, "torch_sequential": torch_sequential}
+N_LAYERS = {"titan_llama": LAYERS, "torch_sequential": 7}  # entries of the container split
 
 
 def reference_init(name: str, seed: int) -> nn.Module:

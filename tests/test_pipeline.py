@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from foreign_models import FACTORIES, TitanLlama, reference_init, torch_sequential
+from foreign_models import FACTORIES, N_LAYERS, TitanLlama, reference_init, torch_sequential
 
 import fsdp_lab
 from fsdp_lab import comm, reference
@@ -264,7 +264,7 @@ def _refused(kind: str) -> str:
                     split_model(_full_model(), r, n), info, None, None, 1, batch_shape=(8, 16)
                 )
             elif kind == "unsplit":  # the whole model of someone else, never split
-                info = stage_info(r, n, n)
+                info = stage_info(r, n, n, 4)
                 gpipe_step(TitanLlama(), info, None, None, 1, batch_shape=(8, 16))
         except ValueError as exc:
             assert log.records == []  # refused before any message was sent
@@ -451,7 +451,7 @@ def test_split_errors_name_the_value_and_the_fix(make, stages, kwargs, fragments
 
 
 def _train_any(name: str, microbatches: int) -> dict:
-    info = stage_info(fsdp_lab.rank(), fsdp_lab.world_size(), 2)
+    info = stage_info(fsdp_lab.rank(), fsdp_lab.world_size(), 2, N_LAYERS[name])
     model = split_model(reference_init(name, SEED), info.stage, 2)
     losses = train_pipeline(model, info, _sgd(model.parameters()), 3, microbatches, BATCH, SEQ)
     return {

@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn as nn
-from foreign_models import FACTORIES, TitanLlama, reference_init, torch_sequential
+from foreign_models import FACTORIES, N_LAYERS, TitanLlama, reference_init, torch_sequential
 
 import fsdp_lab
 from fsdp_lab import Cluster, RankError, reference
@@ -123,14 +123,12 @@ class _HeadFirst(PipeGPT):
 
 
 def _replay_head_first(stages):
-    import fsdp_lab.pipeline.rng as rng
-
-    original = rng.PipeGPT
-    rng.PipeGPT = _HeadFirst  # the stage model and the recording both use the subclass
-    try:
-        return _init_on_rank("rng_replay", stages, None, None)
-    finally:
-        rng.PipeGPT = original
+    info = stage_info(fsdp_lab.rank(), fsdp_lab.world_size(), stages, CONFIG.n_layers)
+    with torch.device("meta"):
+        whole = _HeadFirst(CONFIG)  # any model may be given whole: its init_weights is replayed
+    model, report = init_stage("rng_replay", whole, info, SEED)
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"params": params, **report}
 
 
 def test_replay_follows_the_recorded_order_not_the_layout(cluster_of):
@@ -157,7 +155,7 @@ def test_bad_strategy_is_named():
 
 def _seed_and_train(name: str, checkpoint_dir: str) -> dict:
     """Every strategy in turn: seed this rank's stage, keep its values, train 2 GPipe steps."""
-    info = stage_info(fsdp_lab.rank(), fsdp_lab.world_size(), 2)
+    info = stage_info(fsdp_lab.rank(), fsdp_lab.world_size(), 2, N_LAYERS[name])
     with torch.device("meta"):
         whole = FACTORIES[name]()  # the whole model, shapes only: the strategy initialises
     plan = plan_stages(whole, 2)  # made once (a meta probe costs ~0.1 s), checked at each use
@@ -252,7 +250,7 @@ def test_an_init_that_leaves_a_parameter_alone_is_refused():
 
 
 def _seed_checkpoint_of(kind: str, folder: str) -> str:
-    info = stage_info(fsdp_lab.rank(), fsdp_lab.world_size(), 2)
+    info = stage_info(fsdp_lab.rank(), fsdp_lab.world_size(), 2, 4)  # both models: 4 layers
     with torch.device("meta"):
         whole = Llama() if kind == "unsplittable" else TitanLlama()
     full_disk = OSError(28, "No space left on device")

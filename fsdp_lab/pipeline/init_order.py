@@ -19,6 +19,11 @@ model:
   keeps whatever memory ``to_empty`` gave it — silently wrong numbers.
 - `materialise`: make some modules real (``to_empty``), a tied Parameter made once.
 
+A strategy of `fsdp_lab.pipeline.rng` then does, on every rank: `prepare` (the whole model on
+meta, the split checked, the init found — no message yet), `own_stage` (this stage's modules
+made real), `run_init` (the init over the whole model, watched, every stage's tensors checked
+touched), and cuts the stage out with `fsdp_lab.pipeline.stages.build_stage`.
+
 Assumed of an init, as torchtitan's and PipeGPT's are written: it draws straight into the
 tensors (``nn.init.normal_(w)``, ``w.uniform_()``), not into a temporary copied in later, and it
 makes the same calls whatever device a module is on.
@@ -26,16 +31,21 @@ makes the same calls whatever device a module is on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from fsdp_lab.pipeline.stages import StagePlan
+from fsdp_lab.pipeline.model import PipeGPT, PipeGPTConfig
+from fsdp_lab.pipeline.probe import meta_copy
+from fsdp_lab.pipeline.split import plan_stages
+from fsdp_lab.pipeline.stages import StageInfo, StagePlan, StageSpec
 
 InitFn = Callable[[nn.Module], None]
+Model = PipeGPTConfig | nn.Module  # a PipeGPT's config, or any whole model (best on meta)
+Stages = Sequence[Sequence[str]] | StagePlan | None
 
 
 class OwnerWatch(TorchFunctionMode):
@@ -171,3 +181,62 @@ def materialise(modules: Iterable[nn.Module], device: torch.device | str) -> Non
                 if id(b) not in made:
                     made[id(b)] = torch.empty_like(b, device=device)
                 setattr(sub, key, made[id(b)])
+
+
+# -- a stage's share of the init (`fsdp_lab.pipeline.rng`'s four strategies all use these) ----
+
+
+def whole_on_meta(model: Model) -> nn.Module:
+    """The whole model on the meta device: `PipeGPT(config)` built there, or a meta copy."""
+    if isinstance(model, PipeGPTConfig):
+        with torch.device("meta"):
+            return PipeGPT(model)
+    if isinstance(model, nn.Module):
+        return meta_copy(model)  # the caller's model is left as it is
+    raise TypeError(
+        f"model={type(model).__name__}: expected a PipeGPTConfig or the whole nn.Module to "
+        "seed (its values are not used; build it on meta: with torch.device('meta'): ...)"
+    )
+
+
+def prepare(
+    model: Model,
+    info: StageInfo,
+    layers_per_stage: list[int] | None,
+    stages: Stages,
+    init: InitFn | None,
+) -> tuple[nn.Module, StagePlan, InitFn]:
+    """(whole model on meta, the checked split, the init); no message sent."""
+    whole = whole_on_meta(model)
+    # The split is checked on the model as given: one with values is probed for real (cheap,
+    # and its forward compared), a meta one on meta.
+    given = whole if isinstance(model, PipeGPTConfig) else model
+    plan = plan_stages(given, info.stages if stages is None else stages, layers_per_stage)
+    held = plan.layers(info.stage)
+    if plan.stages != info.stages or (info.layers and held != list(info.layers)):
+        raise ValueError(
+            f"the split has {plan.stages} stages (stage {info.stage} holds layers {held}), but "
+            f"the StageInfo is for stage {info.stage} of {info.stages} owning layers "
+            f"{list(info.layers)}: build both from the same stages and layers_per_stage"
+        )
+    return whole, plan, model_init(whole, init)
+
+
+def own_stage(
+    whole: nn.Module, plan: StagePlan, info: StageInfo, device: torch.device | str
+) -> StageSpec:
+    """Make this stage's modules real (values: garbage until the init); the rest stay meta."""
+    spec = StageSpec(plan, info.stage)
+    materialise((whole.get_submodule(n) for n in spec.names), device)
+    return spec
+
+
+def run_init(
+    whole: nn.Module,
+    plan: StagePlan,
+    init: InitFn,
+    on_touch: Callable[[str], None] | None = None,
+) -> None:
+    """The init over the whole model, watched; every stage's tensors must have been touched."""
+    _, touched = watch_init(whole, init, on_touch)
+    check_touched(whole, plan, touched)  # the same verdict on every rank: all saw every call

@@ -46,7 +46,7 @@ from __future__ import annotations
 import copy
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,59 +57,20 @@ from fsdp_lab import comm
 from fsdp_lab.choices import SEEDING_STRATEGIES as STRATEGIES
 from fsdp_lab.pipeline.init_order import (
     InitFn,
-    check_touched,
+    Model,
+    Stages,
     materialise,
-    model_init,
+    own_stage,
+    prepare,
     record_init_order,  # noqa: F401  (here for the lab and the diagrams, which import it so)
-    watch_init,
+    run_init,
+    whole_on_meta,
 )
-from fsdp_lab.pipeline.model import PipeGPT, PipeGPTConfig
-from fsdp_lab.pipeline.split import meta_copy, plan_stages
-from fsdp_lab.pipeline.stages import StageInfo, StagePlan, StageSpec, build_stage
+from fsdp_lab.pipeline.split import plan_stages
+from fsdp_lab.pipeline.stages import StageInfo, build_stage
 from fsdp_lab.trace import MemoryTracker
 
 CHECKPOINT_NAME = "pp_seed_checkpoint.pt"
-Model = PipeGPTConfig | nn.Module  # a PipeGPT's config, or any whole model (best on meta)
-Stages = Sequence[Sequence[str]] | StagePlan | None
-
-
-# -- what every rank checks before its first message --------------------------------------------
-
-
-def whole_on_meta(model: Model) -> nn.Module:
-    """The whole model on the meta device: `PipeGPT(config)` built there, or a meta copy."""
-    if isinstance(model, PipeGPTConfig):
-        with torch.device("meta"):
-            return PipeGPT(model)
-    if isinstance(model, nn.Module):
-        return meta_copy(model)  # the caller's model is left as it is
-    raise TypeError(
-        f"model={type(model).__name__}: expected a PipeGPTConfig or the whole nn.Module to "
-        "seed (its values are not used; build it on meta: with torch.device('meta'): ...)"
-    )
-
-
-def prepare(
-    model: Model,
-    info: StageInfo,
-    layers_per_stage: list[int] | None,
-    stages: Stages,
-    init: InitFn | None,
-) -> tuple[nn.Module, StagePlan, InitFn]:
-    """(whole model on meta, the checked split, the init); no message sent."""
-    whole = whole_on_meta(model)
-    # The split is checked on the model as given: one with values is probed for real (cheap,
-    # and its forward compared), a meta one on meta.
-    given = whole if isinstance(model, PipeGPTConfig) else model
-    plan = plan_stages(given, info.stages if stages is None else stages, layers_per_stage)
-    held = plan.layers(info.stage)
-    if plan.stages != info.stages or (info.layers and held != list(info.layers)):
-        raise ValueError(
-            f"the split has {plan.stages} stages (stage {info.stage} holds layers {held}), but "
-            f"the StageInfo is for stage {info.stage} of {info.stages} owning layers "
-            f"{list(info.layers)}: build both from the same stages and layers_per_stage"
-        )
-    return whole, plan, model_init(whole, init)
 
 
 def stage_of_module(
@@ -117,26 +78,6 @@ def stage_of_module(
 ) -> Callable[[str], int | None]:
     """module name -> the stage that owns it ("layers.3.attn" -> layer 3's), None if none."""
     return plan_stages(whole_on_meta(model), stages, layers_per_stage).stage_of
-
-
-def _own_stage(
-    whole: nn.Module, plan: StagePlan, info: StageInfo, device: torch.device | str
-) -> StageSpec:
-    """Make this stage's modules real (values: garbage until the init); the rest stay meta."""
-    spec = StageSpec(plan, info.stage)
-    materialise((whole.get_submodule(n) for n in spec.names), device)
-    return spec
-
-
-def _run_init(
-    whole: nn.Module,
-    plan: StagePlan,
-    init: InitFn,
-    on_touch: Callable[[str], None] | None = None,
-) -> None:
-    """The init over the whole model, watched; every stage's tensors must have been touched."""
-    _, touched = watch_init(whole, init, on_touch)
-    check_touched(whole, plan, touched)  # the same verdict on every rank: all saw every call
 
 
 # -- the four strategies (each runs on every rank; returns this stage, initialised) -----------
@@ -168,7 +109,7 @@ def seed_checkpoint(
             full = copy.deepcopy(whole)  # meta: free
             materialise([full], device)
             torch.manual_seed(seed)
-            _run_init(full, plan, init_fn)
+            run_init(full, plan, init_fn)
             tmp = path.with_suffix(".tmp")
             torch.save(stage_tensors(full), tmp)
             os.replace(tmp, path)  # atomic: a reader never sees half a checkpoint
@@ -185,7 +126,7 @@ def seed_checkpoint(
             "rank 0 could not write the seed checkpoint (its error is reported with rank 0's), "
             "so this rank has nothing to load"
         )
-    spec = _own_stage(whole, plan, info, device)
+    spec = own_stage(whole, plan, info, device)
     stage = build_stage(whole, spec)
     # mmap: only the tensors this stage copies are read from the file, not the whole model.
     saved = torch.load(path, map_location=device, mmap=True, weights_only=True)
@@ -208,9 +149,9 @@ def same_seed(
 ) -> nn.Module:
     """(b) The bug: every stage seeds the same and initialises its own modules."""
     whole, plan, init_fn = prepare(model, info, layers_per_stage, stages, init)
-    spec = _own_stage(whole, plan, info, device)
+    spec = own_stage(whole, plan, info, device)
     torch.manual_seed(seed)
-    _run_init(whole, plan, init_fn)  # the modules left on meta draw nothing
+    run_init(whole, plan, init_fn)  # the modules left on meta draw nothing
     return build_stage(whole, spec)
 
 
@@ -231,9 +172,9 @@ def per_stage_seed(
         g = torch.Generator().manual_seed(seed)
         seeds.copy_(torch.randint(0, 2**62, (info.stages,), generator=g))
     comm.broadcast(seeds, src=0)
-    spec = _own_stage(whole, plan, info, device)
+    spec = own_stage(whole, plan, info, device)
     torch.manual_seed(int(seeds[info.stage]))
-    _run_init(whole, plan, init_fn)
+    run_init(whole, plan, init_fn)
     return build_stage(whole, spec)
 
 
@@ -249,7 +190,7 @@ def rng_replay(
 ) -> nn.Module:
     """(d) Run the init in its order everywhere; the generator state travels to each next owner."""
     whole, plan, init_fn = prepare(model, info, layers_per_stage, stages, init)
-    spec = _own_stage(whole, plan, info, device)
+    spec = own_stage(whole, plan, info, device)
 
     def rank_of(stage: int) -> int:  # the same pipeline (dp replica), another stage
         return info.dp_rank * info.stages + stage
@@ -274,7 +215,7 @@ def rng_replay(
 
     # Every rank runs the whole init and sees every call (the modules it does not own are on
     # meta: watched, not drawn), so all agree on when ownership changes: sends meet recvs.
-    _run_init(whole, plan, init_fn, hand_on)
+    run_init(whole, plan, init_fn, hand_on)
     return build_stage(whole, spec)
 
 
