@@ -3,7 +3,8 @@
 - `model`: `PipeGPT`, a GPT whose embeddings, layers (a ModuleDict) and head may be absent,
   with one documented init order drawn from the global RNG (the pp-seed lab's subject).
 - `split`: `plan_stages` names and checks each stage's modules for any nn.Module (a default
-  split of its `layers`/`blocks`/`h`, or names given), `split_model` cuts one stage out.
+  split of its `layers`/`blocks`/`h`, or names given), `split_model` cuts one stage out;
+  `probe` finds what flows between the stages by running a probe batch through them.
 - `stages`: `partition` the layers, `StagePlan`, the stage module (`SequentialStage`, or the
   model with the other stages' modules removed), `stage_info` for this rank's place in a
   pp × dp mesh.

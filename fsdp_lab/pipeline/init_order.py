@@ -48,9 +48,23 @@ Model = PipeGPTConfig | nn.Module  # a PipeGPT's config, or any whole model (bes
 Stages = Sequence[Sequence[str]] | StagePlan | None
 
 
+# Ops that only write values into the tensor they are given: on a meta tensor there is nothing
+# to compute (and PyTorch's meta kernel for normal_ is a Python decomposition, ~1 ms a call).
+_VALUE_FILLS = frozenset(
+    {"normal_", "uniform_", "fill_", "zero_", "exponential_", "log_normal_", "cauchy_"}
+    | {"geometric_", "random_", "bernoulli_"}
+)
+
+
+def _fills_values(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return getattr(func, "__module__", None) == "torch.nn.init" or name in _VALUE_FILLS
+
+
 class OwnerWatch(TorchFunctionMode):
     """Calls ``on_touch(module_name, tensor_id)`` before every op applied to a tensor in
-    `owner_of` (id of a tensor -> name of the module holding it)."""
+    `owner_of` (id of a tensor -> name of the module holding it). A fill (``nn.init.*``,
+    ``normal_``, ``uniform_``, ...) of a meta tensor is noted and skipped: nothing to draw."""
 
     def __init__(self, owner_of: dict[int, str], on_touch: Callable[[str, int], None]) -> None:
         super().__init__()
@@ -63,6 +77,9 @@ class OwnerWatch(TorchFunctionMode):
             if id(t) in self.owner_of:
                 self.on_touch(self.owner_of[id(t)], id(t))
                 break
+        target = kwargs.get("tensor", args[0] if args else None)
+        if isinstance(target, torch.Tensor) and target.is_meta and _fills_values(func):
+            return target  # what the fill returns: the tensor it filled
         return func(*args, **kwargs)
 
 

@@ -31,7 +31,6 @@ import torch.nn as nn
 
 from fsdp_lab.pipeline.model import PipeGPT
 from fsdp_lab.pipeline.stages import (
-    PROBE_SHAPE,
     StagePlan,
     StageSpec,
     build_stage,
@@ -39,6 +38,7 @@ from fsdp_lab.pipeline.stages import (
 )
 
 Activations = tuple[tuple[tuple[int, ...], torch.dtype], ...]
+PROBE_SHAPE = (2, 3)  # (B, T) of the probe's token ids: B != T, so a swapped layout shows
 
 
 def stage_shapes(

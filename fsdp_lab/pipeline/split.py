@@ -28,14 +28,13 @@ A stage runs its modules in one of two ways (`forward`), and which one is the mo
                 self.tok_embeddings else x`` — as `PipeGPT`'s does (its default).
 
 Everything the pipeline needs from the model is derived here, on the whole model, with no
-message sent: every parameter lies in exactly one stage (none on the root or on an unowned
-container, no tie across stages); a probe batch of token ids (2, 3) runs through the stages one
-after another on a meta copy (free at any size), which gives the shape of what flows between
-stages, (B, T, ...), and checks that the last stage returns logits (B, T, vocab); on a model
-with values, the chain's logits are compared with the model's own forward (a forward that is
-not the plain chain would train something else, silently). The plan is a pure function of the
-model, so every rank computes the same one: a model that cannot be split fails on every rank
-before the first send, never on one rank while the others wait for it.
+message sent: every name is a module, none inside another; every parameter lies in exactly one
+stage (none on the root or on an unowned container, no tie across stages, none without one);
+and `fsdp_lab.pipeline.probe` runs a probe batch through the stages, which gives the shape of
+what flows between them and the vocabulary, and on a model with values checks that the chain
+computes the model's own forward. The plan is a pure function of the model, so every rank
+computes the same one: a model that cannot be split fails on every rank before the first send,
+never on one rank while the others wait for it.
 """
 
 from __future__ import annotations

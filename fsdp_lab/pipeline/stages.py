@@ -38,7 +38,6 @@ import torch.nn as nn
 from fsdp_lab.pipeline.model import PipeGPTConfig
 
 FORWARDS = ("sequence", "model")  # how a stage runs its modules: see fsdp_lab.pipeline.split
-PROBE_SHAPE = (2, 3)  # (B, T) of the token ids a plan is probed with: B != T, to catch a swap
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
