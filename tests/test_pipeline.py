@@ -1,18 +1,24 @@
 """fsdp_lab.pipeline: stages own exactly their modules, and GPipe over S ranks trains exactly
-like one process — same losses, same parameters — with 2 (S-1) M activation-sized messages."""
+like one process — same losses, same parameters — with 2 (S-1) M activation-sized messages;
+for PipeGPT and for models this package did not write (tests/foreign_models.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
+from foreign_models import FACTORIES, N_LAYERS, TitanLlama, reference_init, torch_sequential
 
 import fsdp_lab
 from fsdp_lab import comm, reference
+from fsdp_lab.models import Llama, MLPStack
 from fsdp_lab.pipeline import (
     PipeGPT,
     PipeGPTConfig,
+    SequentialStage,
     gpipe_step,
     partition,
+    plan_stages,
     split_model,
     stage_info,
     stage_module_names,
@@ -257,6 +263,9 @@ def _refused(kind: str) -> str:
                 gpipe_step(
                     split_model(_full_model(), r, n), info, None, None, 1, batch_shape=(8, 16)
                 )
+            elif kind == "unsplit":  # the whole model of someone else, never split
+                info = stage_info(r, n, n, 4)
+                gpipe_step(TitanLlama(), info, None, None, 1, batch_shape=(8, 16))
         except ValueError as exc:
             assert log.records == []  # refused before any message was sent
             return str(exc)
@@ -269,9 +278,208 @@ def _refused(kind: str) -> str:
         ("world", ["S=3 stages", "world_size=2", "allowed S in [1, 2]"]),
         ("microbatches", ["B=12", "microbatches=5", "allowed M in [1, 2, 3, 4, 6, 12]"]),
         ("split", ["holds layers", "owns layers", "split_model"]),
+        ("unsplit", ["TitanLlama is not a pipeline stage", "split_model(model, "]),
     ],
 )
 def test_bad_input_is_refused_before_any_message(cluster_of, kind, fragments):
     for message in cluster_of(2).run(_refused, kind):
         for fragment in fragments:
             assert fragment in message, message
+
+
+# -- any model: split by module names, a default split, GPipe like one process ------------------
+
+
+def _keys(model: nn.Module) -> set[str]:
+    return set(model.state_dict())
+
+
+@pytest.mark.parametrize(
+    "factory, stages",
+    [
+        (  # torchtitan's shape: the children before `layers` on stage 0, after it on the last
+            TitanLlama,
+            [
+                ["tok_embeddings", "layers.0", "layers.1"],
+                ["layers.2", "layers.3", "norm", "output"],
+            ],
+        ),
+        (torch_sequential, [["0", "1", "2", "3"], ["4", "5", "6"]]),  # an nn.Sequential itself
+        (MLPStack, [["emb", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "head"]]),
+    ],
+)
+def test_any_model_splits_by_module_names_with_a_default_for_its_layers(factory, stages):
+    torch.manual_seed(0)
+    plan = plan_stages(factory(), 2)
+    assert [list(names) for names in plan.names] == stages
+    assert plan.forward == "sequence" and plan.vocab_size == (64 if factory is MLPStack else 32)
+    full = _keys(factory())
+    for given in (2, stages):  # the default split, and the same names given explicitly
+        seen: set[str] = set()
+        for stage in range(2):
+            model = factory()
+            part = split_model(model, stage, given)
+            assert isinstance(part, SequentialStage) and part.stage_spec.index == stage
+            # The stage keeps the full model's names: checkpoints and optimizers line up.
+            keys = _keys(part)
+            assert keys == {k for k in full if any(k.startswith(n + ".") for n in stages[stage])}
+            assert not keys & seen
+            seen |= keys
+            assert _keys(model) == full  # "sequence" leaves the model whole
+        assert seen == full
+
+
+def test_the_stages_run_one_after_another_compute_the_model():
+    torch.manual_seed(0)
+    model, x = TitanLlama(), torch.randint(0, 32, (3, 5))
+    stages = [split_model(model, s, 2) for s in range(2)]
+    assert torch.equal(stages[1](stages[0](x)), model(x))
+    assert stages[0](x).shape == (3, 5, 16)  # what flows: (B, T, dim), probed at the split
+    assert stages[0].stage_spec.sends() == ((16,), torch.float32)
+
+
+def test_uneven_explicit_and_pipegpt_splits():
+    model = TitanLlama()
+    assert plan_stages(model, 2, [1, 3]).names[0] == ("tok_embeddings", "layers.0")
+    three = [
+        ["tok_embeddings", "layers.0"],
+        ["layers.1", "layers.2"],
+        ["layers.3", "norm", "output"],
+    ]
+    assert [list(n) for n in plan_stages(model, three).names] == three
+    # PipeGPT stays what it was: its own forward, the other stages' modules removed in place.
+    plan = plan_stages(PipeGPT(CFG), 2, [1, 5])
+    assert plan.forward == "model" and plan.names[0] == ("tok_emb", "pos_emb", "layers.0")
+    assert plan.activations == (((CFG.dim,), torch.float32),) and plan.vocab_size == CFG.vocab_size
+    part = split_model(PipeGPT(CFG), 1, [list(n) for n in plan.names])
+    assert (
+        isinstance(part, PipeGPT) and part.tok_emb is None and sorted(part.layers) == list("12345")
+    )
+
+
+class _Scaled(MLPStack):
+    """A forward that is not the chain of its children: the embedding is scaled in between."""
+
+    def forward(self, idx):
+        x = self.emb(idx) * 2.0
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class _LogitsInADict(nn.Module):
+    """A head that returns an output object (a dict here), as many libraries' models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 32)
+
+    def forward(self, x):
+        return {"logits": self.proj(x)}
+
+
+def _dict_output():
+    model = TitanLlama()
+    model.output = _LogitsInADict()
+    return model
+
+
+class _NoContainer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid, self.out = nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8)
+
+    def forward(self, x):
+        return self.out(self.mid(self.emb(x)))
+
+
+def _tied_llama():
+    model = TitanLlama()
+    model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+TITAN_HALVES = [
+    ["tok_embeddings", "layers.0", "layers.1"],
+    ["layers.2", "layers.3", "norm", "output"],
+]
+
+
+@pytest.mark.parametrize(
+    "make, stages, kwargs, fragments",
+    [
+        (
+            _NoContainer,
+            2,
+            {},
+            ["no child named layers / blocks / h", "stages=[['emb'], ['mid', 'out']]"],
+        ),
+        (
+            TitanLlama,
+            [["tok_embeddings", "layers.9"], ["norm"]],
+            {},
+            ["'layers.9'", "not a module"],
+        ),
+        (TitanLlama, [["tok_embeddings", "layers"], ["layers.0"]], {}, ["'layers' and 'layers.0'"]),
+        (TitanLlama, [TITAN_HALVES[0], TITAN_HALVES[1][:-1]], {}, ["'output.weight'", "no stage"]),
+        (_tied_llama, 2, {}, ["'tok_embeddings.weight' (stage 0)", "(stage 1) are one tied"]),
+        (Llama, 2, {}, ["not a plain sequence", "extra arguments", "forward='model'"]),
+        (_Scaled, 2, {}, ["not the plain sequence", "differ from model(x)", "forward='model'"]),
+        (TitanLlama, 2, {"forward": "model"}, ["inside ModuleList 'layers'", "ModuleDict"]),
+        (
+            TitanLlama,
+            [TITAN_HALVES[1], TITAN_HALVES[0]],
+            {},
+            ["stage 0 of 2 cannot run", "not in the order"],
+        ),
+        (_dict_output, 2, {}, ["stage 1 of 2", "returns a dict", "logits (B, T, vocab)"]),
+        (TitanLlama, 2, {"forward": "pipe"}, ["forward='pipe'", "'sequence', 'model'"]),
+        (TitanLlama, "layers", {}, ["stages='layers'", "e.g. stages=[["]),
+        (
+            TitanLlama,
+            [["tok_embeddings"], ["layers.0"]],
+            {"layers_per_stage": [1, 1]},
+            ["with stages given as module names"],
+        ),
+    ],
+)
+def test_split_errors_name_the_value_and_the_fix(make, stages, kwargs, fragments):
+    with pytest.raises(ValueError) as err:
+        plan_stages(make(), stages, **kwargs)
+    for fragment in fragments:
+        assert fragment in str(err.value), str(err.value)
+
+
+def _train_any(name: str, microbatches: int) -> dict:
+    info = stage_info(fsdp_lab.rank(), fsdp_lab.world_size(), 2, N_LAYERS[name])
+    model = split_model(reference_init(name, SEED), info.stage, 2)
+    losses = train_pipeline(model, info, _sgd(model.parameters()), 3, microbatches, BATCH, SEQ)
+    return {
+        "losses": losses,
+        "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+    }
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_gpipe_trains_any_model_like_one_process(cluster_of, name):
+    model = reference_init(name, SEED)
+    model.vocab_size = 32  # reference.train_steps reads it; the pipeline read it off the logits
+    losses = reference.train_steps(
+        model, _sgd(model.parameters()), 3, global_batch=BATCH, seq_len=SEQ
+    )
+    for m in (1, 2):
+        runs = cluster_of(2).run(_train_any, name, m)
+        params = {**runs[0]["params"], **runs[1]["params"]}
+        assert params.keys() == dict(model.named_parameters()).keys()
+        if m == 1:  # the same kernels on the same tensors in the same order: bit for bit
+            assert runs[1]["losses"] == losses
+            assert all(torch.equal(params[k], v) for k, v in model.named_parameters())
+        else:  # micro-batching sums the gradient in another order: float rounding only
+            torch.testing.assert_close(runs[1]["losses"], losses, rtol=1e-5, atol=0)
+            for k, v in model.named_parameters():
+                torch.testing.assert_close(params[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    moved = max(
+        (v - reference_init(name, SEED).state_dict()[k]).abs().max()
+        for k, v in model.state_dict().items()
+    )
+    assert moved > 1e-3  # training moved the weights: equal untouched models would prove nothing

@@ -1,13 +1,24 @@
 """Pipeline seeding: the seed checkpoint and RNG replay equal the unsplit init bitwise, on every
 layout and with pipelines side by side (pp x dp); the same seed on every stage copies layers;
-per-stage seeds give distinct weights that are not the unsplit init; messages are counted."""
+per-stage seeds give distinct weights that are not the unsplit init; messages are counted. The
+four work on models this package did not write (tests/foreign_models.py), which then train like
+one process; a model that cannot be seeded fails on every rank, none left waiting."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from unittest import mock
+
 import pytest
 import torch
+import torch.nn as nn
+from foreign_models import FACTORIES, N_LAYERS, TitanLlama, reference_init, torch_sequential
 
 import fsdp_lab
+from fsdp_lab import Cluster, RankError, reference
+from fsdp_lab.models import Llama
+from fsdp_lab.pipeline import plan_stages, train_pipeline
+from fsdp_lab.pipeline.init_order import model_init
 from fsdp_lab.pipeline.model import PipeGPT, PipeGPTConfig
 from fsdp_lab.pipeline.rng import STRATEGIES, init_stage, record_init_order
 from fsdp_lab.pipeline.stages import stage_info
@@ -112,14 +123,12 @@ class _HeadFirst(PipeGPT):
 
 
 def _replay_head_first(stages):
-    import fsdp_lab.pipeline.rng as rng
-
-    original = rng.PipeGPT
-    rng.PipeGPT = _HeadFirst  # the stage model and the recording both use the subclass
-    try:
-        return _init_on_rank("rng_replay", stages, None, None)
-    finally:
-        rng.PipeGPT = original
+    info = stage_info(fsdp_lab.rank(), fsdp_lab.world_size(), stages, CONFIG.n_layers)
+    with torch.device("meta"):
+        whole = _HeadFirst(CONFIG)  # any model may be given whole: its init_weights is replayed
+    model, report = init_stage("rng_replay", whole, info, SEED)
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"params": params, **report}
 
 
 def test_replay_follows_the_recorded_order_not_the_layout(cluster_of):
@@ -139,3 +148,132 @@ def test_bad_strategy_is_named():
     info = stage_info(0, 1, 1, CONFIG.n_layers)
     with pytest.raises(ValueError, match=r"strategy='replay' is unknown: allowed \['seed_ch"):
         init_stage("replay", CONFIG, info, SEED)
+
+
+# -- any model ------------------------------------------------------------------------------------
+
+
+def _seed_and_train(name: str, checkpoint_dir: str) -> dict:
+    """Every strategy in turn: seed this rank's stage, keep its values, train 2 GPipe steps."""
+    info = stage_info(fsdp_lab.rank(), fsdp_lab.world_size(), 2, N_LAYERS[name])
+    with torch.device("meta"):
+        whole = FACTORIES[name]()  # the whole model, shapes only: the strategy initialises
+    plan = plan_stages(whole, 2)  # made once (a meta probe costs ~0.1 s), checked at each use
+    out = {}
+    for strategy in STRATEGIES:
+        torch.manual_seed(999 + fsdp_lab.rank())  # whatever a rank had before must not matter
+        model, report = init_stage(
+            strategy, whole, info, SEED, checkpoint_dir=checkpoint_dir, stages=plan
+        )
+        initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses = train_pipeline(model, info, optimizer, STEPS, 1, 8, 16)  # M=1: bit for bit
+        final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        out[strategy] = {"initial": initial, "final": final, "losses": losses, **report}
+    return out
+
+
+STEPS = 2
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_every_strategy_seeds_any_model_which_then_trains_like_one_process(
+    cluster_of, tmp_path, name
+):
+    expected = reference_init(name, SEED).state_dict()
+    state_bytes = torch.get_rng_state().numel()
+    per_rank = cluster_of(2).run(_seed_and_train, name, str(tmp_path))
+    for strategy in STRATEGIES:
+        ranks = [r[strategy] for r in per_rank]
+        initial = {**ranks[0]["initial"], **ranks[1]["initial"]}
+        assert initial.keys() == expected.keys()  # together the stages hold the model, once
+        same = [{k: torch.equal(v, expected[k]) for k, v in r["initial"].items()} for r in ranks]
+        if strategy in ("seed_checkpoint", "rng_replay"):  # the unsplit init, bit for bit
+            assert all(all(s.values()) for s in same), strategy
+        elif strategy == "same_seed":  # stage 0 reads the stream as the unsplit init did...
+            assert all(same[0].values()) and not all(same[1].values())  # ...stage 1 does not
+        else:
+            assert not all(same[0].values()) and not all(same[1].values())
+        if strategy == "rng_replay":  # one change of owner, stage 0 -> stage 1
+            assert sum(r["bytes_moved"] for r in ranks) == state_bytes
+        # Whatever the init, the pipeline trains it as one process trains the same weights.
+        single = FACTORIES[name]()
+        single.load_state_dict(initial)
+        single.vocab_size = 32  # reference.train_steps reads it
+        optimizer = torch.optim.SGD(single.parameters(), lr=0.1, momentum=0.9)
+        losses = reference.train_steps(single, optimizer, STEPS, global_batch=8, seq_len=16)
+        assert ranks[1]["losses"] == losses, strategy
+        final = {**ranks[0]["final"], **ranks[1]["final"]}
+        for k, v in single.state_dict().items():
+            assert torch.equal(final[k], v), (strategy, k)
+        assert any(not torch.equal(final[k], v) for k, v in initial.items())  # it trained
+
+
+def test_a_models_init_is_its_own_or_what_its_construction_did():
+    # PyTorch's layers: reset_parameters() in module order is what construction drew.
+    torch.manual_seed(5)
+    built = torch_sequential()
+    again = torch_sequential()
+    torch.manual_seed(5)
+    model_init(again)(again)
+    assert all(
+        torch.equal(a, b) for a, b in zip(built.parameters(), again.parameters(), strict=True)
+    )
+    with torch.device("meta"):  # torchtitan's convention: init_weights(), in its order
+        order = record_init_order(TitanLlama())
+    assert order[0] == "tok_embeddings" and order[-2:] == ["norm", "output"]
+
+    class NoInit(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))  # on the root, no reset_parameters()
+
+    with pytest.raises(
+        ValueError, match=r"no init_weights\(\), and \['<root> \(NoInit\)'\].*init="
+    ):
+        model_init(NoInit())
+
+
+def test_an_init_that_leaves_a_parameter_alone_is_refused():
+    with torch.device("meta"):
+        whole = TitanLlama()
+
+    def forgetful(model):  # torchtitan's init without its last line
+        nn.init.normal_(model.tok_embeddings.weight)
+        for layer in model.layers:
+            layer.init_weights()
+        model.norm.reset_parameters()
+
+    info = stage_info(0, 1, 1)
+    with pytest.raises(ValueError, match=r"never touches \['output.weight'\].*init="):
+        init_stage("same_seed", whole, info, SEED, init=forgetful)
+
+
+def _seed_checkpoint_of(kind: str, folder: str) -> str:
+    info = stage_info(fsdp_lab.rank(), fsdp_lab.world_size(), 2, 4)  # both models: 4 layers
+    with torch.device("meta"):
+        whole = Llama() if kind == "unsplittable" else TitanLlama()
+    full_disk = OSError(28, "No space left on device")
+    failing = kind == "save_fails" and fsdp_lab.rank() == 0
+    try:
+        with mock.patch("torch.save", side_effect=full_disk) if failing else nullcontext():
+            init_stage("seed_checkpoint", whole, info, SEED, checkpoint_dir=folder)
+    except Exception as exc:  # what this rank says, returned: every rank must get here
+        return f"{type(exc).__name__}: {exc}"
+    return "initialised"
+
+
+def test_seed_checkpoint_never_leaves_a_rank_waiting(tmp_path):
+    """Observed: rank 0 failed building the whole model while rank 1 waited in the broadcast
+    until the cluster's timeout. Now a model that cannot be split fails on every rank before
+    any message, and a failure only rank 0 meets is broadcast to the others."""
+    with Cluster(2, backend="gloo", timeout=30, verbose=False) as cluster:
+        try:
+            said = cluster.run(_seed_checkpoint_of, "unsplittable", str(tmp_path))
+            assert all("Llama's forward is not a plain sequence" in s for s in said), said
+            said = cluster.run(_seed_checkpoint_of, "save_fails", str(tmp_path))
+            assert said[0] == "OSError: [Errno 28] No space left on device"
+            assert said[1].startswith("RuntimeError: rank 0 could not write the seed checkpoint")
+            assert cluster.run(_seed_checkpoint_of, "fine", str(tmp_path)) == ["initialised"] * 2
+        except RankError as err:  # what main did: a rank stuck until the timeout
+            pytest.fail(f"a rank was left waiting: {err}")

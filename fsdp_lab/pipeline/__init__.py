@@ -2,8 +2,14 @@
 
 - `model`: `PipeGPT`, a GPT whose embeddings, layers (a ModuleDict) and head may be absent,
   with one documented init order drawn from the global RNG (the pp-seed lab's subject).
-- `stages`: `partition` the layers, `split_model` a whole model into one stage, `stage_info`
-  for this rank's place in a pp × dp mesh.
+- `split`: `plan_stages` names and checks each stage's modules for any nn.Module (a default
+  split of its `layers`/`blocks`/`h`, or names given), `split_model` cuts one stage out;
+  `probe` finds what flows between the stages by running a probe batch through them.
+- `stages`: `partition` the layers, `StagePlan`, the stage module (`SequentialStage`, or the
+  model with the other stages' modules removed), `stage_info` for this rank's place in a
+  pp × dp mesh.
+- `init_order` and `rng`: the model's init watched call by call, and four ways to seed the
+  stages (`init_stage`).
 - `schedule`: `gpipe_step` (M micro-batches, send/recv of activations and their gradients)
   and `train_pipeline` (the reference's data, optional data parallelism across pipelines).
 
@@ -19,10 +25,12 @@ from fsdp_lab.pipeline.schedule import (
     gpipe_step,
     train_pipeline,
 )
+from fsdp_lab.pipeline.split import plan_stages, split_model
 from fsdp_lab.pipeline.stages import (
+    SequentialStage,
     StageInfo,
+    StagePlan,
     partition,
-    split_model,
     stage_info,
     stage_module_names,
 )
@@ -30,7 +38,9 @@ from fsdp_lab.pipeline.stages import (
 __all__ = [
     "PipeGPT",
     "PipeGPTConfig",
+    "SequentialStage",
     "StageInfo",
+    "StagePlan",
     "average_gradients",
     "check_stage",
     "dp_group",
@@ -38,6 +48,7 @@ __all__ = [
     "init_module",
     "partition",
     "pipe_gpt",
+    "plan_stages",
     "split_model",
     "stage_info",
     "stage_module_names",

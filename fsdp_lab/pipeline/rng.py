@@ -1,8 +1,9 @@
 """Seeding a pipeline: four ways to initialise its stages, and which equal the unsplit model.
 
-The unsplit model is initialised by ``torch.manual_seed(s); model.init_weights()``: one
-sequential random stream, read module after module in `PipeGPT.init_order()`. A stage owns a
-slice of those modules. What it draws depends on where in the stream it starts:
+The unsplit model is initialised by ``torch.manual_seed(s); init(model)`` — for `PipeGPT`
+``model.init_weights()``, for any model its init as `fsdp_lab.pipeline.init_order.model_init`
+finds it: one sequential random stream, read module after module (`PipeGPT.init_order()`). A
+stage owns a slice of those modules. What it draws depends on where in the stream it starts:
 
     seed_checkpoint   rank 0 builds and initialises the *whole* model, saves it; every stage
                       loads its part. Equal to the unsplit init; needs the whole model once.
@@ -12,15 +13,27 @@ slice of those modules. What it draws depends on where in the stream it starts:
     per_stage_seed    seeds drawn on rank 0 and broadcast, one per stage. Distinct weights,
                       trains fine, but not the unsplit init (a run is not reproducible across
                       pipeline layouts).
-    rng_replay        record the init order on the meta model (before splitting), then walk it
-                      on every stage: the stage owning the next module initialises it; when
-                      ownership moves on, the generator state is sent to the next owner.
-                      Equal to the unsplit init, and no rank ever builds the whole model.
+    rng_replay        run the init in its order on every stage: the stage owning the module
+                      being initialised draws; when the init moves on to a module of another
+                      stage, the generator state is sent to that stage. Equal to the unsplit
+                      init, and no rank ever builds the whole model.
 
-The recording is real: `record_init_order` runs `init_weights` on a meta copy under a
-`TorchFunctionMode` and notes which module each initialising call touched — so a model whose
-`init_weights` walks modules in an unexpected order (the head before the layers, say) is still
-replayed right: ownership then passes back and forth, one message per change of owner.
+How a stage "initialises its modules" is the same for all four, and for any model: build the
+whole model on meta, make this stage's modules real (`materialise`), run the model's own init
+over the whole model — the modules left on meta draw nothing — then cut the stage out
+(`fsdp_lab.pipeline.split`). The init runs watched (`fsdp_lab.pipeline.init_order.watch_init`:
+every call, and which module's tensor it touches), on meta tensors as on real ones, so every
+rank sees the same sequence of modules; rng_replay hands the generator on at each change of
+owner in it. A model whose init walks modules in an unexpected order (the head before the
+layers, say) is therefore replayed right: ownership passes back and forth, one message per
+change. `record_init_order` shows that sequence for a meta model.
+
+Every rank checks what it can before its first message — the split (`plan_stages`), that there
+is an init (`model_init`), the checkpoint folder — and what it learns from running the init
+(every parameter and buffer touched) it learns on every rank alike, so a model that cannot be
+seeded fails on every rank at once. What only rank 0 does (write
+the seed checkpoint) it reports through the broadcast the others wait on: they raise too,
+instead of waiting for a message that will not come.
 
 Where the real thing goes further: torchtitan's seed checkpoint (``--checkpoint.create_seed_
 checkpoint``) is approach (a); on CUDA, DTensor's random ops give each shard an offset into a
@@ -30,6 +43,7 @@ builds the same idea by hand. Tensor-parallel shards of one layer need per-shard
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Callable
@@ -38,191 +52,171 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.overrides import TorchFunctionMode
 
 from fsdp_lab import comm
 from fsdp_lab.choices import SEEDING_STRATEGIES as STRATEGIES
-from fsdp_lab.pipeline.model import PipeGPT, PipeGPTConfig, init_module
-from fsdp_lab.pipeline.stages import StageInfo, split_model, stage_module_names
+from fsdp_lab.pipeline.init_order import (
+    InitFn,
+    Model,
+    Stages,
+    materialise,
+    own_stage,
+    prepare,
+    record_init_order,  # noqa: F401  (here for the lab and the diagrams, which import it so)
+    run_init,
+    whole_on_meta,
+)
+from fsdp_lab.pipeline.split import plan_stages
+from fsdp_lab.pipeline.stages import StageInfo, build_stage
 from fsdp_lab.trace import MemoryTracker
 
 CHECKPOINT_NAME = "pp_seed_checkpoint.pt"
 
 
-# -- recording the init order on meta ---------------------------------------------------------
-
-
-class _InitRecorder(TorchFunctionMode):
-    """Notes the owning module of every parameter an operation is applied to, in call order."""
-
-    def __init__(self, owner_of: dict[int, str]) -> None:
-        super().__init__()
-        self.owner_of, self.order = owner_of, []
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
-        kwargs = kwargs or {}
-        # nn.init functions pass the tensor by keyword (``tensor=``), Tensor methods as self.
-        for t in (*args, *kwargs.values()):
-            if id(t) in self.owner_of:
-                name = self.owner_of[id(t)]
-                if not self.order or self.order[-1] != name:
-                    self.order.append(name)
-                break
-        return func(*args, **kwargs)
-
-
-def record_init_order(model: nn.Module) -> list[str]:
-    """The modules `model.init_weights()` initialises, in the order it does (run on meta).
-
-    Args:
-        model: a whole model on the meta device (nothing is drawn or written there).
-    """
-    params = list(model.parameters())
-    if not params or not all(p.is_meta for p in params):
-        raise ValueError("record_init_order runs init_weights on a model built on meta")
-    owner_of = {
-        id(p): name for name, m in model.named_modules() for p in m.parameters(recurse=False)
-    }
-    with torch.no_grad(), _InitRecorder(owner_of) as recorder:
-        model.init_weights()
-    return recorder.order
-
-
-# -- building one stage -----------------------------------------------------------------------
-
-
-def empty_stage(
-    config: PipeGPTConfig,
-    info: StageInfo,
-    layers_per_stage: list[int] | None = None,
-    device: torch.device | str = "cpu",
-) -> PipeGPT:
-    """The whole model on meta, split to this stage, then made real (values: garbage)."""
-    with torch.device("meta"):
-        model = PipeGPT(config)
-    split_model(model, info.stage, info.stages, layers_per_stage)
-    return model.to_empty(device=device)
-
-
 def stage_of_module(
-    config: PipeGPTConfig, stages: int, layers_per_stage: list[int] | None
-) -> Callable[[str], int]:
-    """module name -> the stage that owns it (by its top-level name: "layers.3.attn" -> 3's)."""
-    top = {
-        name: s
-        for s in range(stages)
-        for name in stage_module_names(config, s, stages, layers_per_stage)
-    }
-
-    def stage_of(module_name: str) -> int:
-        parts = module_name.split(".")
-        return top[".".join(parts[:2]) if parts[0] == "layers" else parts[0]]
-
-    return stage_of
+    model: Model, stages: int | Stages, layers_per_stage: list[int] | None = None
+) -> Callable[[str], int | None]:
+    """module name -> the stage that owns it ("layers.3.attn" -> layer 3's), None if none."""
+    return plan_stages(whole_on_meta(model), stages, layers_per_stage).stage_of
 
 
 # -- the four strategies (each runs on every rank; returns this stage, initialised) -----------
 
 
 def seed_checkpoint(
-    config: PipeGPTConfig,
+    model: Model,
     info: StageInfo,
     seed: int,
     layers_per_stage: list[int] | None = None,
     device: torch.device | str = "cpu",
     checkpoint_dir: str | os.PathLike | None = None,
-) -> PipeGPT:
+    *,
+    stages: Stages = None,
+    init: InitFn | None = None,
+) -> nn.Module:
     """(a) Rank 0 initialises the whole model and saves it; each stage loads its own keys."""
-    if checkpoint_dir is None:
-        raise ValueError("seed_checkpoint needs checkpoint_dir: a folder every rank can read")
+    if checkpoint_dir is None or not Path(checkpoint_dir).is_dir():
+        raise ValueError(
+            f"checkpoint_dir={checkpoint_dir!r}: seed_checkpoint needs an existing folder every "
+            "rank can read (e.g. tempfile.mkdtemp() on rank 0, its path sent to the others)"
+        )
+    whole, plan, init_fn = prepare(model, info, layers_per_stage, stages, init)
     path = Path(checkpoint_dir) / CHECKPOINT_NAME
     size = torch.zeros(1, dtype=torch.int64, device=_comm_device(device))
+    failed: Exception | None = None
     if info.rank == 0:
-        full = PipeGPT(config).to(device)
-        torch.manual_seed(seed)
-        full.init_weights()
-        tmp = path.with_suffix(".tmp")
-        torch.save(full.state_dict(), tmp)
-        os.replace(tmp, path)  # atomic: a reader never sees half a checkpoint
-        size.fill_(path.stat().st_size)
-        del full
+        try:
+            full = copy.deepcopy(whole)  # meta: free
+            materialise([full], device)
+            torch.manual_seed(seed)
+            run_init(full, plan, init_fn)
+            tmp = path.with_suffix(".tmp")
+            torch.save(stage_tensors(full), tmp)
+            os.replace(tmp, path)  # atomic: a reader never sees half a checkpoint
+            size.fill_(path.stat().st_size)
+            del full
+        except Exception as exc:  # the others wait in the broadcast below: tell them
+            failed = exc
+            size.fill_(-1)
     comm.broadcast(size, src=0)  # "the checkpoint is there" (and how big), a counted message
-    model = empty_stage(config, info, layers_per_stage, device)
+    if failed is not None:
+        raise failed
+    if int(size) < 0:
+        raise RuntimeError(
+            "rank 0 could not write the seed checkpoint (its error is reported with rank 0's), "
+            "so this rank has nothing to load"
+        )
+    spec = own_stage(whole, plan, info, device)
+    stage = build_stage(whole, spec)
     # mmap: only the tensors this stage copies are read from the file, not the whole model.
     saved = torch.load(path, map_location=device, mmap=True, weights_only=True)
     with torch.no_grad():
-        for name, tensor in model.state_dict().items():
+        for name, tensor in stage_tensors(stage).items():
             tensor.copy_(saved[name])
     del saved
-    return model
+    return stage
 
 
 def same_seed(
-    config: PipeGPTConfig,
+    model: Model,
     info: StageInfo,
     seed: int,
     layers_per_stage: list[int] | None = None,
     device: torch.device | str = "cpu",
-) -> PipeGPT:
+    *,
+    stages: Stages = None,
+    init: InitFn | None = None,
+) -> nn.Module:
     """(b) The bug: every stage seeds the same and initialises its own modules."""
-    model = empty_stage(config, info, layers_per_stage, device)
+    whole, plan, init_fn = prepare(model, info, layers_per_stage, stages, init)
+    spec = own_stage(whole, plan, info, device)
     torch.manual_seed(seed)
-    model.init_weights()
-    return model
+    run_init(whole, plan, init_fn)  # the modules left on meta draw nothing
+    return build_stage(whole, spec)
 
 
 def per_stage_seed(
-    config: PipeGPTConfig,
+    model: Model,
     info: StageInfo,
     seed: int,
     layers_per_stage: list[int] | None = None,
     device: torch.device | str = "cpu",
-) -> PipeGPT:
+    *,
+    stages: Stages = None,
+    init: InitFn | None = None,
+) -> nn.Module:
     """(c) Rank 0 draws one seed per stage and broadcasts them; each stage uses its own."""
+    whole, plan, init_fn = prepare(model, info, layers_per_stage, stages, init)
     seeds = torch.zeros(info.stages, dtype=torch.int64, device=_comm_device(device))
     if info.rank == 0:
         g = torch.Generator().manual_seed(seed)
         seeds.copy_(torch.randint(0, 2**62, (info.stages,), generator=g))
     comm.broadcast(seeds, src=0)
-    model = empty_stage(config, info, layers_per_stage, device)
+    spec = own_stage(whole, plan, info, device)
     torch.manual_seed(int(seeds[info.stage]))
-    model.init_weights()
-    return model
+    run_init(whole, plan, init_fn)
+    return build_stage(whole, spec)
 
 
 def rng_replay(
-    config: PipeGPTConfig,
+    model: Model,
     info: StageInfo,
     seed: int,
     layers_per_stage: list[int] | None = None,
     device: torch.device | str = "cpu",
-) -> PipeGPT:
-    """(d) Replay the recorded init order; the generator state travels to each next owner."""
-    with torch.device("meta"):
-        order = record_init_order(PipeGPT(config))  # before splitting: the whole model's order
-    model = empty_stage(config, info, layers_per_stage, device)
-    modules = dict(model.named_modules())
-    stage_of = stage_of_module(config, info.stages, layers_per_stage)
+    *,
+    stages: Stages = None,
+    init: InitFn | None = None,
+) -> nn.Module:
+    """(d) Run the init in its order everywhere; the generator state travels to each next owner."""
+    whole, plan, init_fn = prepare(model, info, layers_per_stage, stages, init)
+    spec = own_stage(whole, plan, info, device)
 
     def rank_of(stage: int) -> int:  # the same pipeline (dp replica), another stage
         return info.dp_rank * info.stages + stage
 
-    holder = stage_of(order[0])
-    if info.stage == holder:
-        _seed(device, seed)
-    for name in order:
-        owner = stage_of(name)
-        if owner != holder:  # ownership moves on: so does the generator's state
-            if info.stage == holder:
-                comm.send(generator_state(device), dst=rank_of(owner))
-            elif info.stage == owner:
-                state = generator_state(device)
-                comm.recv(state, src=rank_of(holder))
-                _set_rng_state(device, state)
-            holder = owner
-        if info.stage == owner:
-            init_module(name, modules[name])
-    return model
+    holder: int | None = None  # the stage whose generator the init is drawing from
+
+    def hand_on(module_name: str) -> None:  # called before the op on `module_name` runs
+        nonlocal holder
+        owner = plan.stage_of(module_name)
+        if owner is None or owner == holder:
+            return
+        if holder is None:  # the init's first module: its stage seeds, as the unsplit init
+            if info.stage == owner:
+                _seed(device, seed)
+        elif info.stage == holder:  # ownership moves on: so does the generator's state
+            comm.send(generator_state(device), dst=rank_of(owner))
+        elif info.stage == owner:
+            state = generator_state(device)
+            comm.recv(state, src=rank_of(holder))
+            _set_rng_state(device, state)
+        holder = owner
+
+    # Every rank runs the whole init and sees every call (the modules it does not own are on
+    # meta: watched, not drawn), so all agree on when ownership changes: sends meet recvs.
+    run_init(whole, plan, init_fn, hand_on)
+    return build_stage(whole, spec)
 
 
 INIT = {
@@ -235,30 +229,58 @@ INIT = {
 
 def init_stage(
     strategy: str,
-    config: PipeGPTConfig,
+    model: Model,
     info: StageInfo,
     seed: int,
     layers_per_stage: list[int] | None = None,
     device: torch.device | str = "cpu",
     checkpoint_dir: str | os.PathLike | None = None,
-) -> tuple[PipeGPT, dict[str, Any]]:
-    """Initialise this stage with `strategy`, measured: (model, {init_time_s, peak_bytes,
-    bytes_moved, messages}). Peak: live tensor bytes during the init (MemoryTracker)."""
+    *,
+    stages: Stages = None,
+    init: InitFn | None = None,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Initialise this stage with `strategy`, measured: (stage module, {init_time_s, peak_bytes,
+    bytes_moved, messages}). Peak: live tensor bytes during the init (MemoryTracker).
+
+    Args:
+        strategy: one of `STRATEGIES`.
+        model: a `PipeGPTConfig`, or the whole model to seed, any nn.Module (its values are not
+            used: build it on meta, ``with torch.device("meta"): model = Model()``).
+        info: this rank's place (`stage_info`).
+        seed: the seed of the unsplit init, ``torch.manual_seed(seed); init(model)``.
+        layers_per_stage: the default split's layers per stage (`partition`).
+        device: where the stage's tensors live.
+        checkpoint_dir: seed_checkpoint's folder, readable by every rank.
+        stages: the module names of each stage, or a `StagePlan` (default: the default split
+            into ``info.stages`` stages; see `fsdp_lab.pipeline.split`).
+        init: the model's init as a function of the whole model (default: `model_init`).
+    """
     if strategy not in INIT:
         raise ValueError(f"strategy={strategy!r} is unknown: allowed {list(STRATEGIES)}")
-    kwargs = {"checkpoint_dir": checkpoint_dir} if strategy == "seed_checkpoint" else {}
+    kwargs: dict[str, Any] = {"stages": stages, "init": init}
+    if strategy == "seed_checkpoint":
+        kwargs["checkpoint_dir"] = checkpoint_dir
     tracker = MemoryTracker(device if str(device).startswith("cuda") else None)
     with comm.CommLog() as log, tracker:
         start = time.perf_counter()
-        model = INIT[strategy](config, info, seed, layers_per_stage, device, **kwargs)
+        stage = INIT[strategy](model, info, seed, layers_per_stage, device, **kwargs)
         seconds = time.perf_counter() - start
     sent = sum(log.bytes_by_op().get(op, 0) for op in ("send", "broadcast"))
-    return model, {
+    return stage, {
         "init_time_s": seconds,
         "peak_bytes": tracker.peak_bytes,
         "bytes_moved": sent,
         "messages": sum(log.calls_by_op().values()),
     }
+
+
+def stage_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a seed checkpoint holds: the state_dict, plus non-persistent buffers (a rotary
+    cache is not in a state_dict, but a stage that loads instead of initialising needs it)."""
+    tensors = model.state_dict()
+    for name, buffer in model.named_buffers():
+        tensors.setdefault(name, buffer)
+    return tensors
 
 
 # -- generator state, CPU or CUDA ---------------------------------------------------------------

@@ -32,19 +32,20 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_lab import comm
 from fsdp_lab.cluster import rank, world_size
 from fsdp_lab.models import synthetic_batch
-from fsdp_lab.pipeline.model import PipeGPT
-from fsdp_lab.pipeline.stages import StageInfo
+from fsdp_lab.pipeline.stages import StageInfo, StageSpec
 from fsdp_lab.reference import local_slice
 from fsdp_lab.trace import category, compute_span, mark
 
 
-def check_stage(model: PipeGPT, info: StageInfo) -> None:
-    """Raise a clear error unless this process and `model` are the stage `info` describes."""
+def check_stage(model: nn.Module, info: StageInfo) -> StageSpec:
+    """Raise a clear error unless this process and `model` are the stage `info` describes;
+    return the model's `StageSpec` (what it receives and sends)."""
     world = world_size()
     if info.stages * info.dp_size != world:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
@@ -55,19 +56,23 @@ def check_stage(model: PipeGPT, info: StageInfo) -> None:
         )
     if info.rank != rank():
         raise ValueError(f"StageInfo is for rank {info.rank}, but this is rank {rank()}")
-    held = sorted(int(k) for k in model.layers)
-    wrong = (
-        held != list(info.layers)
-        or (model.tok_emb is not None) != info.is_first
-        or (model.head is not None) != info.is_last
-    )
-    if wrong:
+    spec = getattr(model, "stage_spec", None)
+    if not isinstance(spec, StageSpec):
         raise ValueError(
-            f"the model holds layers {held} (tok_emb: {model.tok_emb is not None}, head: "
-            f"{model.head is not None}), but stage {info.stage} of {info.stages} owns layers "
+            f"this {type(model).__name__} is not a pipeline stage (it has no .stage_spec): "
+            f"pass the module split_model(model, {info.stage}, stages) returns, where stages is "
+            f"{info.stages} (the default split) or the module names of each stage"
+        )
+    held = spec.plan.layers(spec.index)
+    wrong_layers = bool(info.layers) and held != list(info.layers)
+    if spec.index != info.stage or spec.plan.stages != info.stages or wrong_layers:
+        raise ValueError(
+            f"the model holds layers {held} (modules {list(spec.names)}: stage {spec.index} "
+            f"of {spec.plan.stages}), but stage {info.stage} of {info.stages} owns layers "
             f"{list(info.layers)}: call split_model(model, {info.stage}, {info.stages}, "
             "layers_per_stage) with the split the StageInfo was built with"
         )
+    return spec
 
 
 def _check_microbatches(batch: int, microbatches: int) -> None:
@@ -82,7 +87,7 @@ def _check_microbatches(batch: int, microbatches: int) -> None:
 
 
 def gpipe_step(
-    model: PipeGPT,
+    model: nn.Module,
     info: StageInfo,
     x: torch.Tensor | None,
     y: torch.Tensor | None,
@@ -93,7 +98,8 @@ def gpipe_step(
     """One step's forward and backward on this stage (no optimizer step); GPipe order.
 
     Args:
-        model: this stage's part of the model (`split_model`).
+        model: this stage's part of the model (`split_model`: any model, see
+            `fsdp_lab.pipeline.split`).
         info: this rank's place in the pipeline (`stage_info`).
         x: token ids (B, T) on the first stage; elsewhere None (or the ids, for their shape).
         y: targets (B, T) on the last stage; ignored elsewhere.
@@ -103,7 +109,7 @@ def gpipe_step(
     Returns:
         On the last stage the mean loss over the batch, None elsewhere.
     """
-    check_stage(model, info)
+    spec = check_stage(model, info)
     if x is not None:
         batch_shape = (x.shape[0], x.shape[1])
     if batch_shape is None:
@@ -119,8 +125,11 @@ def gpipe_step(
     B, T = batch_shape
     M = microbatches
     _check_microbatches(B, M)
-    param = next(model.parameters())  # every stage holds at least one layer
-    mb_shape = (B // M, T, model.config.dim)  # what crosses a stage boundary
+    device = next(model.parameters()).device  # every stage holds a parameter (split checks)
+    # What crosses each boundary, (B/M, T, ...): probed on the whole model when it was split.
+    recv_shape, recv_dtype = spec.receives() or ((), None)
+    send_shape, send_dtype = spec.sends() or ((), None)
+    inp_shape, out_shape = (B // M, T, *recv_shape), (B // M, T, *send_shape)
     xs = x.chunk(M) if info.is_first else [None] * M
     ys = y.chunk(M) if info.is_last else [None] * M
 
@@ -132,7 +141,7 @@ def gpipe_step(
             if info.is_first:
                 inp = xs[i]  # (B/M, T) token ids
             else:
-                inp = torch.empty(mb_shape, device=param.device, dtype=param.dtype)
+                inp = torch.empty(inp_shape, device=device, dtype=recv_dtype)
                 comm.recv(inp, info.prev_rank)
                 inp.requires_grad_()  # so backward gives us its gradient to send back
             with compute_span(f"forward mb {i}"):
@@ -142,6 +151,7 @@ def gpipe_step(
                     out = F.cross_entropy(logits, ys[i].reshape(-1)) / M
                     losses.append(out.item())
             if not info.is_last:
+                _check_sent(out, out_shape, send_dtype, info)
                 comm.send(out.detach().contiguous(), info.next_rank)
         inputs[i], outputs[i] = inp, out
     mark(f"stage {info.stage}: {M} forwards done")
@@ -152,7 +162,7 @@ def gpipe_step(
                 with compute_span(f"backward mb {i}"):
                     outputs[i].backward()
             else:
-                grad = torch.empty(mb_shape, device=param.device, dtype=param.dtype)
+                grad = torch.empty(out_shape, device=device, dtype=send_dtype)
                 comm.recv(grad, info.next_rank)  # d loss / d out_i, from the next stage
                 with compute_span(f"backward mb {i}"):
                     outputs[i].backward(grad)
@@ -161,6 +171,19 @@ def gpipe_step(
         inputs[i] = outputs[i] = None  # this micro-batch's activations can go now
     mark(f"stage {info.stage}: {M} backwards done")
     return sum(losses) if info.is_last else None  # each is loss_i / M: their sum is the mean
+
+
+def _check_sent(
+    out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, info: StageInfo
+) -> None:
+    # The receiver sized its buffer from the plan: anything else would fail inside gloo/NCCL.
+    if tuple(out.shape) != shape or out.dtype != dtype:
+        raise ValueError(
+            f"stage {info.stage} computed {out.dtype} {tuple(out.shape)}, but stage "
+            f"{info.stage + 1} expects {dtype} {shape} (probed when the model was split): "
+            "a stage's output must keep the shape the split saw; convert the model's dtype "
+            "before split_model, not after"
+        )
 
 
 def dp_group(info: StageInfo) -> dist.ProcessGroup | None:
@@ -180,7 +203,7 @@ def dp_group(info: StageInfo) -> dist.ProcessGroup | None:
     return mine
 
 
-def average_gradients(model: PipeGPT, group: dist.ProcessGroup | None, dp_size: int) -> None:
+def average_gradients(model: nn.Module, group: dist.ProcessGroup | None, dp_size: int) -> None:
     """Mean of each gradient over the stage's dp group (sum, then / dp_size: gloo has no AVG)."""
     for p in model.parameters():
         if p.grad is not None:
@@ -189,7 +212,7 @@ def average_gradients(model: PipeGPT, group: dist.ProcessGroup | None, dp_size: 
 
 
 def train_pipeline(
-    model: PipeGPT,
+    model: nn.Module,
     info: StageInfo,
     optimizer: torch.optim.Optimizer,
     steps: int,
@@ -208,7 +231,8 @@ def train_pipeline(
         steps: optimizer steps; step k uses ``synthetic_batch(vocab, global_batch, seq_len, k)``.
         microbatches: M per pipeline, must divide global_batch / dp_size.
         global_batch, seq_len: the batch all pipelines together train on each step.
-        vocab_size: defaults to ``model.config.vocab_size``.
+        vocab_size: defaults to the split's (``model.stage_spec.plan.vocab_size``: the
+            model's ``vocab_size``, else its logits' last dimension).
         group: this stage's dp group when dp_size > 1 (default: `dp_group(info)`, which every
             rank then creates together).
 
@@ -216,7 +240,7 @@ def train_pipeline(
         On the last stage the loss of each step on this pipeline's slice of the batch (the
         mean over the pipelines is the single-process loss), None on other stages.
     """
-    check_stage(model, info)
+    spec = check_stage(model, info)
     if global_batch % info.dp_size:
         raise ValueError(
             f"global_batch={global_batch} does not split over dp={info.dp_size} pipelines: "
@@ -225,7 +249,7 @@ def train_pipeline(
     _check_microbatches(global_batch // info.dp_size, microbatches)
     if info.dp_size > 1 and group is None:
         group = dp_group(info)
-    vocab = model.config.vocab_size if vocab_size is None else vocab_size
+    vocab = spec.plan.vocab_size if vocab_size is None else vocab_size
     device = next(model.parameters()).device
     losses = []
     for step in range(steps):

@@ -1,20 +1,25 @@
-"""Cutting a model into pipeline stages: which layers go where, and which rank is which stage.
+"""Pipeline stages: which layers go where, what a stage module is, which rank is which stage.
 
 Mirrors torchtitan's manual split (`torchtitan/distributed/pipeline_parallel.py`,
 ``pipeline_module_split``): every rank builds the whole model (on the meta device, so the
-size costs nothing) and then *deletes* the modules its stage does not own. What is left is
-an ordinary module that `torch.distributed.pipelining.PipelineStage` — or our
-`fsdp_lab.pipeline.schedule` — runs. Three decisions live here:
+size costs nothing) and then keeps only the modules its stage owns. What is left is an
+ordinary module that `torch.distributed.pipelining.PipelineStage` — or our
+`fsdp_lab.pipeline.schedule` — runs. Four pieces live here (`fsdp_lab.pipeline.split` decides
+and checks *which* modules a stage owns, for any model):
 
 1. `partition`: how many of the L layers each of the S stages gets. Balanced by default;
    when L % S != 0 the extra layers go to the **first** stages, because the last stage also
    runs the head and the loss (with a real vocabulary the largest matmul of the model) and
    stage 0's embedding lookup is almost free. Any uneven split can be asked for explicitly
    (``layers_per_stage=[1, 3, 2]``), as torchtitan's ``pipeline_parallel_split_points`` allow.
-2. `split_model`: stage 0 keeps `tok_emb`/`pos_emb`, the last stage `norm`/`head`, every stage
-   its layers; the rest becomes None or leaves the ModuleDict (the survivors keep their
-   names: "layers.4" is still "layers.4" on stage 2).
-3. `stage_info`: the rank layout of a 2-D mesh pp × dp,
+2. `StagePlan`: the module names of every stage, how a stage runs them, and the shape of what
+   each stage sends to the next — the same on every rank. `stage_module_names` spells it out
+   for `PipeGPT`: stage 0 keeps `tok_emb`/`pos_emb`, the last stage `norm`/`head`.
+3. `build_stage`: the stage module. forward="model": the model itself, the modules of other
+   stages set to None or deleted from their ModuleDict (the survivors keep their names:
+   "layers.4" is still "layers.4" on stage 2). forward="sequence": a `SequentialStage`, this
+   stage's modules under their full-model names, run one after another.
+4. `stage_info`: the rank layout of a 2-D mesh pp × dp,
 
        rank = dp_rank * stages + stage
 
@@ -27,7 +32,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_lab.pipeline.model import PipeGPT, PipeGPTConfig
+import torch
+import torch.nn as nn
+
+from fsdp_lab.pipeline.model import PipeGPTConfig
+
+FORWARDS = ("sequence", "model")  # how a stage runs its modules: see fsdp_lab.pipeline.split
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
@@ -99,30 +109,118 @@ def stage_module_names(
     return names
 
 
-def split_model(
-    model: PipeGPT, stage: int, stages: int, layers_per_stage: list[int] | None = None
-) -> PipeGPT:
-    """Delete, in place, every module stage `stage` does not own; return the model.
+@dataclass(frozen=True)
+class StagePlan:
+    """Which modules each stage owns, how it runs them, and what flows between stages.
 
-    Works on meta and on materialised models. The model must be whole (not split before).
+    Made and checked by `fsdp_lab.pipeline.split.plan_stages`; the same on every rank.
+
+    Args:
+        names: per stage, the module names it owns ("layers.3"), in the order it runs them.
+        forward: "sequence" (run them one after another) or "model" (the model's own
+            forward, the other stages' modules removed).
+        activations: per boundary s -> s+1, the shape after (B, T) and the dtype of what
+            stage s sends: an activation (B, T, *shape); its gradient comes back alike.
+        vocab_size: tokens of the vocabulary (the last stage's logits are (B, T, vocab)).
+        container: the layer container the default split cut ("" for an nn.Sequential model),
+            or None.
     """
-    owned = set(stage_module_names(model.config, stage, stages, layers_per_stage))
-    expected = {str(i) for i in range(model.config.n_layers)}
-    if set(model.layers.keys()) != expected or any(
-        getattr(model, n) is None for n in ("tok_emb", "pos_emb", "norm", "head")
-    ):
-        raise ValueError(
-            "split_model needs the whole model, but this one was split already "
-            f"(layers {sorted(model.layers.keys(), key=int)} of {model.config.n_layers}): "
-            "build a fresh PipeGPT and split that"
-        )
-    for name in ("tok_emb", "pos_emb", "norm", "head"):
-        if name not in owned:
-            setattr(model, name, None)  # forward and init_weights skip a None module
-    for key in list(model.layers.keys()):
-        if f"layers.{key}" not in owned:
-            del model.layers[key]  # a ModuleDict: the survivors keep their keys
-    return model
+
+    names: tuple[tuple[str, ...], ...]
+    forward: str
+    activations: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+    vocab_size: int
+    container: str | None = None
+
+    @property
+    def stages(self) -> int:
+        return len(self.names)
+
+    def stage_of(self, name: str) -> int | None:
+        """The stage owning module or parameter `name` ("layers.3.attn.qkv"), None if none."""
+        for s, owned in enumerate(self.names):
+            if any(name == n or name.startswith(n + ".") for n in owned):
+                return s
+        return None
+
+    def layers(self, stage: int) -> list[int]:
+        """The container entries (as ints, where they are numbered) stage `stage` owns."""
+        if self.container is None:
+            return []
+        prefix = f"{self.container}." if self.container else ""
+        keys = [n[len(prefix) :] for n in self.names[stage] if n.startswith(prefix)]
+        return [int(k) for k in keys if k.isdigit()]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a stage module knows of its place: stage `index` of `plan`. Stored on the stage as
+    ``module.stage_spec`` by `build_stage`; `gpipe_step` reads it."""
+
+    plan: StagePlan
+    index: int
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.plan.names[self.index]
+
+    def receives(self) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """(shape after (B, T), dtype) of the activation this stage receives; None on stage 0."""
+        return self.plan.activations[self.index - 1] if self.index > 0 else None
+
+    def sends(self) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """(shape after (B, T), dtype) of what this stage sends; None on the last stage."""
+        last = self.index == self.plan.stages - 1
+        return None if last else self.plan.activations[self.index]
+
+
+class SequentialStage(nn.Module):
+    """One stage of any model: its modules, under their full-model names, run in order.
+
+    ``SequentialStage`` of ["tok_embeddings", "layers.0"] holds ``self.tok_embeddings`` and
+    ``self.layers["0"]`` (an nn.ModuleDict stands in for whatever container held it), so its
+    state_dict keys are the full model's ("layers.0.attention.wq.weight") and checkpoints line
+    up. The modules are shared with the model it was cut from, not copied.
+    """
+
+    def __init__(self, model: nn.Module, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.order = names
+        for name in names:
+            *path, leaf = name.split(".")
+            holder: nn.Module = self
+            for part in path:
+                if part not in holder._modules:
+                    holder.add_module(part, nn.ModuleDict())
+                holder = holder._modules[part]
+            holder.add_module(leaf, model.get_submodule(name))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) on the first stage, else the activation received; each module in turn."""
+        for name in self.order:
+            x = self.get_submodule(name)(x)  # (B, T, ...) -> (B, T, ...)
+        return x
+
+
+def build_stage(model: nn.Module, spec: StageSpec) -> nn.Module:
+    """The module of stage `spec.index` (see the module docstring); no checks: use
+    `fsdp_lab.pipeline.split.split_model`, which makes and checks the plan first.
+
+    forward="model" modifies `model` in place and returns it; "sequence" leaves it whole.
+    """
+    if spec.plan.forward == "sequence":
+        stage: nn.Module = SequentialStage(model, spec.names)
+    else:
+        others = {n for s, owned in enumerate(spec.plan.names) if s != spec.index for n in owned}
+        for name in others:  # a name is a child, or an entry of a ModuleDict child
+            parent, _, leaf = name.rpartition(".")
+            if parent:
+                del model.get_submodule(parent)[leaf]  # survivors keep their keys
+            else:
+                setattr(model, leaf, None)  # the forward skips a None module
+        stage = model
+    stage.stage_spec = spec
+    return stage
 
 
 @dataclass(frozen=True)
@@ -133,7 +231,7 @@ class StageInfo:
         rank: this rank's global rank.
         stage: its pipeline stage, 0..stages-1.
         stages: S, stages per pipeline.
-        layers: the layer indices this stage owns.
+        layers: the layer indices this stage owns (empty when not given).
         prev_rank: global rank of the previous stage of the same pipeline (None on stage 0).
         next_rank: global rank of the next stage (None on the last stage).
         dp_rank: which pipeline (data-parallel replica) this rank belongs to.
@@ -167,10 +265,14 @@ def stage_info(
     rank: int,
     world_size: int,
     stages: int,
-    n_layers: int,
+    n_layers: int | None = None,
     layers_per_stage: list[int] | None = None,
 ) -> StageInfo:
-    """This rank's `StageInfo` when `world_size` ranks run world_size/S pipelines of S stages."""
+    """This rank's `StageInfo` when `world_size` ranks run world_size/S pipelines of S stages.
+
+    `n_layers` (and `layers_per_stage`) record which layers of the container the stage owns,
+    for `check_stage` to compare with the model; leave it None for stages given by names.
+    """
     _check_int("world_size", world_size, 1)
     _check_int("rank", rank, 0, world_size - 1)
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
@@ -179,13 +281,13 @@ def stage_info(
             f"S={stages!r} does not divide world_size={world_size}: allowed S in {divisors} "
             "(world_size = S stages x dp pipelines; S = world_size for one pipeline)"
         )
-    layers = partition(n_layers, stages, layers_per_stage)
+    layers = partition(n_layers, stages, layers_per_stage) if n_layers is not None else None
     dp_rank, stage = divmod(rank, stages)
     return StageInfo(
         rank=rank,
         stage=stage,
         stages=stages,
-        layers=tuple(layers[stage]),
+        layers=tuple(layers[stage]) if layers is not None else (),
         prev_rank=rank - 1 if stage > 0 else None,
         next_rank=rank + 1 if stage < stages - 1 else None,
         dp_rank=dp_rank,
