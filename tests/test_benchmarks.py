@@ -125,3 +125,43 @@ def test_bench_cluster_prints_cold_warm_restart_and_call_medians():
     assert re.search(r"fresh process to ranks up \(torch imported\): median [\d.]+ s", text)
     for line in ("warm start   median", "restart      median", "warm run()   median"):
         assert line in text, text
+
+
+def test_parity_table_rows_and_every_diff_within_fp32_tolerance(tmp_path):
+    """benchmarks/parity.py on a tiny subset: one row per model x strategy, every figure ours
+    vs single process within tolerance, and every PyTorch counterpart within it too unless the
+    table marks (and the JSON shows) that PyTorch itself left single-process training."""
+    from fsdp_lab.parity import FP32_TOLERANCE
+
+    out = tmp_path / "parity.json"
+    models, strategies = ["NonUniformReqGradNWM"], ["none", "optimizer", "grad_op", "full"]
+    proc = _run_benchmark(
+        "parity.py",
+        *("--world-sizes", "2", "--steps", "2", "--out", str(out)),
+        *("--models", *models, "--strategies", *strategies),
+    )
+    runs = re.findall(
+        r"^\[parity\] N=2 \w+ ((?:ours|fsdp1|fsdp2|ddp)\S*): [\d.]+ s$", proc.stderr, re.M
+    )
+    assert len(runs) == 4 + 8, proc.stderr  # a line per run: ours x4, PyTorch's x8
+    table = re.findall(r"^\| (\w+) \| (sgd|adamw) \| 2 \| (\w+) \| (.*) \|$", proc.stdout, re.M)
+    assert [(m, s) for m, _, s, _ in table] == [(m, s) for m in models for s in strategies]
+    number = r"(0|\d\.\de-\d\d)"
+    for *_, cells in table:
+        single, *theirs = cells.split(" | ")
+        assert re.fullmatch(number, single), cells
+        for cell in theirs:
+            assert re.fullmatch(rf"—|{number}( †\d+)?|n/a ‡\d+", cell), cells
+    assert re.search(r"Ours vs single process: 4 of 4 rows within \(worst \S+\)", proc.stdout)
+
+    data = json.loads(out.read_text())
+    assert data["tolerance"] == FP32_TOLERANCE and len(data["rows"]) == 4
+    for row in data["rows"]:
+        assert row["vs_single"]["max_abs_diff"] <= FP32_TOLERANCE, row
+        for column, cell in row["vs"].items():
+            if cell is None:  # PyTorch has no such configuration (FSDP1 and ZeRO-1, ...)
+                continue
+            if cell["max_abs_diff"] is None:  # PyTorch's run could not be compared: said why
+                assert cell["note"], row
+            elif cell["max_abs_diff"] > FP32_TOLERANCE:  # only where PyTorch itself departs
+                assert cell["system_vs_single"] > FP32_TOLERANCE, (column, row)

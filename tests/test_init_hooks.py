@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import fsdp_lab
 from fsdp_lab import reference
 from fsdp_lab.models import Block, TinyGPT, tiny_gpt
+from fsdp_lab.parity_models import TITAN_INIT_SEED, TTBlock, TTTransformer, titan_single_process
 from fsdp_lab.sharding import full_init, shard
 from fsdp_lab.sharding.materialize import materialize, reset_parameters
 
@@ -127,76 +128,13 @@ def test_default_init_error_names_the_module_and_its_own_parameters_only():
 # -- torchtitan's pattern: shard on meta, then the model's own init_weights() ------------------
 
 
-class TTAttention(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.wq, self.wo = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
-
-    def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.wq.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.wo(torch.tanh(self.wq(x)))
-
-
-class TTBlock(nn.Module):
-    def __init__(self, dim: int, layer_id: int) -> None:
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(dim)
-        self.attention = TTAttention(dim)
-        self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
-
-    def init_weights(self) -> None:
-        self.attention_norm.reset_parameters()
-        self.attention.init_weights(self.weight_init_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.attention(self.attention_norm(x))
-
-
-class TTTransformer(nn.Module):
-    """torchtitan's Llama layout and init: `init_weights()` on the root calls the blocks'."""
-
-    def __init__(self, vocab: int = 64, dim: int = 16, n_layers: int = 3) -> None:
-        super().__init__()
-        self.vocab_size = vocab
-        self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleDict({str(i): TTBlock(dim, i) for i in range(n_layers)})
-        self.norm = nn.RMSNorm(dim)
-        self.output = nn.Linear(dim, vocab, bias=False)
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        nn.init.normal_(self.tok_embeddings.weight)
-        for layer in self.layers.values():
-            layer.init_weights()
-        self.norm.reset_parameters()
-        cutoff = 3 * self.output.weight.shape[1] ** -0.5
-        nn.init.trunc_normal_(self.output.weight, std=0.02, a=-cutoff, b=cutoff)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(idx)
-        for layer in self.layers.values():
-            x = layer(x)
-        return self.output(self.norm(x))
-
-
-def _single_titan() -> nn.Module:
-    model = _meta(TTTransformer)
-    materialize(model, {TTBlock}, param_init_fn="empty")
-    torch.manual_seed(3)
-    model.init_weights()
-    return model
-
-
 def _titan(how: str, steps: int) -> dict[str, torch.Tensor]:
     if how == "fsdp2":
-        model = reference.apply_fsdp2(_single_titan(), (TTBlock,))
+        model = reference.apply_fsdp2(titan_single_process(), (TTBlock,))
     else:
         model = shard(_meta(TTTransformer), units={TTBlock}, param_init_fn="empty")
         assert all(torch.isnan(p).all() for p in model.parameters())  # loudly uninitialised
-        torch.manual_seed(3)
+        torch.manual_seed(TITAN_INIT_SEED)
         with full_init(model):
             model.init_weights()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -208,8 +146,8 @@ def _titan(how: str, steps: int) -> dict[str, torch.Tensor]:
 def test_torchtitan_init_weights_on_the_sharded_model(cluster_of, n):
     """On main `init_weights()` after sharding failed (`'Embedding' object has no attribute
     'weight'`): the parameters were gone from the modules."""
-    initial = dict(_single_titan().named_parameters())
-    trained = _single_titan()
+    initial = dict(titan_single_process().named_parameters())
+    trained = titan_single_process()
     opt = torch.optim.AdamW(trained.parameters(), lr=1e-2, weight_decay=0.1)
     reference.train_steps(trained, opt, 3)
     for params in cluster_of(n).run(_titan, "ours", 0):

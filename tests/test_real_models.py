@@ -14,50 +14,13 @@ import torch.nn as nn
 
 import fsdp_lab
 from fsdp_lab import comm, reference
+from fsdp_lab.parity_models import WithUnused, nonuniform_req_grad
 from fsdp_lab.sharding import shard
 from fsdp_lab.wrap import MinParams, build_plan
 
-common_fsdp = pytest.importorskip("torch.testing._internal.common_fsdp")
+pytest.importorskip("torch.testing._internal.common_fsdp")  # PyTorch's test models
 
 NWM_UNITS = ["module.1", "module.2"]  # the Sequentials PyTorch's own test wraps
-
-
-class _Group:
-    """What PyTorch's test models ask of a process group at construction: rank and size."""
-
-    def __init__(self, rank: int = 0, size: int = 1) -> None:
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
-
-def nonuniform_req_grad() -> nn.Module:
-    """PyTorch's `NonUniformReqGradNWM`: everything frozen but `module.2.1` (a submodule called
-    `module`, too)."""
-    return common_fsdp.NonUniformReqGradNWM.init(
-        _Group(),
-        common_fsdp.FSDPInitMode.NO_FSDP,
-        common_fsdp.DEVICEInitMode.DEVICE_NEVER,
-        deterministic=True,
-    )
-
-
-class WithUnused(nn.Module):
-    """A layer that forward never calls: it gets no gradient, and must get no weight decay."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(8, 16)
-        self.unused = nn.Linear(16, 16)
-        self.out = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.relu(self.inp(x)))
 
 
 def regression_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[float]:

@@ -114,47 +114,61 @@ def post_order(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module
     return out + [(prefix, module)]
 
 
+class UnitSink(Protocol):
+    """Where `walk_build_order` hands each unit's parameters as they become ready (`shard`)."""
+
+    def begin(self, unit: str) -> None: ...
+
+    def take(self, unit: str, index: int, param: torch.Tensor) -> torch.Tensor: ...
+
+    def end(self, unit: str) -> None: ...
+
+
 def walk_build_order(
     model: nn.Module,
     plan: WrapPlan,
     device: torch.device,
     param_init_fn: ParamInitFn | str,
-    on_unit_ready: Callable[[str, list[torch.Tensor]], None] | None = None,
+    sink: UnitSink | None = None,
     group: object | None = None,
     sync: bool = False,
 ) -> None:
     """Materialise and initialise `model` module by module in build order ([Note: init order]).
 
-    `on_unit_ready(unit, params)` is called as soon as the walk has left every module of the
-    unit (its parameters are real and initialised; under `sync`, rank 0's values everywhere).
+    A parameter is handed to `sink.take` right after the init of the module that made it real;
+    whatever `take` returns (a WholeView over its slice) takes its place in every owner's slot,
+    so only the parameters of the module being initialised are ever whole. Without a sink (the
+    single-process reference) the parameters stay where they are.
     """
     order = post_order(model)
-    shapes = {name: p.shape for name, p in model.named_parameters()}
+    metas = dict(model.named_parameters())  # kept alive: their ids key `made`
+    name_of = {id(p): n for n, p in metas.items()}
+    index_in_unit = {r.name: (u, j) for u in plan.units for j, r in enumerate(plan.params[u])}
     roots = [plan.members_of(u) for u in plan.units]
     unit_of = {name: unit_of_module(name, roots) for name, _ in order}
     last = {unit_of[name]: i for i, (name, _) in enumerate(order)}
     is_src = not sync or torch.distributed.get_rank() == 0
+    made: dict[int, torch.Tensor] = {}  # meta tensor -> what replaced it (one, for a tie)
     started: set[str] = set()
     for i, (name, module) in enumerate(order):
         unit = unit_of[name]
-        if unit not in started:  # the unit's owners together, so a tie stays one tensor
+        if unit not in started:
             started.add(unit)
-            to_empty_keeping_ties([m for _, m in owning_modules(model, plan.params[unit])], device)
-        to_empty_keeping_ties([module], device)  # its own buffers, if it owns only buffers
+            if sink is not None:
+                sink.begin(unit)
+        fresh = _to_empty(module, device, made)
         if is_src and param_init_fn != EMPTY:
             param_init_fn(module)  # type: ignore[operator]
-        if i == last[unit]:
-            refs = plan.params[unit]
-            params = [model.get_parameter(ref.name) for ref in refs]
-            for ref, p in zip(refs, params, strict=True):
-                _check_initialised(ref.name, p, device)
-                _check_shape(ref.name, p, shapes[ref.name])
-            if sync:
-                with torch.no_grad():
-                    for p in params:
-                        comm.broadcast(p.data, src=0, group=group)
-            if on_unit_ready is not None:
-                on_unit_ready(unit, params)
+        for meta_id in fresh:
+            full = name_of[meta_id]
+            param = model.get_parameter(full)
+            _check_initialised(full, param, device)
+            _check_shape(full, param, metas[full].shape)
+            if sink is not None:
+                owner_unit, j = index_in_unit[full]
+                made[meta_id] = sink.take(owner_unit, j, param)
+        if i == last[unit] and sink is not None:
+            sink.end(unit)
     for name, module in model.named_modules():
         for b, tensor in module.named_buffers(recurse=False):
             if tensor.is_meta:
@@ -165,6 +179,23 @@ def walk_build_order(
                 )
             if sync:
                 comm.broadcast(tensor, src=0, group=group)
+
+
+def _to_empty(module: nn.Module, device: torch.device, made: dict[int, torch.Tensor]) -> list[int]:
+    """`to_empty(recurse=False)`, tie-aware across calls: a tied Parameter already made (or
+    already sharded) for its first owner is reused. Returns the meta parameters made now."""
+    fresh = []
+    for slots, is_param in ((module._parameters, True), (module._buffers, False)):
+        for key, t in slots.items():
+            if t is None or not t.is_meta:
+                continue
+            if id(t) not in made:
+                new = torch.empty_like(t, device=device)
+                made[id(t)] = nn.Parameter(new, t.requires_grad) if is_param else new
+                if is_param:
+                    fresh.append(id(t))
+            slots[key] = made[id(t)]
+    return fresh
 
 
 def materialize_buffers(

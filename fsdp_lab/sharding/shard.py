@@ -49,6 +49,7 @@ from fsdp_lab.sharding.materialize import (
 )
 from fsdp_lab.sharding.unit import ShardedUnit, TrainingState
 from fsdp_lab.sharding.whole_view import (
+    WholeView,
     install_whole_views,
     remove_whole_views,
     whole_init_functions,
@@ -331,13 +332,10 @@ def shard(
     lookup = dict(model.named_parameters(remove_duplicate=False))
     mp = mixed_precision
     built: dict[str, _Built] = {}
-    seen_whole: list = []  # WholeViews of units already sharded, during the init walk
 
-    def build(name: str, params: list[torch.Tensor], values: SliceValues | None = None) -> None:
-        refs = plan.params[name]
-        frozen = [not p.requires_grad for p in params]
-        flat = FlatParameter(
-            [r.name for r in refs],
+    def flat_of(name: str, params: list[torch.Tensor], values: SliceValues | None) -> FlatParameter:
+        return FlatParameter(
+            [r.name for r in plan.params[name]],
             params,
             rank if policy.sharded else 0,
             world if policy.sharded else 1,
@@ -345,39 +343,37 @@ def shard(
             template=next(iter(lookup.values())),
             values=values,
             device=target,
-            requires_grad=not all(frozen),
+            requires_grad=any(p.requires_grad for p in params),
         )
-        del params  # a materialised unit's full tensors go once the modules drop them below
-        if sync_module_states and not on_meta:  # the whole unit in one message
-            with torch.no_grad():
-                comm.broadcast(flat.shard.data, src=0, group=group)
+
+    def finish(name: str, flat: FlatParameter, frozen: list[bool]) -> _Built:
+        refs = plan.params[name]
         if param_init_fn == EMPTY and flat.shard.is_floating_point():
             with torch.no_grad():  # uninitialised, loudly: a forgotten init_weights() shows
                 flat.shard.fill_(float("nan"))
         owners = [[(model.get_submodule(m), attr) for m, attr in r.owners] for r in refs]
         aliases = [tuple(f"{m}.{a}" if m else a for m, a in r.owners) for r in refs]
         built[name] = _Built(flat, owners, aliases, _register_slices(flat, owners, frozen), frozen)
-        if on_meta and shard_init is None:  # a parent's init may still reach into this unit
-            refuse = "sync_module_states=True" if sync_module_states else None
-            seen_whole.extend(install_whole_views([built[name]], refuse))
+        return built[name]
 
-    if on_meta and shard_init is None:  # each unit whole, briefly: the largest unit counts
+    if on_meta and shard_init is None:  # parameter by parameter, in build order
+        sink = _ShardSink(plan, model, lookup, flat_of, finish, group, sync_module_states)
         try:
             with whole_init_functions():
-                walk_build_order(model, plan, target, init_fn, build, group, sync_module_states)
+                walk_build_order(model, plan, target, init_fn, sink, group, sync_module_states)
         finally:
-            remove_whole_views(seen_whole)
+            remove_whole_views(sink.undo)
     else:
         for name in plan.units:
             refs = plan.params[name]
-            if on_meta:
-                build(
-                    name,
-                    [lookup[r.name] for r in refs],
-                    _slice_values(model, refs, shard_init, target, init_fn),
-                )
-            else:
-                build(name, [lookup[r.name] for r in refs])
+            params = [lookup[r.name] for r in refs]
+            values = _slice_values(model, refs, shard_init, target, init_fn) if on_meta else None
+            flat = flat_of(name, params, values)
+            if sync_module_states and not on_meta:  # the whole unit in one message
+                with torch.no_grad():
+                    comm.broadcast(flat.shard.data, src=0, group=group)
+            finish(name, flat, [not p.requires_grad for p in params])
+            del params
         if on_meta:
             materialize_buffers(model, target, init_fn, group, sync_module_states)
         elif sync_module_states:
@@ -412,6 +408,61 @@ def shard(
         if module is not model:
             module._fsdp_lab_sharded_in = weakref.ref(model)
     return model
+
+
+class _ShardSink:
+    """Takes a meta model's parameters one by one as the init walk finishes them: each goes
+    straight into its unit's shard (this rank's slice), and a WholeView over that slice takes
+    its place, so a later init (a tie's other owner, a parent) still sees it whole. Peak: the
+    shards plus the parameters of the module being initialised."""
+
+    def __init__(self, plan, model, lookup, flat_of, finish, group, sync) -> None:  # noqa: ANN001
+        self.plan, self.model, self.lookup = plan, model, lookup
+        self.flat_of, self.finish, self.group, self.sync = flat_of, finish, group, sync
+        self.flats: dict[str, FlatParameter] = {}
+        self.frozen: dict[str, list[bool]] = {}
+        self.undo: list = []  # every WholeView installed, for remove_whole_views
+        self.pending: dict[str, list[tuple[int, torch.Tensor]]] = {}  # under sync
+
+    def begin(self, unit: str) -> None:
+        metas = [self.lookup[r.name] for r in self.plan.params[unit]]
+        self.frozen[unit] = [not p.requires_grad for p in metas]
+
+        def later(name: str, shape: torch.Size, start: int, end: int) -> torch.Tensor:
+            return torch.zeros(end - start)  # filled by `take`, parameter by parameter
+
+        self.flats[unit] = self.flat_of(unit, metas, later)
+
+    def take(self, unit: str, index: int, param: torch.Tensor) -> torch.Tensor:
+        if self.sync:  # only rank 0 inits: keep the unit whole until its end, then broadcast
+            self.pending.setdefault(unit, []).append((index, param))
+            return param
+        return self._slice(unit, index, param)
+
+    def _slice(self, unit: str, index: int, param: torch.Tensor) -> torch.Tensor:
+        flat = self.flats[unit]
+        segment = flat.segments[index]
+        with torch.no_grad():
+            if self.sync:
+                comm.broadcast(param.data, src=0, group=self.group)
+            a, b = flat.local_range(segment)
+            s = flat.shard_rank * flat.shard_numel - segment.offset  # shard -> segment coords
+            flat.shard[a:b] = param.detach().reshape(-1)[s + a : s + b]
+        ref = self.plan.params[unit][index]
+        owners = [(self.model.get_submodule(m), attr) for m, attr in ref.owners]
+        refuse = "sync_module_states=True" if self.sync else None
+        view = WholeView(flat.shard.detach()[a:b], segment.shape, s + a, s + b, ref.name)
+        view.refuse = refuse
+        for module, attr in owners:
+            module._parameters[attr] = view  # type: ignore[assignment]
+        return view
+
+    def end(self, unit: str) -> None:
+        for index, param in self.pending.pop(unit, []):
+            self._slice(unit, index, param)
+        built = self.finish(unit, self.flats.pop(unit), self.frozen.pop(unit))
+        refuse = "sync_module_states=True" if self.sync else None
+        self.undo.extend(install_whole_views([built], refuse))
 
 
 @dataclass
