@@ -109,6 +109,7 @@ def test_no_rank_ever_holds_the_whole_model(cluster_of):
         sum(p.numel() for p in full.blocks[0].parameters()) * 4,
         model_bytes - 4 * sum(p.numel() for p in full.blocks[0].parameters()) * 4,
     ]
+    largest_param = max(p.numel() for p in full.parameters()) * 4
     for mode in ("init_fn", "slices"):
         for res in cluster_of(n).run(_peak_during_shard, vocab, dim, mode):
             shards = res["after"]
@@ -116,10 +117,14 @@ def test_no_rank_ever_holds_the_whole_model(cluster_of):
             if mode == "slices":  # no unit is ever materialised
                 # At most one slice of initialiser temporaries, far below the largest unit.
                 assert res["peak"] <= shards + max(unit_bytes) / n + 16 * 1024
-            else:  # the shards + the largest unit while it is initialised, never the model
-                assert res["peak"] <= shards + max(unit_bytes) + 16 * 1024
-                assert res["peak"] >= max(unit_bytes)  # it did hold the root unit, whole
-            assert res["peak"] < model_bytes * 0.75
+            else:  # the shards + the parameter being initialised, never the model
+                # In build order each parameter goes into its shard right after its module's
+                # init; the largest (the tied embedding) is whole once more at the end, when the
+                # head's reset_parameters() runs on it whole (WholeView) beside every shard.
+                assert res["peak"] <= shards + largest_param + 16 * 1024
+                assert res["peak"] >= largest_param  # it did hold the embedding, whole
+                assert res["peak"] <= shards + max(unit_bytes) + 16 * 1024  # the old bound
+            assert res["peak"] < model_bytes * (0.75 if mode == "slices" else 0.85)
 
 
 class _WithBuffers(nn.Module):

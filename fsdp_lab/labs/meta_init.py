@@ -64,7 +64,7 @@ from fsdp_lab.wrap import build_plan, unit_sizes
 
 MODES = {  # how the host-memory picture builds and shards the model
     "ordinary": "ordinary build, then shard",
-    "meta_param_init_fn": "meta build, shard: each unit whole, briefly",
+    "meta_param_init_fn": "meta build, shard: module by module (param_init_fn)",
     "meta_shard_init": "meta build, shard(shard_init=DeterministicInit)",
 }
 RSS_INTERVAL_S = 0.01
@@ -129,7 +129,13 @@ def release_free_memory() -> None:
     """
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS): nothing to trim
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        libc = ctypes.CDLL("libc.so.6")
+        # glibc raises its mmap threshold after the first large free, so later large blocks
+        # come from its heap, where a freed parameter between two live shards stays resident.
+        # Pinned at 1 MiB, every large tensor is its own mapping, returned when freed: the
+        # resident memory then shows what the mechanism holds, not the heap's history.
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        libc.malloc_trim(0)
 
 
 def _thin(samples: list[tuple[float, int]], start: int, most: int = 400) -> dict[str, list]:

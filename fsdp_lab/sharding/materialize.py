@@ -1,17 +1,17 @@
-"""Materialising a meta-device model one wrap unit at a time, so no rank holds the whole model.
+"""Materialising a meta-device model piece by piece, so no rank holds the whole model.
 
 A model built under ``torch.device("meta")`` has shapes and no storage: a 70-billion-parameter
-model costs nothing. `shard` then turns it into real shards, unit by unit, in one of two ways:
+model costs nothing. `shard` then turns it into real shards in one of two ways:
 
-    ordinary init (FSDP1's ``param_init_fn``)      deterministic slices (`SliceInit`)
-    for each unit:                                 for each unit:
-        to_empty its modules  (the full unit)          allocate this rank's shard only
-        re-tie what to_empty untied                    fill it with values(name, shape, a, b)
-        param_init_fn(module) for each module          (each element a pure function of
-        [sync: broadcast rank 0's values]               seed, name and index: no collective)
-        copy this rank's slice into its shard
-        drop the full unit
-    peak: the shards + the largest unit            peak: the shards
+    ordinary init (FSDP1's ``param_init_fn``)       deterministic slices (`SliceInit`)
+    for each module, in build order:                for each unit:
+        to_empty it (a tie: one new tensor)             allocate this rank's shard only
+        param_init_fn(module)                           fill it with values(name, shape, a, b)
+        each parameter it made real:                    (each element a pure function of
+            copy this rank's slice into its              seed, name and index: no collective)
+            unit's shard, drop the full tensor
+    peak: the shards + one module's parameters      peak: the shards
+          (at most the largest unit)
 
 Ordinary init draws from one sequential random stream (`torch.manual_seed`), so a value depends
 on everything drawn before it: ranks agree only if each initialises the *whole* unit in the same
@@ -25,11 +25,13 @@ runs ``param_init_fn`` on their module (rank 0's values are broadcast under ``sy
 it on each module it materialises), children before their parent — the order in which an
 ordinary build finishes constructing them, so a parent's own init (GPT-2 scales its residual
 projections from the block; a root re-initialises everything) runs last and wins, as it does
-in an ordinary build. A unit is materialised when the walk first meets one of its modules and
-sharded as soon as the walk has left all of them. A parent whose init reaches into a unit
-that is already sharded sees that unit's parameters whole (`whole_view.WholeView`): a random
-op draws the whole parameter and keeps this rank's slice, so the values are bitwise those of
-one process running the same code. `materialize()` walks the same order without sharding:
+in an ordinary build. A parameter goes into its unit's shard right after the init of the
+module that made it real. A later init that reaches into it — a tie's other owner, a parent —
+sees it whole (`whole_view.WholeView`): a random op or an `nn.init` function runs on the
+whole parameter and each rank keeps its slice, so the values are bitwise those of one process
+running the same code (the cost: that one parameter whole, for a moment). Under
+``sync_module_states`` only rank 0 runs the init, so a unit stays whole until the walk has
+left it, then is broadcast; a later init reaching into it is refused there. `materialize()` walks the same order without sharding:
 the reference the sharded result must equal.
 """
 

@@ -8,8 +8,9 @@
         register flat.shard on the unit module  model.parameters() now yields the shards
         ShardedUnit(...)                        hooks: gather -> compute -> free -> reduce
 
-A model built on the meta device is materialised here, one unit at a time, so no rank ever
-holds it whole (`materialize.py`: ordinary init per unit, or each shard generated directly).
+A model built on the meta device is materialised here, module by module in build order, so no
+rank ever holds it whole (`materialize.py`: ordinary init, each parameter into its shard as
+soon as it is initialised; or each shard generated directly).
 
 `ShardingState` is what the units share: the process group, the order units ran in (recorded
 on the first step, used to prefetch; a unit of several modules appears once per member call),
@@ -429,7 +430,8 @@ class _ShardSink:
         self.frozen[unit] = [not p.requires_grad for p in metas]
 
         def later(name: str, shape: torch.Size, start: int, end: int) -> torch.Tensor:
-            return torch.zeros(end - start)  # filled by `take`, parameter by parameter
+            # Filled by `take`, parameter by parameter; a stride-0 zero allocates nothing.
+            return torch.zeros(1).expand(end - start)
 
         self.flats[unit] = self.flat_of(unit, metas, later)
 
