@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fsdp_lab.labs.model_spec import vocab_size_of
 from fsdp_lab.models import synthetic_batch
 from fsdp_lab.trace import category, compute_span, mark
 
@@ -56,11 +57,17 @@ def train_steps(
     device: torch.device | str = "cpu",
     clip: Callable[[], Any] | None = None,
     on_step: Callable[[int], Any] | None = None,
+    vocab_size: int | None = None,
 ) -> list[float]:
-    """Train `steps` steps; returns this rank's local losses (their mean is the global loss)."""
+    """Train `steps` steps; returns this rank's local losses (their mean is the global loss).
+
+    Token ids are drawn below `vocab_size`, by default `vocab_size_of(model)`: the model's
+    ``vocab_size``, else its ``config.vocab_size`` (a wrapper that hides both, or a model that
+    declares neither, passes it: `fsdp_lab.labs.model_spec.check_model` measures it).
+    """
     require_values(model)
     losses = []
-    vocab = model.vocab_size if hasattr(model, "vocab_size") else model.module.vocab_size
+    vocab = vocab_size if vocab_size is not None else vocab_size_of(model)
     for step in range(steps):
         x, y = synthetic_batch(vocab, global_batch, seq_len, step)
         x, y = local_slice(x, rank, world).to(device), local_slice(y, rank, world).to(device)
