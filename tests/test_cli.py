@@ -97,6 +97,7 @@ def test_tour_runs_every_lab_with_progress_and_summary(tmp_path):
         (["tying", "--vocab", "0"], "vocab=0 is out of range: allowed an int >= 1"),
         (["tying", "--dim", "30", "--heads", "4"], "dim=30 is not divisible by heads=4"),
         (["tying", "--model", "fsdp_lab.models:nope"], "cannot load 'nope'"),
+        (["tying", "--model", "fsdp_lab.models:MLPStack"], "the MLPStack has no tied parameters"),
         (["meta-init", "--model-mb", "4"], "model_mb=4 is out of range: allowed an int in 8.."),
         (["meta-init", "--sizes-mb", "16", "0"], "sizes_mb=(16, 0) is out of range"),
         (["meta-init", "--model", "m:f"], "--model is not used by this lab"),
