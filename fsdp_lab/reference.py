@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_lab.labs.model_spec import vocab_size_of
+from fsdp_lab.labs.model_spec import declared_vocab, vocab_size_of
 from fsdp_lab.models import synthetic_batch
 from fsdp_lab.trace import category, compute_span, mark
 
@@ -92,12 +92,20 @@ def train_steps(
     return losses
 
 
+def _keep_vocab(wrapper: nn.Module, model: nn.Module) -> None:
+    # The wrapper hides the model's attributes from `vocab_size_of`: copy a declared vocab
+    # (a model that declares none is trained with train_steps(..., vocab_size=)).
+    declared = declared_vocab(model)
+    if declared is not None:
+        wrapper.vocab_size = declared[0]
+
+
 def apply_ddp(model: nn.Module) -> nn.Module:
     """PyTorch's DistributedDataParallel (gradients all-reduced in buckets)."""
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model)
-    ddp.vocab_size = model.vocab_size
+    _keep_vocab(ddp, model)
     return ddp
 
 
@@ -132,7 +140,7 @@ def apply_fsdp1(
         device_id=device,
         use_orig_params=use_orig_params,
     )
-    wrapped.vocab_size = model.vocab_size
+    _keep_vocab(wrapped, model)
     return wrapped
 
 
