@@ -6,7 +6,8 @@
     torchrun --nproc-per-node 4 -m fsdp_lab collectives   the same on a multi-GPU node
 
 Everything that can be checked is checked before any rank starts: the options, the config,
-``--out`` (created, and written to once), ``--model`` (built on the meta device), the backend.
+``--out`` (created, and written to once), ``--model`` (built, one forward on a tiny batch:
+`fsdp_lab.labs.model_spec`), the backend.
 A wrong input is one line naming the value and what was expected, and one line with the fix.
 
 With ``--json``, stdout carries exactly one JSON object whatever happens: the result, or
@@ -110,7 +111,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         metavar="module:factory",
-        help="a factory returning an nn.Module over token ids (for labs that train a model)",
+        help="a factory returning an nn.Module: token ids (batch, seq) -> logits (batch, seq, "
+        "vocab); a module in the current directory works (labs that train a model)",
     )
     p.add_argument(
         "--out", default=None, help=f"folder for figures and JSON (default {DEFAULT_OUT}/)"
@@ -130,6 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
     tour = sub.add_parser("tour", help="run every lab headless; write figures and a summary")
     _common(tour)
     return parser
+
+
+def model_labs() -> list[str]:
+    """The labs whose config has a `model` field: those that take ``--model``."""
+    labs = []
+    for name, lab in LABS.items():
+        config_cls = getattr(importlib.import_module(lab.config_module), lab.config)
+        if "model" in config_cls.__dataclass_fields__:
+            labs.append(name)
+    return labs
 
 
 def check_lab_name(argv: list[str]) -> None:
@@ -191,14 +203,15 @@ def prepare(name: str, args: argparse.Namespace, out: Path | None, tour: bool = 
     overrides["backend"] = args.backend
     if args.world_size is not None:
         overrides["world_size"] = args.world_size
-    if args.model is not None:
-        if "model" not in config_cls.__dataclass_fields__:
-            raise UsageError(
-                "--model is not used by this lab (it moves raw tensors or builds its own models)",
-                "drop --model, or pass it to a lab that trains a model: shard, tying",
-                where,
-            )
+    takes_model = "model" in config_cls.__dataclass_fields__
+    if args.model is not None and takes_model:
         overrides["model"] = args.model
+    elif args.model is not None and not tour:  # the tour gives --model to the labs that take it
+        raise UsageError(
+            "--model is not used by this lab (it moves raw tensors or builds its own models)",
+            f"drop --model, or pass it to a lab that trains a model: {', '.join(model_labs())}",
+            where,
+        )
     overrides.update(config_module.config_from_args(args))
     try:
         config = config_cls(**overrides)
@@ -210,7 +223,7 @@ def prepare(name: str, args: argparse.Namespace, out: Path | None, tour: bool = 
     from fsdp_lab.labs.model_spec import check_model
 
     try:
-        if args.model is not None:
+        if args.model is not None and takes_model:  # built on CPU, one forward: see model_spec
             check_model(args.model)
         if not under_torchrun():  # under torchrun the job's size and devices are given
             resolve_backend(config.backend, config.world_size)

@@ -413,6 +413,12 @@ def llama(**overrides: int | float | bool) -> Llama:
     return Llama(LlamaConfig(**overrides))
 
 
+def tied_llama() -> Llama:
+    """Factory for ``--model fsdp_lab.models:tied_llama``: `output.weight is tok_embeddings.weight`
+    (a second tied model for the tying lab, with torchtitan's names)."""
+    return llama(tie_embeddings=True)
+
+
 def llama_70b_config(**overrides: int | float | bool) -> LlamaConfig:
     """The Llama-3-70B shape: 80 layers of dim 8192, 64 heads, 8 K/V heads, SwiGLU 28672,
     vocabulary 128256, RoPE base 500000, untied head — 70.55e9 parameters, 282 GB in fp32.

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fsdp_lab.labs.model_spec import declared_vocab, vocab_size_of
 from fsdp_lab.models import synthetic_batch
 from fsdp_lab.trace import category, compute_span, mark
 
@@ -56,11 +57,17 @@ def train_steps(
     device: torch.device | str = "cpu",
     clip: Callable[[], Any] | None = None,
     on_step: Callable[[int], Any] | None = None,
+    vocab_size: int | None = None,
 ) -> list[float]:
-    """Train `steps` steps; returns this rank's local losses (their mean is the global loss)."""
+    """Train `steps` steps; returns this rank's local losses (their mean is the global loss).
+
+    Token ids are drawn below `vocab_size`, by default `vocab_size_of(model)`: the model's
+    ``vocab_size``, else its ``config.vocab_size`` (a wrapper that hides both, or a model that
+    declares neither, passes it: `fsdp_lab.labs.model_spec.check_model` measures it).
+    """
     require_values(model)
     losses = []
-    vocab = model.vocab_size if hasattr(model, "vocab_size") else model.module.vocab_size
+    vocab = vocab_size if vocab_size is not None else vocab_size_of(model)
     for step in range(steps):
         x, y = synthetic_batch(vocab, global_batch, seq_len, step)
         x, y = local_slice(x, rank, world).to(device), local_slice(y, rank, world).to(device)
@@ -85,12 +92,20 @@ def train_steps(
     return losses
 
 
+def _keep_vocab(wrapper: nn.Module, model: nn.Module) -> None:
+    # The wrapper hides the model's attributes from `vocab_size_of`: copy a declared vocab
+    # (a model that declares none is trained with train_steps(..., vocab_size=)).
+    declared = declared_vocab(model)
+    if declared is not None:
+        wrapper.vocab_size = declared[0]
+
+
 def apply_ddp(model: nn.Module) -> nn.Module:
     """PyTorch's DistributedDataParallel (gradients all-reduced in buckets)."""
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model)
-    ddp.vocab_size = model.vocab_size
+    _keep_vocab(ddp, model)
     return ddp
 
 
@@ -125,7 +140,7 @@ def apply_fsdp1(
         device_id=device,
         use_orig_params=use_orig_params,
     )
-    wrapped.vocab_size = model.vocab_size
+    _keep_vocab(wrapped, model)
     return wrapped
 
 

@@ -97,6 +97,7 @@ def test_tour_runs_every_lab_with_progress_and_summary(tmp_path):
         (["tying", "--vocab", "0"], "vocab=0 is out of range: allowed an int >= 1"),
         (["tying", "--dim", "30", "--heads", "4"], "dim=30 is not divisible by heads=4"),
         (["tying", "--model", "fsdp_lab.models:nope"], "cannot load 'nope'"),
+        (["tying", "--model", "fsdp_lab.models:MLPStack"], "the MLPStack has no tied parameters"),
         (["meta-init", "--model-mb", "4"], "model_mb=4 is out of range: allowed an int in 8.."),
         (["meta-init", "--sizes-mb", "16", "0"], "sizes_mb=(16, 0) is out of range"),
         (["meta-init", "--model", "m:f"], "--model is not used by this lab"),
@@ -260,24 +261,33 @@ def test_pp_seed_json_has_the_issue_keys_per_strategy(tmp_path):
 # DESIGN.md's --model contract in each way the driver must catch before starting ranks.
 MODELS = """
 import os
+from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 
+@dataclass
+class CausalLMOutput:  # a library's output object
+    logits: torch.Tensor
+
+
 class Tokens(nn.Module):
-    def __init__(self, noisy=False, fail=False):
+    def __init__(self, noisy=False, fail=False, output_object=False, logits=32):
         super().__init__()
         self.vocab_size, self.noisy, self.fail = 32, noisy, fail
+        self.output_object = output_object
         self.emb = nn.Embedding(32, 16)
-        self.head = nn.Linear(16, 32)
+        self.head = nn.Linear(16, logits)
 
     def forward(self, tokens):  # (B, T) -> (B, T, V)
-        if self.fail:
+        if self.fail and torch.distributed.is_initialized():  # on the ranks only
             raise RuntimeError("forward exploded on purpose")
         if self.noisy:
             os.write(1, b"NOISE-FD1 " * 8000 + b"\\n")  # 80 KB, below Python, on fd 1
             print("NOISE-PRINT " * 100)
-        return self.head(self.emb(tokens))
+        logits = self.head(self.emb(tokens))
+        return CausalLMOutput(logits) if self.output_object else logits
 
 
 def noisy():
@@ -288,11 +298,19 @@ def forward_fails():
     return Tokens(fail=True)
 
 
+def library_output():
+    return Tokens(output_object=True)
+
+
+def wrong_vocab():
+    return Tokens(logits=30)
+
+
 def returns_int():
     return 42
 
 
-def no_vocab_size():
+def not_a_token_model():
     return nn.Linear(2, 2)
 
 
@@ -312,6 +330,86 @@ def models_env(tmp_path):
     return {**ENV, "PYTHONPATH": path}
 
 
+# Issue 12, observation 9: a library-style model (vocab in its config, an output object from
+# forward) in a file beside the user, wrapped as the README shows; no PYTHONPATH names it.
+LIBRARY_MODEL = """
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+
+
+class LibraryLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(vocab_size=48)
+        self.embed = nn.Embedding(48, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.lm_head = nn.Linear(16, 48, bias=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return CausalLMOutput(self.lm_head(x))
+
+
+class Logits(nn.Module):
+    def __init__(self, inner): super().__init__(); self.inner = inner
+    def forward(self, x): return self.inner(x).logits
+
+
+def build():
+    torch.manual_seed(0)
+    return Logits(LibraryLM())
+"""
+
+
+def test_a_model_file_in_the_current_directory_works_from_the_console_script(tmp_path):
+    # pip's console script puts its own folder first on sys.path, not the current directory
+    # (`python -m` does): run one like it, from a folder holding the model file.
+    import fsdp_lab
+
+    work, bin_dir = tmp_path / "work", tmp_path / "bin"
+    work.mkdir(), bin_dir.mkdir()
+    (work / "my_library_lm.py").write_text(LIBRARY_MODEL)
+    script = bin_dir / "fsdp-lab"
+    script.write_text("import sys\nfrom fsdp_lab.cli import main\nsys.exit(main())\n")
+    package_root = str(Path(fsdp_lab.__file__).resolve().parents[1])  # not the cwd
+    proc = subprocess.run(
+        [sys.executable, str(script), "shard", "--world-size", "2", "--steps", "1"]
+        + ["--model", "my_library_lm:build", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=work,
+        env={**ENV, "PYTHONPATH": package_root},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)  # the driver and both ranks imported it
+    assert result["world_size"] == 2
+    assert result["vocab_size"] == 48  # the wrapper declares none: read from the logits
+    assert result["max_abs_diff_vs_single_process"] < 1e-5
+
+
+def test_the_tour_gives_model_to_the_labs_that_take_it(tmp_path):
+    from fsdp_lab import cli
+
+    spec = "fsdp_lab.models:tiny_gpt"
+    args = cli.build_parser().parse_args(["tour", "--model", spec, "--world-size", "1"])
+    taking = {name for name in cli.LABS if name in cli.model_labs()}
+    assert taking == {"shard", "tying"}
+    for name in cli.LABS:  # checked (and planned) without starting any rank
+        config = cli.prepare(name, args, tmp_path / name, tour=True).config
+        assert getattr(config, "model", None) == (spec if name in taking else None)
+
+
 @pytest.mark.parametrize("where", ["a file", "under a file"])
 def test_an_unusable_out_fails_before_any_rank_starts(tmp_path, where):
     taken = tmp_path / "taken"
@@ -327,19 +425,34 @@ def test_an_unusable_out_fails_before_any_rank_starts(tmp_path, where):
 
 
 @pytest.mark.parametrize(
-    "spec, message",
+    "spec, messages",
     [
-        ("nonexistent:thing", "cannot load 'thing' from 'nonexistent'"),
-        ("cli_test_models:NOT_CALLABLE", "is not callable"),
-        ("cli_test_models:returns_int", "returned int, expected a torch.nn.Module"),
-        ("cli_test_models:no_vocab_size", "has no int attribute vocab_size"),
-        ("cli_test_models:raises", "factory raised RuntimeError('factory exploded on purpose')"),
+        ("nonexistent:thing", ["no module named 'nonexistent' in the current directory"]),
+        ("cli_test_models:NOT_CALLABLE", ["is not callable"]),
+        ("cli_test_models:returns_int", ["returned int, expected a torch.nn.Module"]),
+        ("cli_test_models:raises", ["factory raised RuntimeError('factory exploded on purpose')"]),
+        # Issue 12, observation 9: on main these got past the driver and failed on the ranks.
+        (
+            "cli_test_models:library_output",
+            [
+                "returned CausalLMOutput (an output object with .logits), expected a tensor of "
+                "logits (batch, seq, vocab) = (2, 16, 32), vocab read from model.vocab_size",
+                "hint: return the logits tensor, or wrap the model in a module whose forward "
+                "returns self.inner(x).logits",
+            ],
+        ),
+        ("cli_test_models:wrong_vocab", ["30 scores per position, but model.vocab_size is 32"]),
+        (
+            "cli_test_models:not_a_token_model",
+            ["forward raised RuntimeError(", "token ids of shape (2, 16)", "(batch, seq, vocab)"],
+        ),
     ],
 )
-def test_a_bad_model_fails_before_any_rank_starts(models_env, spec, message):
+def test_a_bad_model_fails_before_any_rank_starts(models_env, spec, messages):
     proc = fsdp_lab("shard", "--world-size", "1", "--model", spec, env=models_env, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr
+    for message in messages:
+        assert message in proc.stderr
     assert "rank(s) up" not in proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(error_lines(proc.stderr)) <= 2, proc.stderr
@@ -382,11 +495,14 @@ def test_json_survives_rank_code_writing_to_fd_1(models_env):
 
 
 def test_a_failing_rank_leads_with_one_line_then_its_traceback(models_env):
+    # The forward fails on the ranks only: the driver's check passes, rank 0's catches it, in
+    # its own words, before anything is sharded.
     spec = "cli_test_models:forward_fails"
     proc = fsdp_lab("shard", "--world-size", "1", "--model", spec, "--json", env=models_env)
     assert proc.returncode == 1
     error = json.loads(proc.stdout)
     assert error["error"].startswith("rank 0:") and "forward exploded on purpose" in error["error"]
+    assert f"--model '{spec}': the Tokens's forward raised" in error["error"]
     lines = [line for line in error_lines(proc.stderr) if "rank(s) up" not in line]
     assert lines[0].startswith("fsdp-lab shard: rank 0:"), proc.stderr  # the summary first
     assert "--- traceback on rank 0 ---" in proc.stderr  # then where it happened, on the rank

@@ -1,5 +1,8 @@
 """Lab 03: ties found, plans judged, the tie verified on the ranks after training, the live
-audit, to_empty untying (and shard refusing until retie), and the measured root-unit spike."""
+audit, to_empty untying (and shard refusing until retie), and the measured root-unit spike.
+
+The lab runs with ``model=`` a tied Llama: its verification and audit are on that model (issue
+12, observation 9), the rest on TinyGPT."""
 
 from __future__ import annotations
 
@@ -12,12 +15,13 @@ from matplotlib.figure import Figure
 from fsdp_lab.audit import SYSTEMS as AUDIT_SYSTEMS
 from fsdp_lab.diagrams import Diagram
 from fsdp_lab.labs import tying as lab
-from fsdp_lab.models import tiny_gpt
+from fsdp_lab.models import GPTConfig, tied_llama, tiny_gpt
 
+MODEL = "fsdp_lab.models:tied_llama"
 CONFIG = lab.TyingConfig(
     world_size=2,
     steps=3,
-    model="fsdp_lab.models:MLPStack",
+    model=MODEL,
     vocab=2048,
     dim=64,
     layers=2,
@@ -51,7 +55,29 @@ def test_ties_of_the_lab_model_and_of_a_given_model(result):
     assert tie["module_types"] == ["Embedding", "Linear"]
     assert tie["kind"] == "identity" and tie["shape"] == [64, 32]
     assert tie["bytes"] == 64 * 32 * 4
-    assert result["ties"]["fsdp_lab.models:MLPStack"] == []  # its head is not tied
+    (tie,) = result["ties"][MODEL]
+    assert tie["names"] == ["tok_embeddings.weight", "output.weight"]
+    assert tie["modules"] == ["tok_embeddings", "output"] and tie["kind"] == "identity"
+
+
+def test_the_plans_of_a_given_model_come_from_its_tie_and_its_blocks(result):
+    layers = [f"layers.{i}" for i in range(4)]
+    assert result["tie_plans"] == {
+        "root_unit": layers,
+        "joint_unit": [*layers, ["tok_embeddings", "output"]],
+        "split_tie": ["output"],
+    }
+    assert result["model"] == MODEL and result["vocab_size"] == 64
+    # On TinyGPT they are the lab's own plans.
+    assert lab.tie_plans(tiny_gpt()) == lab.plans(GPTConfig().n_layers)
+    assert lab.tie_plans(tied_llama()) == result["tie_plans"]
+
+
+def test_a_model_without_a_tie_is_refused_before_any_rank_starts():
+    with pytest.raises(ValueError, match="the MLPStack has no tied parameters") as err:
+        lab.preflight(lab.TyingConfig(model="fsdp_lab.models:MLPStack"))
+    assert str(err.value).startswith("--model 'fsdp_lab.models:MLPStack': ")
+    assert "Fix: a model whose head shares the embedding's Parameter" in str(err.value)
 
 
 def test_plans_valid_and_invalid(result):
@@ -70,7 +96,8 @@ def test_audit_has_every_system_and_ours_refuses_at_wrap(result):
     assert list(rows) == list(AUDIT_SYSTEMS)
     ours = rows["fsdp_lab shard"]
     assert ours["accepted"] is False and ours["stage"] == "wrap"
-    assert "tok_emb.weight" in ours["error"]
+    # The given model's tie was split: its output head in a unit, its embedding in the root.
+    assert "'tok_embeddings.weight'" in ours["error"] and "'output'" in ours["error"]
 
 
 def test_tie_holds_after_shard_and_training_and_matches_one_process(result):
@@ -80,8 +107,9 @@ def test_tie_holds_after_shard_and_training_and_matches_one_process(result):
         assert v["after_steps"] == [[], []]
         assert v["head_equals_embedding"] is True
         assert v["max_abs_diff_vs_single_process"] < 1e-5  # SGD, as in test_shard_lab
-    assert "tok_emb+head" in result["verification"]["joint_unit"]["units"]
-    assert "tok_emb+head" not in result["verification"]["root_unit"]["units"]
+    # On the given model: its joint unit is its embedding and output head.
+    assert "tok_embeddings+output" in result["verification"]["joint_unit"]["units"]
+    assert "tok_embeddings+output" not in result["verification"]["root_unit"]["units"]
 
 
 def test_to_empty_result_is_what_torch_does_and_shard_follows_it(result):
@@ -140,6 +168,7 @@ def test_figures_are_plots_and_wrap_diagrams(result):
     assert "INVALID" not in figs["wrap_joint_unit"].source
     text = lab.summary(result)
     assert "| fsdp_lab shard | False | wrap |" in text
+    assert f"### Live audit of {MODEL}: output in its own unit" in text
     assert "fsdp_lab shard, end of forward (rank 0): root unit higher by" in text
 
 

@@ -26,7 +26,7 @@ import torch
 from fsdp_lab import comm, reference
 from fsdp_lab.cluster import AttachedCluster, Cluster, device, rank, world_size
 from fsdp_lab.labs import LabResult
-from fsdp_lab.labs.model_spec import load_factory
+from fsdp_lab.labs.model_spec import check_on_rank0, load_factory
 from fsdp_lab.labs.shard_config import ShardConfig
 from fsdp_lab.sharding import ShardedOptimizer, shard, sharding_state
 from fsdp_lab.trace import MemoryTracker, Timeline
@@ -54,7 +54,7 @@ def _optimizer(cfg: ShardConfig, params: Any) -> torch.optim.Optimizer:
 
 
 def _timed_training(
-    cfg: ShardConfig, model: torch.nn.Module, opt: Any
+    cfg: ShardConfig, model: torch.nn.Module, opt: Any, vocab: int
 ) -> tuple[list[float], float]:
     stamps = [time.perf_counter()]
     losses = reference.train_steps(
@@ -66,13 +66,14 @@ def _timed_training(
         world=world_size(),
         device=device(),
         on_step=lambda _: stamps.append(time.perf_counter()),
+        vocab_size=vocab,
     )
     per_step = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     # The first step records the unit order and creates the optimizer state: leave it out.
     return losses, statistics.median(per_step[1:] if len(per_step) > 1 else per_step)
 
 
-def _ours(cfg: ShardConfig) -> dict[str, Any]:
+def _ours(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     factory = load_factory(cfg.model)
     with MemoryTracker(device(), rank=rank()) as mem, comm.CommLog() as log, Timeline(rank()) as tl:
         model = factory().to(device())
@@ -87,12 +88,12 @@ def _ours(cfg: ShardConfig) -> dict[str, Any]:
             if not unit.flat.aliased:  # DDP's buffer is the parameter itself
                 mem.track(unit.flat.unsharded, "comm_buffers")  # its .grad as "gradients"
         mem.mark("sharded")
-        losses, _ = _timed_training(cfg, model, opt)
+        losses, _ = _timed_training(cfg, model, opt, vocab)
     trace = mem.trace()
     # Timed again without the tracker, whose dispatch mode and marks cost more than a step.
     timed = factory().to(device())
     shard(timed, units=set(units) or None, strategy=cfg.strategy, prefetch=cfg.prefetch)
-    _, step_time = _timed_training(cfg, timed, _optimizer(cfg, timed.parameters()))
+    _, step_time = _timed_training(cfg, timed, _optimizer(cfg, timed.parameters()), vocab)
     model_state = [sum(trace["bytes"][c][i] for c in MODEL_STATE) for i in range(len(trace["t"]))]
     return {
         "losses": losses,
@@ -128,15 +129,15 @@ def _by_op(records: list[comm.CommRecord]) -> list[tuple[str, float]]:
     return list(totals.items())
 
 
-def _fsdp2(cfg: ShardConfig) -> dict[str, Any]:
+def _fsdp2(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     model = load_factory(cfg.model)().to(device())
     reference.apply_fsdp2(model, _unit_classes(model))
     opt = _optimizer(cfg, model.parameters())
-    losses, step_time = _timed_training(cfg, model, opt)
+    losses, step_time = _timed_training(cfg, model, opt, vocab)
     return {"losses": losses, "step_time_s": step_time, "params": reference.full_parameters(model)}
 
 
-def _ddp_sharded_optimizer(cfg: ShardConfig) -> dict[str, Any]:
+def _ddp_sharded_optimizer(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     """ZeRO-1 as an optimizer: DDP's all-reduce, then `ShardedOptimizer` steps and broadcasts."""
     factory = load_factory(cfg.model)
     optimizer_class, kwargs = _optimizer_class(cfg)
@@ -157,6 +158,7 @@ def _ddp_sharded_optimizer(cfg: ShardConfig) -> dict[str, Any]:
                 rank=rank(),
                 world=world_size(),
                 device=device(),
+                vocab_size=vocab,
             )
     trace = mem.trace()
     model_state = [sum(trace["bytes"][c][i] for c in MODEL_STATE) for i in range(len(trace["t"]))]
@@ -175,7 +177,7 @@ def _ddp_sharded_optimizer(cfg: ShardConfig) -> dict[str, Any]:
     }
 
 
-def _ddp_zero_redundancy(cfg: ShardConfig) -> dict[str, torch.Tensor]:
+def _ddp_zero_redundancy(cfg: ShardConfig, vocab: int) -> dict[str, torch.Tensor]:
     """PyTorch's own: DistributedDataParallel + ZeroRedundancyOptimizer, same model and data."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -190,14 +192,15 @@ def _ddp_zero_redundancy(cfg: ShardConfig) -> dict[str, torch.Tensor]:
         rank=rank(),
         world=world_size(),
         device=device(),
+        vocab_size=vocab,
     )
     return reference.full_parameters(model)
 
 
-def _single_process(cfg: ShardConfig) -> dict[str, torch.Tensor]:
+def _single_process(cfg: ShardConfig, vocab: int) -> dict[str, torch.Tensor]:
     model = load_factory(cfg.model)()
     opt = _optimizer(cfg, model.parameters())
-    reference.train_steps(model, opt, cfg.steps, global_batch=cfg.global_batch)
+    reference.train_steps(model, opt, cfg.steps, global_batch=cfg.global_batch, vocab_size=vocab)
     return {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
 
 
@@ -318,27 +321,30 @@ def run(
         n = cluster.world_size
         if config.global_batch % n:
             raise ValueError(f"global_batch={config.global_batch} does not divide over {n} ranks")
-        ours = cluster.run(_ours, config)
-        fsdp2 = cluster.run(_fsdp2, config) if config.compare_fsdp2 else None
+        # The --model contract, on rank 0 where it trains, before anything is sharded.
+        vocab = cluster.run(check_on_rank0, config.model)[0]
+        ours = cluster.run(_ours, config, vocab)
+        fsdp2 = cluster.run(_fsdp2, config, vocab) if config.compare_fsdp2 else None
         with_sharded_optimizer = config.strategy == "optimizer" and config.sharded_optimizer
         sharded_opt = (
-            cluster.run(_ddp_sharded_optimizer, config) if with_sharded_optimizer else None
+            cluster.run(_ddp_sharded_optimizer, config, vocab) if with_sharded_optimizer else None
         )
         zero_redundancy = (
-            cluster.run(_ddp_zero_redundancy, config)
+            cluster.run(_ddp_zero_redundancy, config, vocab)
             if with_sharded_optimizer and config.compare_fsdp2
             else None
         )
     finally:
         if owned:
             cluster.close()
-    single = _single_process(config)
+    single = _single_process(config, vocab)
     th = theory(config.strategy, ours[0]["units"], n)
     data: dict[str, Any] = {
         "config": {**asdict(config), "world_size": n},
         "world_size": n,
         "strategy": config.strategy,
         "backend": cluster.backend,
+        "vocab_size": vocab,  # token ids are drawn below it (model_spec.vocab_size_of's order)
         "max_abs_diff_vs_single_process": max_abs_diff(ours[0]["params"], single),
         "max_abs_diff_vs_fsdp2": max_abs_diff(ours[0]["params"], fsdp2[0]["params"])
         if fsdp2

@@ -52,7 +52,10 @@ class ShardConfig:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps={self.steps!r}: expected an int >= 1")
         if ":" not in self.model:
-            raise ValueError(f"model={self.model!r}: expected 'module:factory'")
+            raise ValueError(
+                f"model={self.model!r}: expected 'module:factory'. "
+                "Fix: e.g. --model fsdp_lab.models:tiny_gpt"
+            )
         ws, batch = self.world_size, self.global_batch
         # Checked here, before any rank starts, as well as in run() (torchrun's world wins there).
         if isinstance(ws, int) and ws >= 1 and batch % ws:

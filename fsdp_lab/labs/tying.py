@@ -6,6 +6,11 @@ valid plan and checks the tie on the ranks after training (and the parameters ag
 process), runs the live audit of an invalid plan through FSDP1, FSDP2 and ours, shows that
 `to_empty` unties (and that `shard` refuses until `retie`), and measures what it costs to leave
 the tied pair to the root unit (`fsdp_lab.labs.tying_spike`).
+
+With ``model="module:factory"`` (``fsdp-lab tying --model ...``) the verification and the audit
+run on that model instead, with plans made from its first tie (`tie_plans`); the plan diagrams,
+the to_empty demonstration (TinyGPT's `init_weights`) and the spike (its ``--vocab``/``--dim``
+sizes) stay on TinyGPT.
 """
 
 from __future__ import annotations
@@ -16,10 +21,10 @@ from typing import Any
 import torch
 
 from fsdp_lab import reference
-from fsdp_lab.audit import audit_table, audit_worker
+from fsdp_lab.audit import audit_table, audit_worker, block_names, split_tie
 from fsdp_lab.cluster import AttachedCluster, Cluster, device, rank, world_size
 from fsdp_lab.labs import LabResult
-from fsdp_lab.labs.model_spec import load_factory
+from fsdp_lab.labs.model_spec import check_on_rank0, load_factory
 from fsdp_lab.labs.shard import max_abs_diff
 from fsdp_lab.labs.tying_config import LAB_MODEL, TyingConfig
 from fsdp_lab.labs.tying_spike import (
@@ -33,7 +38,7 @@ from fsdp_lab.labs.tying_spike import (
     spike_bars,
     verdict,
 )
-from fsdp_lab.models import Block, GPTConfig, tiny_gpt
+from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.sharding import shard, sharding_state
 from fsdp_lab.tying import find_ties, record_ties, retie, untied_by_to_empty, verify_weight_tying
 from fsdp_lab.wrap import PlanError, build_plan, ownership
@@ -83,12 +88,59 @@ def describe_plans(config: TyingConfig) -> dict[str, dict[str, Any]]:
     return out
 
 
+def tie_plans(model: torch.nn.Module) -> dict[str, list]:
+    """`plans` for any model with a tie, as JSON: its repeated blocks, its first tie's owners.
+
+    On TinyGPT this is ``plans(n_layers)``. ValueError (``Fix: ...``) when the model has no tie
+    or a valid plan is refused, so that a wrong ``--model`` stops before any rank starts.
+    """
+    try:
+        tie, split = split_tie(model)
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc}: the tying lab shards, trains and audits a model's tie. Fix: a model whose "
+            "head shares the embedding's Parameter (self.head.weight = self.tok_emb.weight), "
+            "or `fsdp-lab shard --model ...` to train it"
+        ) from None
+    blocks = block_names(model)
+    owners = list(dict.fromkeys(tie.modules))  # a module owning two names of the tie: once
+    specs = {"root_unit": blocks, "joint_unit": [*blocks, owners], "split_tie": [split]}
+    for name in ("root_unit", "joint_unit"):
+        try:
+            build_plan(model, as_units(specs[name]))
+        except PlanError as exc:
+            why = str(exc).partition(" Fix: ")[0].rstrip(".")  # its fix is for the plan's author
+            raise ValueError(
+                f"the tying lab's {name} plan {specs[name]} is refused on the "
+                f"{type(model).__name__}: {why}. Fix: a model whose tied modules sit outside its "
+                "repeated blocks (an embedding and a head, as in GPT-2)"
+            ) from None
+    return specs
+
+
+def preflight(config: TyingConfig) -> None:
+    """What `fsdp-lab tying` checks before starting any rank: ``--model`` has a tie to shard."""
+    if config.model is not None:
+        try:
+            tie_plans(load_factory(config.model)())
+        except ValueError as exc:
+            raise ValueError(f"--model {config.model!r}: {exc}") from None
+
+
 # -- 3. verification after sharding -------------------------------------------------------------
 
 
-def verification_worker(spec: list, steps: int, lr: float, global_batch: int) -> dict[str, Any]:
-    """On every rank: shard TinyGPT with `spec`, verify the tie, train `steps` SGD steps, again."""
-    model = tiny_gpt().to(device())
+def verification_worker(
+    spec: list,
+    steps: int,
+    lr: float,
+    global_batch: int,
+    model_spec: str = LAB_MODEL,
+    vocab_size: int | None = None,
+) -> dict[str, Any]:
+    """On every rank: shard the model with `spec`, verify the tie, train `steps` SGD steps,
+    verify again."""
+    model = load_factory(model_spec)().to(device())
     record_ties(model)
     shard(model, units=as_units(spec), strategy="full")
     right_after = verify_weight_tying(model)
@@ -101,6 +153,7 @@ def verification_worker(spec: list, steps: int, lr: float, global_batch: int) ->
         rank=rank(),
         world=world_size(),
         device=device(),
+        vocab_size=vocab_size,
     )
     return {
         "right_after_shard": right_after,
@@ -110,10 +163,12 @@ def verification_worker(spec: list, steps: int, lr: float, global_batch: int) ->
     }
 
 
-def _single_process(steps: int, lr: float, global_batch: int) -> dict[str, torch.Tensor]:
-    model = tiny_gpt()
+def _single_process(
+    steps: int, lr: float, global_batch: int, model_spec: str, vocab_size: int | None
+) -> dict[str, torch.Tensor]:
+    model = load_factory(model_spec)()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    reference.train_steps(model, opt, steps, global_batch=global_batch)
+    reference.train_steps(model, opt, steps, global_batch=global_batch, vocab_size=vocab_size)
     return {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
 
 
@@ -160,18 +215,24 @@ def run(
 ) -> LabResult:
     """Detect, plan, verify, audit, materialise and measure; see the module docstring."""
     ties = {LAB_MODEL: detect_ties(tiny_gpt())}
-    if config.model is not None and config.model != LAB_MODEL:
-        ties[config.model] = detect_ties(load_factory(config.model)())
+    model_spec = config.model or LAB_MODEL
+    model = load_factory(model_spec)()
+    ties[model_spec] = detect_ties(model)
+    specs = tie_plans(model)  # ValueError before any rank starts if it has no usable tie
+    first, *_, last = ties[model_spec][0]["names"]  # TinyGPT: tok_emb.weight ... head.weight
+    del model
     owned = cluster is None
     cluster = cluster or Cluster(config.world_size, config.backend)
     try:
         n = cluster.world_size
         global_batch = 2 * n
+        # The --model contract, on rank 0 where it trains, before anything is sharded.
+        vocab = cluster.run(check_on_rank0, model_spec)[0]
         verification = {}
         for name in WRAPPINGS:
-            spec = plans(GPTConfig().n_layers)[name]
-            ranks = cluster.run(verification_worker, spec, config.steps, config.lr, global_batch)
-            single = _single_process(config.steps, config.lr, global_batch)
+            args = (specs[name], config.steps, config.lr, global_batch, model_spec, vocab)
+            ranks = cluster.run(verification_worker, *args)
+            single = _single_process(config.steps, config.lr, global_batch, model_spec, vocab)
             params = ranks[0].pop("params")
             verification[name] = {
                 "units": ranks[0]["units"],
@@ -179,11 +240,9 @@ def run(
                 "right_after_shard": [r["right_after_shard"] for r in ranks],
                 "after_steps": [r["after_steps"] for r in ranks],
                 "max_abs_diff_vs_single_process": max_abs_diff(params, single),
-                "head_equals_embedding": bool(
-                    torch.equal(params["head.weight"], params["tok_emb.weight"])
-                ),
+                "head_equals_embedding": bool(torch.equal(params[last], params[first])),
             }
-        audit = cluster.run(audit_worker)[0]
+        audit = cluster.run(audit_worker, model_spec, vocab)[0]
         materialise = cluster.run(to_empty_worker, config.lr)
         spike = measure_spike(config, cluster)
         backend = cluster.backend
@@ -196,6 +255,9 @@ def run(
             "config": {**asdict(config), "world_size": n},
             "world_size": n,
             "backend": backend,
+            "model": model_spec,
+            "vocab_size": vocab,
+            "tie_plans": specs,
             "ties": ties,
             "plans": describe_plans(config),
             "verification": verification,
@@ -245,10 +307,13 @@ def summary(result: LabResult) -> str:
         lines.append(f"- ties of {spec}: {found}")
     for name, plan in result["plans"].items():
         lines.append(f"- plan {name}: {'valid' if plan['valid'] else 'refused'}")
+    model = result.data.get("model", LAB_MODEL)  # results saved before --model reached here
+    split = result.data.get("tie_plans", {}).get("split_tie", ["head"])[0]
     for name, v in result["verification"].items():
         problems = sum(len(p) for p in v["right_after_shard"] + v["after_steps"])
         lines.append(
-            f"- shard with {name}: {problems} tie problems after shard and after {v['steps']} steps; "
+            f"- shard {model} with {name}: {problems} tie problems after shard and after "
+            f"{v['steps']} steps; "
             f"max |ours - single process| = {v['max_abs_diff_vs_single_process']:.2g}"
         )
     te, r0 = result["to_empty"], result["to_empty"]["per_rank"][0]
@@ -257,7 +322,7 @@ def summary(result: LabResult) -> str:
         f"after retie {te['tied_after_retie']}; shard refused the untied model: "
         f"{r0['shard_refused']}; accepted after retie: {r0['shard_accepted_after_retie']}",
         "",
-        "### Live audit: head in its own unit, embedding in the root",
+        f"### Live audit of {model}: {split} in its own unit, its tied partner in the root",
         "",
         audit_table(result["audit"]),
         "",

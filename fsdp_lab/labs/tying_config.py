@@ -31,7 +31,8 @@ class TyingConfig:
     world_size: ranks.
     steps: SGD steps before the tie is verified again (and compared with one process).
     lr: SGD learning rate (momentum 0.9).
-    model: "module:factory" whose ties are reported too (the lab trains TinyGPT).
+    model: "module:factory" of a model with a tie: its ties are reported, and the verification
+        and the audit shard and train it (default TinyGPT; the spike stays on TinyGPT).
     vocab, dim, layers, heads, seq_len: the spike's TinyGPT (a large tied vocabulary).
     batch: sequences per rank in the spike.
     spike_steps: training steps under the memory tracker (figures from the last one).
