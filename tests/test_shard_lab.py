@@ -70,8 +70,14 @@ def test_sharded_optimizer_is_measured_beside_zero1(cluster_of):
     assert so["optimizer_state_bytes_per_rank"] == th["optimizer_state_bytes_per_rank"]
     assert th["optimizer_state_bytes_per_rank"] == [4 * x for x in so["owned_numel_per_rank"]]
     assert th["largest_share_over_even_split"] >= 1
-    # ZeRO-1 as a transformation: the rank's (padded) slice of the momentum, 4·Ψ_padded/N.
-    assert data["optimizer_state_bytes_per_rank"] == [4 * data["theory"]["psi_padded"] / 3] * 3
+    # ZeRO-1 as a transformation: momentum for the rank's slice of every unit, 4·Ψ_padded/N,
+    # less the padding (per-parameter views: the optimizer sees real elements only).
+    real = [
+        sum(min(max(u["numel"] - r * u["shard_numel"], 0), u["shard_numel"]) for u in data["units"])
+        for r in range(3)
+    ]
+    assert sum(real) == psi and max(real) <= data["theory"]["psi_padded"] / 3
+    assert data["optimizer_state_bytes_per_rank"] == [4 * x for x in real]
     # Bytes: DDP's all-reduce 2(N-1)/N·Ψ·4 plus a broadcast of every parameter, Ψ·4.
     assert so["comm_matches_theory"] is True
     for measured in so["comm_bytes_per_rank"]:
