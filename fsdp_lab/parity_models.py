@@ -44,7 +44,13 @@ def _from_common_fsdp(name: str, **kwargs: Any) -> nn.Module:
     of 1 on every rank, so every rank builds the same model (a real group would only change
     `get_input`'s seed, which the parity runs do not use).
     """
-    from torch.testing._internal import common_fsdp as c
+    try:
+        from torch.testing._internal import common_fsdp as c
+    except ModuleNotFoundError as exc:  # its harness imports expecttest, a test-only package
+        raise ModuleNotFoundError(
+            f"PyTorch's FSDP test models need {exc.name!r} ({exc}). Fix: pip install -e '.[dev]' "
+            "(or pip install expecttest)"
+        ) from exc
 
     return getattr(c, name).init(
         c.DummyProcessGroup(rank=0, size=1),

@@ -13,7 +13,6 @@ import torch
 from fsdp_lab.parity import COUNTERPARTS, FP32_TOLERANCE, train
 from fsdp_lab.parity_models import PARITY_MODELS
 
-pytest.importorskip("torch.testing._internal.common_fsdp")  # PyTorch's test models
 # nn.Transformer's note that it skips nested tensors (its layers are not batch-first).
 pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
 
