@@ -18,7 +18,6 @@ from fsdp_lab.parity_models import WithUnused, nonuniform_req_grad
 from fsdp_lab.sharding import shard
 from fsdp_lab.wrap import MinParams, build_plan
 
-
 NWM_UNITS = ["module.1", "module.2"]  # the Sequentials PyTorch's own test wraps
 
 
