@@ -4,8 +4,9 @@
                                                 ties inside one unit) — before any message
     for each unit, root first:
         flat = FlatParameter(its parameters)    flatten, pad to a multiple of N, keep shard r
-        remove the original parameters          the module will see views while gathered
-        register flat.shard on the unit module  model.parameters() now yields the shards
+        each parameter -> its slice of flat     same name, a view into the shard: what
+                                                model.parameters() yields and the optimizer
+                                                steps (use_orig_params=False: one flat_param)
         ShardedUnit(...)                        hooks: gather -> compute -> free -> reduce
 
 A model built on the meta device is materialised here, module by module in build order, so no
