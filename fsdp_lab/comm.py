@@ -62,19 +62,28 @@ class CommLog(Recorder):
 
     def bytes_by_op(self) -> dict[str, float]:
         """Total bytes this rank moved, per op name."""
-        totals: dict[str, float] = {}
-        for r in self.records:
-            totals[r.op] = totals.get(r.op, 0.0) + r.bytes
-        return totals
+        return bytes_by_op(self.records)
 
     def calls_by_op(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for r in self.records:
-            counts[r.op] = counts.get(r.op, 0) + 1
-        return counts
+        return calls_by_op(self.records)
 
     def to_dict(self) -> dict[str, Any]:
         return {"records": [asdict(r) for r in self.records], "bytes_by_op": self.bytes_by_op()}
+
+
+def bytes_by_op(records: list[CommRecord]) -> dict[str, float]:
+    """Total bytes of `records` (e.g. a stretch of a log), per op name."""
+    totals: dict[str, float] = {}
+    for r in records:
+        totals[r.op] = totals.get(r.op, 0.0) + r.bytes
+    return totals
+
+
+def calls_by_op(records: list[CommRecord]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r.op] = counts.get(r.op, 0) + 1
+    return counts
 
 
 def bus_bytes(op: str, payload_bytes: int, group_size: int) -> float:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
@@ -89,6 +88,7 @@ def _ours(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
                 mem.track(unit.flat.unsharded, "comm_buffers")  # its .grad as "gradients"
         mem.mark("sharded")
         losses, _ = _timed_training(cfg, model, opt, vocab)
+    steps = log.records[at_wrap:]  # the training steps' collectives, not the wrap's
     trace = mem.trace()
     # Timed again without the tracker, whose dispatch mode and marks cost more than a step.
     timed = factory().to(device())
@@ -99,11 +99,9 @@ def _ours(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
         "losses": losses,
         "step_time_s": step_time,
         "params": reference.full_parameters(model),
-        "comm_bytes_per_step": {op: b / cfg.steps for op, b in _by_op(log.records[at_wrap:])},
-        "calls_per_step": {
-            op: c / cfg.steps for op, c in Counter(r.op for r in log.records[at_wrap:]).items()
-        },
-        "comm_bytes_at_wrap": dict(_by_op(log.records[:at_wrap])),
+        "comm_bytes_per_step": {op: b / cfg.steps for op, b in comm.bytes_by_op(steps).items()},
+        "calls_per_step": {op: c / cfg.steps for op, c in comm.calls_by_op(steps).items()},
+        "comm_bytes_at_wrap": comm.bytes_by_op(log.records[:at_wrap]),
         "memory_trace": trace,
         "peak_bytes": trace["peak_bytes"],
         "peak_model_state_bytes": max(model_state),
@@ -120,13 +118,6 @@ def _ours(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
             for u in state.units
         ],
     }
-
-
-def _by_op(records: list[comm.CommRecord]) -> list[tuple[str, float]]:
-    totals: dict[str, float] = {}
-    for r in records:
-        totals[r.op] = totals.get(r.op, 0.0) + r.bytes
-    return list(totals.items())
 
 
 def _fsdp2(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
@@ -150,16 +141,7 @@ def _ddp_sharded_optimizer(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
         mem.track(opt)
         mem.mark("sharded")
         with comm.CommLog() as log:  # from here on: the bytes of the training steps only
-            losses = reference.train_steps(
-                model,
-                opt,
-                cfg.steps,
-                global_batch=cfg.global_batch,
-                rank=rank(),
-                world=world_size(),
-                device=device(),
-                vocab_size=vocab,
-            )
+            losses, _ = _timed_training(cfg, model, opt, vocab)
     trace = mem.trace()
     model_state = [sum(trace["bytes"][c][i] for c in MODEL_STATE) for i in range(len(trace["t"]))]
     owned = opt.params_per_rank

@@ -98,14 +98,7 @@ def to_empty_keeping_ties(modules: list[nn.Module], device: torch.device) -> Non
     """
     made: dict[int, torch.Tensor] = {}
     for module in modules:
-        for slots, is_param in ((module._parameters, True), (module._buffers, False)):
-            for key, t in slots.items():
-                if t is None or not t.is_meta:
-                    continue
-                if id(t) not in made:
-                    new = torch.empty_like(t, device=device)
-                    made[id(t)] = nn.Parameter(new, t.requires_grad) if is_param else new
-                slots[key] = made[id(t)]
+        _to_empty(module, device, made)
 
 
 def post_order(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
