@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_lab.labs.model_spec import load_factory, vocab_size_of
+from fsdp_lab.model_spec import load_factory, vocab_size_of
 from fsdp_lab.models import synthetic_batch, tiny_gpt
 from fsdp_lab.reference import local_slice
 from fsdp_lab.tying import Tie, find_ties

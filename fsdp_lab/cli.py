@@ -7,7 +7,7 @@
 
 Everything that can be checked is checked before any rank starts: the options, the config,
 ``--out`` (created, and written to once), ``--model`` (built, one forward on a tiny batch:
-`fsdp_lab.labs.model_spec`), the backend.
+`fsdp_lab.model_spec`), the backend.
 A wrong input is one line naming the value and what was expected, and one line with the fix.
 
 With ``--json``, stdout carries exactly one JSON object whatever happens: the result, or
@@ -31,34 +31,15 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NoReturn
 
 # torch-free on purpose: `fsdp-lab --help` imports this module and the labs' config modules
 # only (importing torch took 4-18 s); torch comes in when a lab is about to run.
 from fsdp_lab.choices import BACKENDS
 from fsdp_lab.cores import OversubscribedWarning, available_cores, too_many_ranks
+from fsdp_lab.labs.options import add_config_arguments, config_overrides, to_flags
+from fsdp_lab.labs.registry import LABS, PLANNED
 
-
-class Lab(NamedTuple):
-    module: str  # run(config, cluster=None) -> LabResult, figures(result), summary(result),
-    # and optionally preflight(config): its own checks of this machine before ranks start
-    config_module: str  # torch-free: the frozen config, add_arguments, config_from_args, TOUR
-    config: str  # the config dataclass's name
-
-
-LABS: dict[str, Lab] = {
-    "collectives": Lab(
-        "fsdp_lab.labs.collectives", "fsdp_lab.labs.collectives_config", "CollectivesConfig"
-    ),
-    "shard": Lab("fsdp_lab.labs.shard", "fsdp_lab.labs.shard_config", "ShardConfig"),
-    "checkpoint": Lab(
-        "fsdp_lab.labs.checkpoint", "fsdp_lab.labs.checkpoint_config", "CheckpointConfig"
-    ),
-    "tying": Lab("fsdp_lab.labs.tying", "fsdp_lab.labs.tying_config", "TyingConfig"),
-    "meta-init": Lab("fsdp_lab.labs.meta_init", "fsdp_lab.labs.meta_init_config", "MetaInitConfig"),
-    "pp-seed": Lab("fsdp_lab.labs.pp_seed", "fsdp_lab.labs.pp_seed_config", "PPSeedConfig"),
-}
-PLANNED = {"hsdp": "the hybrid-sharding lab (HSDP: a 2-D replicate x shard mesh)"}
 DEFAULT_OUT = "fsdp_lab_out"
 INTERRUPTED = "interrupted — ranks stopped"
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130  # 130 = 128 + SIGINT, as shells report
@@ -72,9 +53,13 @@ class UsageError(Exception):
         self.error, self.hint, self.where = error, hint, where
 
 
-def usage_error(exc: ValueError, where: str | None = None) -> UsageError:
-    """A config's ValueError ("... . Fix: --x 1", the labs' convention) as error + hint."""
-    error, _, fix = str(exc).partition(" Fix: ")
+def usage_error(
+    exc: ValueError, where: str | None = None, config_cls: type | None = None
+) -> UsageError:
+    """A config's ValueError ("... . Fix: x=1", the labs' convention) as error + hint, its
+    ``field=value`` spoken as the command line's options (``--x 1``)."""
+    message = to_flags(str(exc), config_cls) if config_cls is not None else str(exc)
+    error, _, fix = message.partition(" Fix: ")
     hint = fix or (f"see `{where} --help` for the options" if where else "see `fsdp-lab --help`")
     return UsageError(error.rstrip().removesuffix("."), hint, where)
 
@@ -125,10 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fsdp-lab", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="lab", required=True, metavar="<lab>")
     for name, lab in LABS.items():
-        config_module = importlib.import_module(lab.config_module)
-        p = sub.add_parser(name, help=config_module.__doc__.split("\n")[0])
+        p = sub.add_parser(name, help=lab.title)
         _common(p)
-        config_module.add_arguments(p)
+        if hasattr(lab, "config_module"):  # a lab not yet split into its package: TEMPORARY
+            importlib.import_module(lab.config_module).add_arguments(p)
+        else:
+            add_config_arguments(p, lab.config_class)
     tour = sub.add_parser("tour", help="run every lab headless; write figures and a summary")
     _common(tour)
     return parser
@@ -138,8 +125,7 @@ def model_labs() -> list[str]:
     """The labs whose config has a `model` field: those that take ``--model``."""
     labs = []
     for name, lab in LABS.items():
-        config_cls = getattr(importlib.import_module(lab.config_module), lab.config)
-        if "model" in config_cls.__dataclass_fields__:
+        if "model" in lab.config_class.__dataclass_fields__:
             labs.append(name)
     return labs
 
@@ -196,10 +182,9 @@ def prepare(name: str, args: argparse.Namespace, out: Path | None, tour: bool = 
     if out is not None:
         check_out(out, where)
     lab = LABS[name]
-    config_module = importlib.import_module(lab.config_module)
-    config_cls = getattr(config_module, lab.config)
+    config_cls = lab.config_class
     # The tour runs each lab at a laptop-friendly size (a lab's TOUR, if it has one).
-    overrides: dict[str, Any] = dict(getattr(config_module, "TOUR", {})) if tour else {}
+    overrides: dict[str, Any] = lab.tour if tour else {}
     overrides["backend"] = args.backend
     if args.world_size is not None:
         overrides["world_size"] = args.world_size
@@ -212,26 +197,27 @@ def prepare(name: str, args: argparse.Namespace, out: Path | None, tour: bool = 
             f"drop --model, or pass it to a lab that trains a model: {', '.join(model_labs())}",
             where,
         )
-    overrides.update(config_module.config_from_args(args))
+    if hasattr(lab, "config_module"):  # TEMPORARY, as in build_parser
+        overrides.update(importlib.import_module(lab.config_module).config_from_args(args))
+    else:
+        overrides.update(config_overrides(args, config_cls))
     try:
         config = config_cls(**overrides)
     except ValueError as exc:
-        raise usage_error(exc, where) from None
+        raise usage_error(exc, where, config_cls) from None
 
     # From here on torch is imported: the lab is going to run.
     from fsdp_lab.cluster import resolve_backend, under_torchrun
-    from fsdp_lab.labs.model_spec import check_model
+    from fsdp_lab.model_spec import check_model
 
     try:
         if args.model is not None and takes_model:  # built on CPU, one forward: see model_spec
             check_model(args.model)
         if not under_torchrun():  # under torchrun the job's size and devices are given
             resolve_backend(config.backend, config.world_size)
-        preflight = getattr(importlib.import_module(lab.module), "preflight", None)
-        if preflight is not None:  # a lab's own check of this machine (e.g. host memory)
-            preflight(config)
+        lab.preflight(config)  # the lab's own checks of this machine (e.g. host memory)
     except ValueError as exc:
-        raise usage_error(exc, where) from None
+        raise usage_error(exc, where, config_cls) from None
     return Planned(name, config, out)
 
 
@@ -254,14 +240,14 @@ def warn_about_cores(planned: list[Planned]) -> None:
 # -- running ------------------------------------------------------------------------------------
 
 
-def _save(module: Any, result: Any, out: Path) -> list[Path]:
+def _save(lab: Any, result: Any, out: Path) -> list[Path]:
     from fsdp_lab.diagrams import Diagram
     from fsdp_lab.plots import save_figure
 
     out.mkdir(parents=True, exist_ok=True)
     written = [out / f"{result.lab}.json"]
     written[0].write_text(result.to_json(indent=1))
-    for stem, fig in module.figures(result).items():
+    for stem, fig in lab.figures(result).items():
         if isinstance(fig, Diagram):  # SVG, or its DOT source where graphviz's `dot` is missing
             written.append(fig.save(out / stem))
         else:
@@ -273,16 +259,16 @@ def run_lab(planned: Planned) -> Any:
     """Start the ranks, run the lab, stop the ranks (also on Ctrl-C or a failure), save."""
     from fsdp_lab.cluster import open_cluster
 
-    module = importlib.import_module(LABS[planned.name].module)
+    lab = LABS[planned.name]
     with warnings.catch_warnings():  # prepare() already warned, naming the flag to change
         warnings.simplefilter("ignore", OversubscribedWarning)
         cluster = open_cluster(planned.config.world_size, planned.config.backend)
     try:
-        result = module.run(planned.config, cluster=cluster)
+        result = lab.run(planned.config, cluster=cluster)
     finally:
         cluster.close()  # on KeyboardInterrupt too: no rank outlives the driver
     if planned.out is not None and _is_main_process():
-        _save(module, result, planned.out)
+        _save(lab, result, planned.out)
     return result
 
 
@@ -299,8 +285,7 @@ def tour(args: argparse.Namespace) -> dict[str, Any]:
         result = run_lab(p)
         seconds = time.perf_counter() - t0
         summary[p.name] = {"seconds": round(seconds, 2), "result": result.to_dict()}
-        module = importlib.import_module(LABS[p.name].module)
-        markdown += [f"## {p.name} ({seconds:.1f} s)", "", module.summary(result), ""]
+        markdown += [f"## {p.name} ({seconds:.1f} s)", "", LABS[p.name].report(result), ""]
         print(f"[{i}/{len(LABS)}] {p.name} done in {seconds:.1f} s -> {p.out}/", file=sys.stderr)
     if _is_main_process():
         (out / "summary.md").write_text("\n".join(markdown))
@@ -318,7 +303,7 @@ def one_lab(args: argparse.Namespace) -> dict[str, Any]:
     warn_about_cores([planned])
     result = run_lab(planned)
     if not args.json and _is_main_process():
-        print(importlib.import_module(LABS[args.lab].module).summary(result))
+        print(LABS[args.lab].report(result))
         if out is not None:
             print(f"figures and {args.lab}.json written to {out}/")
     return result.to_dict()

@@ -91,27 +91,6 @@ def build_on_meta(
     return model, time.perf_counter() - start
 
 
-def per_rank_model_state_bytes(num_params: int, world_size: int) -> dict[str, float]:
-    """DESIGN.md's fp32-Adam model state per rank (4 param + 4 grad + 8 Adam = 16 B/param).
-
-    "none" (DDP) 16Ψ, "optimizer" (ZeRO-1) 8Ψ + 8Ψ/N, "grad_op" (ZeRO-2) 4Ψ + 12Ψ/N,
-    "full" (ZeRO-3) 16Ψ/N; and the parameters alone: 4Ψ replicated, 4Ψ/N sharded — what a
-    rank must hold right after materialising its shards, before any gradient or optimizer.
-    """
-    for name, value in (("num_params", num_params), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: expected an int >= 1")
-    psi, n = float(num_params), float(world_size)
-    return {
-        "none": 16 * psi,
-        "optimizer": 8 * psi + 8 * psi / n,
-        "grad_op": 4 * psi + 12 * psi / n,
-        "full": 16 * psi / n,
-        "parameters_replicated": 4 * psi,
-        "parameters_sharded": 4 * psi / n,
-    }
-
-
 # -- counter-based deterministic init ---------------------------------------------------------
 
 _MASK32 = 0xFFFFFFFF

@@ -25,6 +25,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from fsdp_lab.sizes import byte_unit, format_bytes
+
 # One colour per memory category, the same in every figure so a reader learns them once.
 CATEGORY_COLORS: dict[str, str] = {
     "parameters": "#4C72B0",
@@ -36,30 +38,11 @@ CATEGORY_COLORS: dict[str, str] = {
 }
 KIND_COLORS: dict[str, str] = {"compute": "#4C72B0", "comm": "#DD8452"}
 _THEORY_COLORS = ["#2F2F2F", "#8C564B", "#17BECF", "#BCBD22", "#E377C2"]
-_BYTE_UNITS = [("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024), ("B", 1)]
 _MAX_MARKER_LABELS = 30
 _MARKER_LABEL_STYLE = {
     "rotation": 90, "va": "top", "ha": "right", "fontsize": 7, "color": "#333333",
     "bbox": {"facecolor": "white", "alpha": 0.6, "edgecolor": "none", "pad": 0.5},
 }  # fmt: skip
-
-
-def format_bytes(n: float) -> str:
-    """Human-readable binary size: ``format_bytes(1.5 * 2**20) == "1.50 MiB"``.
-
-    Args:
-        n: a number of bytes (may be negative or fractional).
-    """
-    name, scale = _byte_unit(abs(n))
-    return f"{n:.0f} B" if scale == 1 else f"{n / scale:.2f} {name}"
-
-
-def _byte_unit(max_bytes: float) -> tuple[str, int]:
-    """The largest binary unit in which `max_bytes` is at least 1 (B below 1 KiB)."""
-    for name, scale in _BYTE_UNITS:
-        if max_bytes >= scale:
-            return name, scale
-    return "B", 1
 
 
 def _format_value(v: float) -> str:
@@ -95,7 +78,7 @@ def plot_memory_trace(
         + [tr.get("peak_bytes", 0) for tr in traces]
         + list(theory.values())
     )
-    unit, scale = _byte_unit(largest)
+    unit, scale = byte_unit(largest)
 
     fig = Figure(figsize=(11, 1.0 + 2.6 * len(traces)), layout="constrained")
     axes = fig.subplots(len(traces), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
@@ -255,7 +238,7 @@ def plot_measured_vs_theory(
     ax.set_ylim(0, top * 1.25 if top > 0 else 1)  # headroom for value and ratio labels
     if ylabel == "bytes":
         # Ticks at round numbers of the chosen unit (4, 8, 12 MiB), not round numbers of bytes.
-        unit, scale = _byte_unit(top)
+        unit, scale = byte_unit(top)
         ticks = MaxNLocator(nbins=6).tick_values(0, top * 1.25 / scale) * scale
         ax.set_yticks(ticks[ticks <= top * 1.25])
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / scale:g} {unit}"))
@@ -404,7 +387,7 @@ def plot_rss_over_time(
         [max(rec["bytes"] or [0]) for per_rank in curves.values() for rec in per_rank]
         + list(theory.values())
     )
-    unit, scale = _byte_unit(largest)
+    unit, scale = byte_unit(largest)
     fig = Figure(figsize=(11, 1.2 + 2.8 * ranks), layout="constrained")
     axes = fig.subplots(ranks, 1, sharex=True, sharey=True, squeeze=False)[:, 0]
     colors = _THEORY_COLORS[1:] + _THEORY_COLORS[:1]

@@ -6,8 +6,9 @@
 - `apply_ddp`, `apply_fsdp1`, `apply_fsdp2`: PyTorch's own data parallelism on that model
   (`DistributedDataParallel`, `FullyShardedDataParallel`, `fully_shard`), wrapped with the same
   units as ours.
+- `single_process`: the run everything is compared with — one process, the whole batch.
 - `full_parameters`: every parameter by its original name, gathered to full size, whatever
-  wrapped the model — so two runs can be compared element by element.
+  wrapped the model — so two runs can be compared element by element (`max_abs_diff`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_lab.labs.model_spec import declared_vocab, vocab_size_of
+from fsdp_lab.model_spec import declared_vocab, vocab_size_of
 from fsdp_lab.models import synthetic_batch
 from fsdp_lab.trace import category, compute_span, mark
 
@@ -63,7 +64,7 @@ def train_steps(
 
     Token ids are drawn below `vocab_size`, by default `vocab_size_of(model)`: the model's
     ``vocab_size``, else its ``config.vocab_size`` (a wrapper that hides both, or a model that
-    declares neither, passes it: `fsdp_lab.labs.model_spec.check_model` measures it).
+    declares neither, passes it: `fsdp_lab.model_spec.check_model` measures it).
     """
     require_values(model)
     losses = []
@@ -90,6 +91,35 @@ def train_steps(
         if on_step is not None:
             on_step(step)
     return losses
+
+
+def single_process(
+    factory: Callable[[], nn.Module],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    steps: int,
+    *,
+    global_batch: int = 12,
+    vocab_size: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """`factory()` trained `steps` steps in this process on the whole global batch: the
+    reference every distributed run of the same model and data must reproduce.
+
+    Returns every parameter by name (a tied one under each of its names), detached copies.
+    """
+    model = factory()
+    optimizer = make_optimizer(model.parameters())
+    train_steps(model, optimizer, steps, global_batch=global_batch, vocab_size=vocab_size)
+    return {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest element-wise |a - b| over parameters with the same names (in float32).
+
+    Different name sets are an error, not a silent partial comparison.
+    """
+    if set(a) != set(b):
+        raise ValueError(f"parameter names differ: {sorted(set(a) ^ set(b))}")
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 def _keep_vocab(wrapper: nn.Module, model: nn.Module) -> None:

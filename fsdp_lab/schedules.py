@@ -18,7 +18,7 @@ through it with `torch.autograd.backward`, and hands the input gradient down.
 
 Units: *stored activations* = the most layer inputs alive at once (the chain input counts);
 *calls* = layer forward calls. Both are measured by forward hooks (`LayerInputCounter`) and
-must equal `theory(schedule, n)`. Bytes are measured by `MemoryTracker`, never derived.
+must equal `fsdp_lab.theory.checkpoint_cost(schedule, n)`. Bytes are measured by `MemoryTracker`, never derived.
 
 [Note: the last layer runs once] The output is first computed by the grad-mode run that
 starts the backward sweep, so no schedule forwards the last segment under no_grad just to see
@@ -129,7 +129,8 @@ def min_budget(n: int) -> int:
     return 1 if n == 1 else 2
 
 
-def _check_range(schedule: Schedule, n: int) -> None:
+def check_range(schedule: Schedule, n: int) -> None:
+    """A ValueError unless `schedule`'s argument fits a chain of `n` layers."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"a chain needs N >= 1 layers, got {n!r}")
     lo = min_budget(n) if schedule.name == "optimal" else 1
@@ -140,7 +141,7 @@ def _check_range(schedule: Schedule, n: int) -> None:
         )
 
 
-def _every_lengths(n: int, c: int) -> tuple[int, ...]:
+def every_lengths(n: int, c: int) -> tuple[int, ...]:
     starts = [i * n // c for i in range(c)] + [n]  # evenly spaced; the first is the input
     return tuple(b - a for a, b in zip(starts, starts[1:], strict=False))
 
@@ -180,14 +181,14 @@ def _revolve_plan(best: dict[tuple[int, int], tuple[int, int, int]], n: int, s: 
 
 def make_plan(schedule: Schedule, n: int) -> Plan:
     """The plan `run_chain` executes for `schedule` on a chain of `n` layers."""
-    _check_range(schedule, n)
+    check_range(schedule, n)
     name, arg = schedule.name, schedule.arg or 0
     if name == "store_all":
         return Tape(n)
     if name == "full_recompute":
         return Recompute(n)
     if name == "every":
-        lengths = _every_lengths(n, arg)
+        lengths = every_lengths(n, arg)
         return Sweep(lengths, tuple(Recompute(length) for length in lengths))
     if name == "segments":
         lengths = _segment_lengths(n, arg)
@@ -195,23 +196,10 @@ def make_plan(schedule: Schedule, n: int) -> Plan:
     return _revolve_plan(_revolve_table(n, arg), n, arg)
 
 
-def theory(schedule: Schedule, n: int) -> ScheduleCost:
-    """Predicted (stored activations, forward calls): closed forms, the DP for optimal."""
-    _check_range(schedule, n)
-    name, arg = schedule.name, schedule.arg or 0
-    if name == "store_all":
-        return ScheduleCost(n, n)
-    if name == "full_recompute":  # layer i: i no_grad calls to rebuild its input, 1 with grad
-        return ScheduleCost(min(n, 2), n * (n + 1) // 2)
-    if name == "every":  # sweep to the last checkpoint, then each part's full recompute
-        lengths = _every_lengths(n, arg)
-        calls = n - lengths[-1] + sum(length * (length + 1) // 2 for length in lengths)
-        return ScheduleCost(arg + 1 if arg < n else n, calls)
-    if name == "segments":  # checkpoints freed as their segment is done; one rerun each
-        n_seg = -(-n // arg)
-        return ScheduleCost(n_seg + arg - (2 if n % arg else 1), n + (n_seg - 1) * arg)
-    calls, stored, _ = _revolve_table(n, arg)[n, arg]
-    return ScheduleCost(stored, calls)
+def revolve_cost(n: int, budget: int) -> tuple[int, int]:
+    """(layer forward calls, most stored inputs) of revolve's optimal plan for `budget`."""
+    calls, stored, _ = _revolve_table(n, budget)[n, budget]
+    return calls, stored
 
 
 # -- the executor ------------------------------------------------------------------------------
@@ -370,7 +358,9 @@ def measure_schedule(
     with MemoryTracker() as mem:  # the tracker slows every op: time was taken without it
         run_chain(layers, x, schedule, **kwargs)
         activations = mem.trace()["bytes"]["activations"]  # a sample at every alloc and free
-    predicted = theory(schedule, len(layers))
+    from fsdp_lab.theory import checkpoint_cost
+
+    predicted = checkpoint_cost(schedule, len(layers))
     row: dict[str, Any] = {
         "schedule": str(schedule),
         "n": len(layers),

@@ -148,7 +148,7 @@ class CheckpointExplorer(_Explorer):
 
     A run builds a `Chain` of N layers, measures the chosen schedule and store-all with
     `schedules.measure_schedule` (peak activation bytes, layer calls and kept inputs beside
-    `schedules.theory`, gradients compared), then draws one forward+backward of each under a
+    `theory.checkpoint_cost`, gradients compared), then draws one forward+backward of each under a
     `MemoryTracker`, with a marker at every layer call. No ranks: everything runs here.
     """
 
@@ -204,7 +204,8 @@ class CheckpointExplorer(_Explorer):
 
         from fsdp_lab import schedules
         from fsdp_lab.models import Chain
-        from fsdp_lab.plots import format_bytes, plot_memory_trace
+        from fsdp_lab.plots import plot_memory_trace
+        from fsdp_lab.sizes import format_bytes
 
         n, chosen = self.n.value, self.current_schedule()
         torch.manual_seed(0)

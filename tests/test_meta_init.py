@@ -17,7 +17,6 @@ from fsdp_lab.meta_init import (
     build_on_meta,
     kaiming_on_a_shard_differs,
     meta_summary,
-    per_rank_model_state_bytes,
 )
 from fsdp_lab.models import Llama, LlamaConfig, llama_70b_config, llama_param_count
 
@@ -68,25 +67,6 @@ def test_llama_70b_builds_on_meta_without_host_memory():
     assert s["parameters"] == llama_param_count(llama_70b_config())
     assert s["parameter_bytes"] == 4 * s["parameters"]  # 282 GB it does not hold
     assert rss.growth_bytes < 200 * MB, rss.growth_bytes  # memory, not time: safe to assert
-
-
-def test_per_rank_model_state_bytes_follow_the_formulas():
-    psi, n = 1000, 4
-    b = per_rank_model_state_bytes(psi, n)
-    assert b == {
-        "none": 16000.0,
-        "optimizer": 8000.0 + 2000.0,
-        "grad_op": 4000.0 + 3000.0,
-        "full": 4000.0,
-        "parameters_replicated": 4000.0,
-        "parameters_sharded": 1000.0,
-    }
-    one = per_rank_model_state_bytes(psi, 1)  # one rank: every strategy is DDP
-    assert one["none"] == one["optimizer"] == one["grad_op"] == one["full"] == 16 * psi
-    with pytest.raises(ValueError, match="world_size"):
-        per_rank_model_state_bytes(psi, 0)
-    with pytest.raises(ValueError, match="num_params"):
-        per_rank_model_state_bytes(True, 2)
 
 
 # -- RssSampler ---------------------------------------------------------------------------------

@@ -10,9 +10,11 @@ import json
 import pytest
 from matplotlib.figure import Figure
 
+from fsdp_lab import models
 from fsdp_lab.labs import meta_init as lab
 from fsdp_lab.labs import meta_init_agree as agree
 from fsdp_lab.models import Llama, LlamaConfig
+from fsdp_lab.models.llama import MIN_LAYERS
 from fsdp_lab.sharding.flat_param import FILL_CHUNK
 
 CONFIG = lab.MetaInitConfig(world_size=2, model_mb=128, sizes_mb=(8, 16), seed=3)
@@ -66,7 +68,7 @@ def test_peak_during_shard_is_a_share_plus_one_unit_never_the_whole_model(result
     assert (
         result["full_model_bytes"]
         == full
-        == 4 * sum(p.numel() for p in Llama(agree.lab_llama(CONFIG.model_mb)).parameters())
+        == 4 * sum(p.numel() for p in Llama(models.lab_llama(CONFIG.model_mb)).parameters())
     )
     assert result["peak_bytes_per_rank"] == m["modes"]["meta_param_init_fn"]["peak_bytes"]
     extra = m["buffer_bytes"] + PADDING
@@ -169,14 +171,14 @@ def test_both_approaches_bitwise_equal_on_n_ranks(cluster_of, n):
 
 
 def test_lab_llama_sizes_and_units():
-    config = agree.lab_llama(1024)
-    assert config.dim == 1024 and config.n_layers >= agree.MIN_LAYERS
+    config = models.lab_llama(1024)
+    assert config.dim == 1024 and config.n_layers >= MIN_LAYERS
     for mb in (8, 16, 64, 256):
-        c = agree.lab_llama(mb)
-        sizes = agree.model_bytes(c)
-        assert sizes["parameter_bytes"] <= mb * agree.MiB
-        assert sizes["parameter_bytes"] > 0.5 * mb * agree.MiB
-    units = agree.lab_units(LlamaConfig(n_layers=2, tie_embeddings=True))
+        c = models.lab_llama(mb)
+        sizes = models.llama_bytes(c)
+        assert sizes["parameter_bytes"] <= mb * 2**20
+        assert sizes["parameter_bytes"] > 0.5 * mb * 2**20
+    units = models.lab_units(LlamaConfig(n_layers=2, tie_embeddings=True))
     assert units == ["layers.0", "layers.1", ("tok_embeddings", "output")]
 
 

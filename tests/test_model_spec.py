@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_lab import reference
-from fsdp_lab.labs.model_spec import (
+from fsdp_lab.model_spec import (
     VOCAB_ORDER,
     check_forward,
     check_model,

@@ -10,7 +10,6 @@ from matplotlib.figure import Figure
 from fsdp_lab.plots import (
     CATEGORY_COLORS,
     KIND_COLORS,
-    format_bytes,
     plot_measured_vs_theory,
     plot_memory_trace,
     plot_rank_contents,
@@ -18,6 +17,7 @@ from fsdp_lab.plots import (
     plot_timeline,
     save_figure,
 )
+from fsdp_lab.sizes import format_bytes
 
 MiB = 2**20
 CATS = list(CATEGORY_COLORS)

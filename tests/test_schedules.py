@@ -17,8 +17,8 @@ from fsdp_lab.schedules import (
     run_chain,
     segments,
     store_all,
-    theory,
 )
+from fsdp_lab.theory import checkpoint_cost as theory
 from fsdp_lab.trace.memory import MemoryTracker, category
 
 BATCH, DIM = 4, 8

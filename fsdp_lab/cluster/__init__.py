@@ -11,7 +11,7 @@ Modules, in the order a call travels:
     rank_main.py  the loop inside each rank
     output.py     ranks' stdout/stderr, live, as [rank r] lines
     where.py      rank(), world_size(), device() inside a rank
-    torchrun.py   AttachedCluster: the same interface under torchrun
+    torchrun.py   AttachedCluster: the same interface under torchrun; borrow() for labs
 """
 
 # First, before this package imports torch itself: the fork server starts importing torch in
@@ -23,12 +23,18 @@ launcher.warm_up()
 
 from fsdp_lab.cluster.driver import Cluster  # noqa: E402
 from fsdp_lab.cluster.protocol import RankError  # noqa: E402
-from fsdp_lab.cluster.torchrun import AttachedCluster, open_cluster, under_torchrun  # noqa: E402
+from fsdp_lab.cluster.torchrun import (  # noqa: E402
+    AttachedCluster,
+    borrow,
+    open_cluster,
+    under_torchrun,
+)
 from fsdp_lab.cluster.where import (  # noqa: E402
     BACKENDS,
     device,
     intra_op_threads,
     rank,
+    rank_threads,
     resolve_backend,
     world_size,
 )
@@ -38,10 +44,12 @@ __all__ = [
     "AttachedCluster",
     "Cluster",
     "RankError",
+    "borrow",
     "device",
     "intra_op_threads",
     "open_cluster",
     "rank",
+    "rank_threads",
     "resolve_backend",
     "under_torchrun",
     "world_size",

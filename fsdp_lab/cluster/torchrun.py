@@ -7,10 +7,11 @@ all-gathers every rank's result. Lab code written for `Cluster` runs unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -80,3 +81,23 @@ def open_cluster(
             )
         return cluster
     return Cluster(world_size, backend, timeout)
+
+
+@contextlib.contextmanager
+def borrow(
+    cluster: Cluster | AttachedCluster | None, world_size: int, backend: str = "auto"
+) -> Iterator[Cluster | AttachedCluster]:
+    """The cluster a lab runs on: the caller's, left running, or a new one closed on the way
+    out — after a failure or Ctrl-C too, so no rank outlives the call.
+
+        with borrow(cluster, config.world_size, config.backend) as c:
+            per_rank = c.run(worker, ...)
+    """
+    if cluster is not None:
+        yield cluster
+        return
+    owned = Cluster(world_size, backend)
+    try:
+        yield owned
+    finally:
+        owned.close()

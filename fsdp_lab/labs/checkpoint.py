@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from fsdp_lab import comm, reference, schedules
+from fsdp_lab import comm, reference, schedules, theory
 from fsdp_lab.checkpointing import CheckpointWrapper, checkpoint, run_segments
 from fsdp_lab.cluster import AttachedCluster, Cluster, intra_op_threads, rank, world_size
 from fsdp_lab.labs import LabResult
@@ -34,7 +34,7 @@ from fsdp_lab.trace import MemoryTracker, category
 def schedules_for(config: CheckpointConfig, n: int) -> list[schedules.Schedule]:
     root = max(1, round(math.sqrt(n)))
     k = config.segment or root
-    budget = config.budget or schedules.theory(schedules.segments(k), n).stored_activations
+    budget = config.budget or theory.checkpoint_cost(schedules.segments(k), n).stored_activations
     budget = max(schedules.min_budget(n), min(budget, n))
     return [
         schedules.store_all,
@@ -70,7 +70,7 @@ def measure_chain(config: CheckpointConfig, n: int) -> dict[str, Any]:
         got = grads[row["schedule"]]
         row["max_abs_grad_diff"] = max((got[k] - base[k]).abs().max().item() for k in base)
     frontier = [
-        asdict(schedules.theory(schedules.optimal(b), n)) | {"budget": b}
+        asdict(theory.checkpoint_cost(schedules.optimal(b), n)) | {"budget": b}
         for b in range(schedules.min_budget(n), n + 1)
     ]
     return {"n": n, "rows": rows, "frontier": frontier, "versus_torch": _versus_torch(config, n)}
@@ -243,7 +243,7 @@ def figures(result: LabResult) -> dict[str, Any]:
 
 
 def summary(result: LabResult) -> str:
-    from fsdp_lab.plots import format_bytes
+    from fsdp_lab.sizes import format_bytes
 
     lines = []
     for n, chain in result["chains"].items():

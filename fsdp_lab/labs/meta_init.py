@@ -20,9 +20,6 @@ FSDP1's ``param_init_fn`` / ``sync_module_states``, each step measured.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import gc
 import json
 import os
 import subprocess
@@ -35,18 +32,15 @@ from typing import Any
 import psutil
 import torch
 
-from fsdp_lab.cluster import AttachedCluster, Cluster, device
+from fsdp_lab import theory
+from fsdp_lab.cluster import AttachedCluster, Cluster, device, rank_threads
 from fsdp_lab.labs import LabResult
 from fsdp_lab.labs.meta_init_agree import (
     MiB,
     agreement_figure,
     agreement_notes,
     agreement_table,
-    lab_llama,
-    lab_units,
     measure_agreement,
-    model_bytes,
-    rank_threads,
     tie_worker,
 )
 from fsdp_lab.labs.meta_init_config import MODEL_MB, MetaInitConfig
@@ -55,11 +49,11 @@ from fsdp_lab.meta_init import (
     build_on_meta,
     kaiming_on_a_shard_differs,
     meta_summary,
-    per_rank_model_state_bytes,
 )
-from fsdp_lab.models import Llama, LlamaConfig, llama_70b_config
+from fsdp_lab.models import Llama, LlamaConfig, lab_llama, lab_units, llama_70b_config, llama_bytes
 from fsdp_lab.sharding import shard
 from fsdp_lab.trace import MemoryTracker, RssSampler
+from fsdp_lab.trace.rss import release_free_memory, thin_samples
 from fsdp_lab.wrap import build_plan, unit_sizes
 
 MODES = {  # how the host-memory picture builds and shards the model
@@ -113,36 +107,12 @@ def measure_70b() -> dict[str, Any]:
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     params = report["summary"]["parameters"]
     report["per_rank_model_state_bytes"] = {
-        str(n): per_rank_model_state_bytes(params, n) for n in WORLD_SIZES_70B
+        str(n): theory.zero_table(params, n) for n in WORLD_SIZES_70B
     }
     return report
 
 
 # -- 2. and 3. the host-memory picture and the peak per rank --------------------------------------
-
-
-def release_free_memory() -> None:
-    """Collect garbage and hand the C allocator's free pages back to the OS.
-
-    Memory freed by an earlier run stays resident in glibc's heap; a run reusing it would not
-    show in the resident memory at all. Trimmed first, every run starts from a clean baseline.
-    """
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS): nothing to trim
-        libc = ctypes.CDLL("libc.so.6")
-        # glibc raises its mmap threshold after the first large free, so later large blocks
-        # come from its heap, where a freed parameter between two live shards stays resident.
-        # Pinned at 1 MiB, every large tensor is its own mapping, returned when freed: the
-        # resident memory then shows what the mechanism holds, not the heap's history.
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-        libc.malloc_trim(0)
-
-
-def _thin(samples: list[tuple[float, int]], start: int, most: int = 400) -> dict[str, list]:
-    """At most `most` points, each the highest sample of its stretch: the peak survives."""
-    step = max(1, -(-len(samples) // most))
-    kept = [max(samples[i : i + step], key=lambda s: s[1]) for i in range(0, len(samples), step)]
-    return {"t": [t for t, _ in kept], "bytes": [b - start for _, b in kept]}
 
 
 def materialise_worker(llama: dict[str, Any], mode: str, seed: int) -> dict[str, Any]:
@@ -170,7 +140,7 @@ def materialise_worker(llama: dict[str, Any], mode: str, seed: int) -> dict[str,
     del model  # its shards go with it (a sharded model holds no hook on itself)
     return {
         "rss": {
-            **_thin(rss.samples, rss.start_bytes),
+            **thin_samples(rss.samples, rss.start_bytes),
             "marks": [{"t": t, "label": s, "bytes": b - rss.start_bytes} for t, s, b in rss.marks],
         },
         "rss_start_bytes": rss.start_bytes,
@@ -214,7 +184,7 @@ def measure_materialisation(
     with torch.device("meta"):
         meta = Llama(config)
     units = unit_sizes(build_plan(meta, lab_units(config)), meta)
-    sizes = model_bytes(config)
+    sizes = llama_bytes(config)
     full, largest = sizes["parameter_bytes"], 4 * max(units.values())
     return {
         "model": asdict(config),
@@ -303,7 +273,7 @@ def rss_figure(memory: dict[str, Any]) -> Any:
 
 def memory_table(memory: dict[str, Any]) -> str:
     """Markdown: per mode, rank 0's resident-memory growth, peak tensor bytes, theory, time."""
-    from fsdp_lab.plots import format_bytes as fb
+    from fsdp_lab.sizes import format_bytes as fb
 
     lines = [
         f"{memory['model_mb']} MiB Llama ({fb(memory['full_model_bytes'])} of parameters, "
@@ -332,7 +302,7 @@ def figures(result: LabResult) -> dict[str, Any]:
 
 
 def summary(result: LabResult) -> str:
-    from fsdp_lab.plots import format_bytes as fb
+    from fsdp_lab.sizes import format_bytes as fb
 
     lines = [f"meta-device init on {result['world_size']} ranks ({result['backend']})", ""]
     if result["seventy_b"]:

@@ -17,15 +17,10 @@ with `reference.full_parameters`) with a single process built the same way: for 
 ``manual_seed(seed); materialize(meta_model, units)``; for the slices,
 ``DeterministicInit(seed).init_module_(model)``. A control run — no broadcast, different seeds —
 shows that the check does catch ranks that disagree.
-
-This module also holds what both parts of the lab build: `lab_llama` (a Llama of a given size)
-and `lab_units` (its wrap plan).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from dataclasses import asdict
 from typing import Any
@@ -37,81 +32,21 @@ from fsdp_lab.cluster import (
     AttachedCluster,
     Cluster,
     device,
-    intra_op_threads,
     rank,
-    world_size,
+    rank_threads,
 )
 from fsdp_lab.meta_init import DeterministicInit
-from fsdp_lab.models import Llama, LlamaConfig, llama_config_of_bytes
+from fsdp_lab.models import Llama, LlamaConfig, lab_llama, lab_units, llama_bytes
 from fsdp_lab.sharding import shard
 from fsdp_lab.sharding.materialize import materialize
 from fsdp_lab.tying import record_ties, retie, verify_weight_tying
 
-MiB = 2**20
 APPROACHES = {
     "sync_module_states": "rank 0 initialises each unit, broadcasts it",
     "deterministic": "each rank computes its slice (DeterministicInit)",
 }
+MiB = 2**20
 CONTROL = "unsynced"  # ordinary init, every rank its own seed, no broadcast: must disagree
-
-# Widths from wide to narrow; `lab_llama` takes the widest that still gives >= 8 blocks, so a
-# model of any size is a deep stack of similar units (the largest unit stays a small share).
-_WIDTHS = (
-    {"dim": 1024, "n_heads": 16, "n_kv_heads": 4, "ffn_dim": 2816, "vocab_size": 32000},
-    {"dim": 512, "n_heads": 8, "n_kv_heads": 2, "ffn_dim": 1408, "vocab_size": 16000},
-    {"dim": 256, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 704, "vocab_size": 8000},
-    {"dim": 128, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 352, "vocab_size": 4000},
-)
-MIN_LAYERS = 8
-
-
-def lab_llama(model_mb: int) -> LlamaConfig:
-    """The Llama of about `model_mb` MiB of fp32 parameters the lab builds (untied head).
-
-    ``lab_llama(1024)``: dim 1024, 17 blocks, 257e6 parameters; ``lab_llama(256)``: dim 512,
-    17 blocks. Raises ValueError below the narrowest width's single block (about 5 MiB).
-    """
-    fits = []
-    for width in _WIDTHS:
-        with contextlib.suppress(ValueError):  # not even one block of this width fits
-            fits.append(llama_config_of_bytes(model_mb * MiB, **width))
-    if not fits:
-        raise ValueError(f"model_mb={model_mb}: too small for one Llama block; allowed >= 8")
-    deep = [c for c in fits if c.n_layers >= MIN_LAYERS]
-    return deep[0] if deep else fits[-1]
-
-
-def lab_units(config: LlamaConfig) -> list:
-    """One unit per block, the embedding and the head each their own (one joint unit if tied).
-
-    Left to the root unit, embedding + head would be the largest unit by far; split like this
-    the largest unit is the embedding: an eighth of the model at 256 MiB and at 1 GiB.
-    """
-    ends = [("tok_embeddings", "output")] if config.tie_embeddings else ["tok_embeddings", "output"]
-    return [f"layers.{i}" for i in range(config.n_layers)] + ends
-
-
-def rank_threads() -> contextlib.AbstractContextManager[None]:
-    """Intra-op threads for one rank: this machine's cores shared by the ranks (at least 1).
-
-    N ranks x torch's default thread count oversubscribe the cores, and OpenMP threads spinning
-    against each other made the slice initialiser 5-10x slower (measured on 2 cores).
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return intra_op_threads((cores or 1) // world_size())
-
-
-def model_bytes(config: LlamaConfig) -> dict[str, int]:
-    """Parameters, their fp32 bytes and the buffer bytes of `Llama(config)` (built on meta)."""
-    with torch.device("meta"):
-        model = Llama(config)
-    params = sum(p.numel() for p in model.parameters())
-    return {
-        "parameters": params,
-        "parameter_bytes": 4 * params,
-        "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
-    }
-
 
 # -- on every rank --------------------------------------------------------------------------------
 
@@ -231,7 +166,7 @@ def measure_size(
 ) -> dict[str, Any]:
     """Both approaches (and the control) on `lab_llama(model_mb)`: one row of the table."""
     config = lab_llama(model_mb)
-    sizes = model_bytes(config)
+    sizes = llama_bytes(config)
     row: dict[str, Any] = {"model_mb": model_mb, "model": asdict(config), **sizes}
     on = "cuda" if cluster.backend == "nccl" else "cpu"  # references where the ranks computed
     buffers = ordinary_buffers(config, on)
@@ -291,7 +226,7 @@ def agreement_figure(rows: list[dict[str, Any]]) -> Any:
     """Start-up time and bytes moved per rank against model size, one line per approach."""
     from matplotlib.figure import Figure
 
-    from fsdp_lab.plots import format_bytes
+    from fsdp_lab.sizes import format_bytes
 
     fig = Figure(figsize=(11, 4), layout="constrained")
     ax_time, ax_bytes = fig.subplots(1, 2)
@@ -324,7 +259,7 @@ def agreement_figure(rows: list[dict[str, Any]]) -> Any:
 
 def agreement_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: per size and approach, time, bytes moved (theory), bitwise and buffer checks."""
-    from fsdp_lab.plots import format_bytes as fb
+    from fsdp_lab.sizes import format_bytes as fb
 
     lines = [
         "| parameters | approach | time (slowest rank) | rank 0 in collectives "

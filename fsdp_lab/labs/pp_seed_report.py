@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp_lab import theory
 from fsdp_lab.labs import LabResult
 from fsdp_lab.labs.pp_seed_config import PPSeedConfig
 from fsdp_lab.pipeline import PipeGPT, PipeGPTConfig, stage_info
@@ -77,7 +78,9 @@ def analyse(
             "stages_distinct": row["overlap"]["stages_distinct"],
         }
         if strategy == "rng_replay":
-            row["theory_bytes_moved"] = config.dp * theory_handoffs * state_bytes
+            row["theory_bytes_moved"] = theory.rng_replay_bytes(
+                theory_handoffs, state_bytes, config.dp
+            )
         if strategy == "seed_checkpoint":
             row["checkpoint_file_bytes"] = inits[0]["checkpoint_file_bytes"]
         strategies[strategy] = row
@@ -366,7 +369,7 @@ def same_seed_figure(result: LabResult) -> Any:
 
 def results_table(result: LabResult) -> str:
     """One Markdown row per strategy: what the issue asks, measured."""
-    from fsdp_lab.plots import format_bytes
+    from fsdp_lab.sizes import format_bytes
 
     lines = [
         "| strategy | bitwise = unsplit | max abs diff | peak rank 0 | peak other ranks "
@@ -412,7 +415,7 @@ def overlap_table(result: LabResult) -> str:
 
 
 def summary(result: LabResult) -> str:
-    from fsdp_lab.plots import format_bytes
+    from fsdp_lab.sizes import format_bytes
 
     r = result
     lines = [

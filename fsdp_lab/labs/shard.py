@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from fsdp_lab import comm, reference
+from fsdp_lab import comm, reference, theory
 from fsdp_lab.cluster import AttachedCluster, Cluster, device, rank, world_size
 from fsdp_lab.labs import LabResult
-from fsdp_lab.labs.model_spec import check_on_rank0, load_factory
 from fsdp_lab.labs.shard_config import ShardConfig
+from fsdp_lab.model_spec import check_on_rank0, load_factory
 from fsdp_lab.sharding import ShardedOptimizer, shard, sharding_state
 from fsdp_lab.trace import MemoryTracker, Timeline
 
@@ -199,65 +199,6 @@ def _same_bytes(measured: dict[str, float], formula: dict[str, float]) -> bool:
     )
 
 
-def theory(strategy: str, units: list[dict[str, Any]], n: int) -> dict[str, Any]:
-    """DESIGN.md's per-rank formulas for this model: bytes per step per collective, peak state."""
-    b = units[0]["element_size"]
-    psi = sum(u["numel"] for u in units)
-    psi_padded = sum(u["padded_numel"] for u in units)
-    largest = max(u["padded_numel"] for u in units) * b
-    f = (n - 1) / n
-    if strategy == "none":
-        comm_bytes = {"all_reduce": 2 * f * psi * b}
-        unpadded = dict(comm_bytes)
-    else:
-        gathers = 2 if strategy == "full" else 1
-        comm_bytes = {
-            "all_gather_into_tensor": gathers * f * psi_padded * b,
-            "reduce_scatter_tensor": f * psi_padded * b,
-        }
-        unpadded = {
-            "all_gather_into_tensor": gathers * f * psi * b,
-            "reduce_scatter_tensor": f * psi * b,
-        }
-    # fp32 Adam: 4 B parameter + 4 B gradient + 8 B optimizer state per parameter.
-    peak = {
-        "none": 16 * psi,
-        "optimizer": 8 * psi + 8 * psi / n,
-        "grad_op": 4 * psi + 12 * psi / n,
-        "full": 16 * psi / n + (largest if n > 1 else 0),  # one rank gathers nothing
-    }[strategy]
-    return {
-        "psi": psi,
-        "psi_padded": psi_padded,
-        "bytes_per_element": b,
-        "largest_unit_bytes": largest,
-        "comm_bytes": comm_bytes,
-        "comm_bytes_unpadded": unpadded,
-        "peak_model_state_bytes": peak,
-    }
-
-
-def sharded_optimizer_theory(
-    owned_numel_per_rank: list[int], trainable_numel: int, b: int, optimizer: str, n: int
-) -> dict[str, Any]:
-    """DDP + ShardedOptimizer per rank and step, for the assignment the ranks made.
-
-    Optimizer state: K bytes per element owned (Adam: two moments, K = 2b; SGD: momentum,
-    K = b), so K·Ψ_r on rank r, against K·Ψ/N for a perfect split (parameters are not cut, so
-    the largest share is what a rank must hold). Bytes: DDP's all-reduce of every gradient,
-    2(N-1)/N·Ψ·b, plus one broadcast of every trainable parameter, Ψ·b on every rank — where
-    ZeRO-1 as a transformation (`theory`) moves 2(N-1)/N·Ψ·b in all.
-    """
-    psi, f = sum(owned_numel_per_rank), (n - 1) / n
-    k = 2 * b if optimizer == "adam" else b
-    return {
-        "optimizer_state_bytes_per_rank": [k * numel for numel in owned_numel_per_rank],
-        "optimizer_state_bytes_even_split": k * psi / n,
-        "largest_share_over_even_split": max(owned_numel_per_rank) / (psi / n),
-        "comm_bytes": {"all_reduce": 2 * f * psi * b, "broadcast": trainable_numel * b},
-    }
-
-
 def _sharded_optimizer_data(
     config: ShardConfig,
     ours: list[dict[str, Any]],
@@ -267,7 +208,7 @@ def _sharded_optimizer_data(
 ) -> dict[str, Any]:
     """The measured entry for DDP + ShardedOptimizer, beside strategy="optimizer"'s run."""
     first = runs[0]
-    th = sharded_optimizer_theory(
+    th = theory.sharded_optimizer_step(
         first["owned_numel_per_rank"],
         first["trainable_numel"],
         first["element_size"],
@@ -320,7 +261,8 @@ def run(
         if owned:
             cluster.close()
     single = _single_process(config, vocab)
-    th = theory(config.strategy, ours[0]["units"], n)
+    precision = theory.FP32_ADAM if config.optimizer == "adam" else theory.FP32_SGD
+    th = theory.sharding_step(config.strategy, ours[0]["units"], n, precision)
     data: dict[str, Any] = {
         "config": {**asdict(config), "world_size": n},
         "world_size": n,
@@ -380,7 +322,7 @@ def figures(result: LabResult) -> dict[str, Any]:
 
 
 def summary(result: LabResult) -> str:
-    from fsdp_lab.plots import format_bytes
+    from fsdp_lab.sizes import format_bytes
 
     lines = [
         f"strategy {result['strategy']} on {result['world_size']} ranks ({result['backend']})",
@@ -430,7 +372,7 @@ def summary(result: LabResult) -> str:
 def sharded_optimizer_table(result: LabResult) -> str:
     """Markdown: ZeRO-1 two ways, measured — `shard(strategy="optimizer")` and DDP +
     `ShardedOptimizer` — optimizer state per rank and bytes per step, with their formulas."""
-    from fsdp_lab.plots import format_bytes
+    from fsdp_lab.sizes import format_bytes
 
     so = result["sharded_optimizer"]
     th = so["theory"]

@@ -205,7 +205,7 @@ def peak_table(results: dict[str, Any], rank: int = 0) -> str:
     """Markdown: per run (`labs.shard.run` results by label), the categories at the moment
     the model state peaked on `rank`, the formula, and the last marker before that moment."""
     from fsdp_lab.labs.shard import MODEL_STATE
-    from fsdp_lab.plots import format_bytes
+    from fsdp_lab.sizes import format_bytes
 
     head = " | ".join(MODEL_STATE)
     lines = [f"| run | formula | measured | {head} | last event before |"]

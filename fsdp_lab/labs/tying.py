@@ -24,7 +24,6 @@ from fsdp_lab import reference
 from fsdp_lab.audit import audit_table, audit_worker, block_names, split_tie
 from fsdp_lab.cluster import AttachedCluster, Cluster, device, rank, world_size
 from fsdp_lab.labs import LabResult
-from fsdp_lab.labs.model_spec import check_on_rank0, load_factory
 from fsdp_lab.labs.shard import max_abs_diff
 from fsdp_lab.labs.tying_config import LAB_MODEL, TyingConfig
 from fsdp_lab.labs.tying_spike import (
@@ -38,6 +37,7 @@ from fsdp_lab.labs.tying_spike import (
     spike_bars,
     verdict,
 )
+from fsdp_lab.model_spec import check_on_rank0, load_factory
 from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.sharding import shard, sharding_state
 from fsdp_lab.tying import find_ties, record_ties, retie, untied_by_to_empty, verify_weight_tying
@@ -299,7 +299,7 @@ def figures(result: LabResult) -> dict[str, Any]:
 
 
 def summary(result: LabResult) -> str:
-    from fsdp_lab.plots import format_bytes
+    from fsdp_lab.sizes import format_bytes
 
     lines = [f"weight tying on {result['world_size']} ranks ({result['backend']})", ""]
     for spec, ties in result["ties"].items():

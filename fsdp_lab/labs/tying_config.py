@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_lab.labs.model_spec import load_factory
+from fsdp_lab.model_spec import load_factory
 
 LAB_MODEL = "fsdp_lab.models:tiny_gpt"
 _SIZES = {  # config field -> (CLI flag, what it is)

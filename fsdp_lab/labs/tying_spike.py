@@ -173,7 +173,7 @@ def spike_bars(spike: dict[str, Any]) -> Any:
 
 
 def verdict(root: int, joint: int) -> str:
-    from fsdp_lab.plots import format_bytes
+    from fsdp_lab.sizes import format_bytes
 
     if root == joint:
         return f"equal ({format_bytes(root)})"

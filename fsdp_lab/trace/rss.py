@@ -8,6 +8,9 @@ ordinary way (a spike the size of the model) and on meta, materialised shard by 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import threading
 import time
 
@@ -80,3 +83,27 @@ class RssSampler:
     @property
     def growth_bytes(self) -> int:
         return self.peak_bytes - self.start_bytes
+
+
+def release_free_memory() -> None:
+    """Collect garbage and hand the C allocator's free pages back to the OS.
+
+    Memory freed by an earlier run stays resident in glibc's heap; a run reusing it would not
+    show in the resident memory at all. Trimmed first, every run starts from a clean baseline.
+    """
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS): nothing to trim
+        libc = ctypes.CDLL("libc.so.6")
+        # glibc raises its mmap threshold after the first large free, so later large blocks
+        # come from its heap, where a freed parameter between two live shards stays resident.
+        # Pinned at 1 MiB, every large tensor is its own mapping, returned when freed: the
+        # resident memory then shows what the mechanism holds, not the heap's history.
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        libc.malloc_trim(0)
+
+
+def thin_samples(samples: list[tuple[float, int]], start: int, most: int = 400) -> dict[str, list]:
+    """At most `most` points, each the highest sample of its stretch: the peak survives."""
+    step = max(1, -(-len(samples) // most))
+    kept = [max(samples[i : i + step], key=lambda s: s[1]) for i in range(0, len(samples), step)]
+    return {"t": [t for t, _ in kept], "bytes": [b - start for _, b in kept]}

@@ -1,204 +1,17 @@
-"""Small teaching models: big enough to have the structure of a real one, small enough for a CPU.
-
-`TinyGPT` is a GPT-2-shaped decoder (token + position embedding, pre-norm blocks of causal
-self-attention and an MLP, final norm, language-model head) whose head weight **is** the
-token-embedding weight — the tied pair every wrap policy must respect. `MLPStack` is a plain
-chain of residual MLP blocks for labs that want no attention in the way. `Llama` has the shape of
-today's large models (RMSNorm, rotary positions, grouped-query attention, SwiGLU) for the
-meta-init lab; `llama_70b_config()` is Llama-3-70B, to be built on the meta device only.
-
-All three map token ids ``(B, T)`` (values < `vocab_size`) to logits ``(B, T, vocab_size)`` and
-never import `torch.distributed`: parallelism is applied from outside (torchtitan's rule).
+"""`Llama`: the shape of today's large models (RMSNorm, rotary positions, grouped-query
+attention, SwiGLU), the models meta-device init exists for; `llama_70b_config()` is
+Llama-3-70B, to be built on the meta device only; `lab_llama(mb)` the meta-init lab's model of
+a given size and `lab_units` its wrap plan.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """Args:
-    vocab_size: tokens in the vocabulary (rows of the tied embedding/head).
-    seq_len: longest sequence (rows of the position embedding).
-    dim: model width.
-    n_layers: transformer blocks.
-    n_heads: attention heads (must divide `dim`).
-    """
-
-    vocab_size: int = 64
-    seq_len: int = 16
-    dim: int = 32
-    n_layers: int = 4
-    n_heads: int = 4
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "dim", "n_layers", "n_heads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name}={value!r}: expected an int >= 1")
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, n_heads: int) -> None:
-        super().__init__()
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
-        shape = (B, T, self.n_heads, C // self.n_heads)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))  # (B, H, T, C/H)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(dim, 4 * dim)
-        self.proj = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)). The usual wrap unit."""
-
-    def __init__(self, dim: int, n_heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(dim)
-        self.attn = CausalSelfAttention(dim, n_heads)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp = MLP(dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class TinyGPT(nn.Module):
-    """A GPT with its language-model head tied to the token embedding (one shared Parameter)."""
-
-    def __init__(self, config: GPTConfig = GPTConfig()) -> None:
-        super().__init__()
-        self.config = config
-        self.vocab_size = config.vocab_size
-        self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
-        self.pos_emb = nn.Embedding(config.seq_len, config.dim)
-        self.blocks = nn.ModuleList(
-            Block(config.dim, config.n_heads) for _ in range(config.n_layers)
-        )
-        self.ln_f = nn.LayerNorm(config.dim)
-        self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight  # the tie: one Parameter, two owners
-        self.init_weights()
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """GPT-2 style: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layers)."""
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif p.dim() == 1:  # LayerNorm gains
-                p.fill_(1.0)
-            else:
-                std = 0.02 / math.sqrt(2 * self.config.n_layers) if "proj" in name else 0.02
-                p.normal_(0.0, std)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        B, T = idx.shape
-        pos = torch.arange(T, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))  # (B, T, V)
-
-
-class MLPBlock(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(dim)
-        self.mlp = MLP(dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.ln(x))
-
-
-class MLPStack(nn.Module):
-    """Embedding, `n_layers` residual MLP blocks, untied head: no attention, no tie."""
-
-    def __init__(self, vocab_size: int = 64, dim: int = 32, n_layers: int = 4) -> None:
-        super().__init__()
-        self.vocab_size = vocab_size
-        self.emb = nn.Embedding(vocab_size, dim)
-        self.blocks = nn.ModuleList(MLPBlock(dim) for _ in range(n_layers))
-        self.head = nn.Linear(dim, vocab_size)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)  # (B, T, V)
-
-
-def tiny_gpt(**overrides: int) -> TinyGPT:
-    """Factory for ``--model fsdp_lab.models:tiny_gpt`` (seeded, so every rank builds the same)."""
-    torch.manual_seed(0)
-    return TinyGPT(GPTConfig(**overrides))
-
-
-def synthetic_batch(
-    vocab_size: int, batch: int, seq_len: int, step: int, seed: int = 1234
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and next-token targets, the same on every rank for the same `step`."""
-    g = torch.Generator().manual_seed(seed + step)
-    tokens = torch.randint(0, vocab_size, (batch, seq_len + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-class ChainLayer(nn.Module):
-    """One link of a layer chain: x + dropout(gelu(W x)). Residual, so deep chains train."""
-
-    def __init__(self, dim: int, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(F.gelu(self.fc(x)))  # (B, dim)
-
-
-class Chain(nn.Module):
-    """N identical layers in a row: the textbook setting of activation checkpointing.
-
-    `layers[i]` maps (B, dim) -> (B, dim); each stores its input and its GELU input for
-    backward, so store-all memory grows linearly in N.
-    """
-
-    def __init__(self, n_layers: int = 8, dim: int = 64, dropout: float = 0.0) -> None:
-        super().__init__()
-        if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
-            raise ValueError(f"n_layers={n_layers!r}: expected an int >= 1")
-        self.layers = nn.ModuleList(ChainLayer(dim, dropout) for _ in range(n_layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-# -- Llama: the shape of the models that meta-device init exists for ----------------------------
 
 
 @dataclass(frozen=True)
@@ -469,3 +282,54 @@ def llama_config_of_bytes(target_bytes: int, **overrides: int | float | bool) ->
             "raise the target or pass a smaller dim / vocab_size"
         )
     return LlamaConfig(**{**base, "n_layers": int(n_layers)})
+
+
+# -- the meta-init lab's Llama of a given size ----------------------------------------------
+
+# Widths from wide to narrow; `lab_llama` takes the widest that still gives >= 8 blocks, so a
+# model of any size is a deep stack of similar units (the largest unit stays a small share).
+_WIDTHS = (
+    {"dim": 1024, "n_heads": 16, "n_kv_heads": 4, "ffn_dim": 2816, "vocab_size": 32000},
+    {"dim": 512, "n_heads": 8, "n_kv_heads": 2, "ffn_dim": 1408, "vocab_size": 16000},
+    {"dim": 256, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 704, "vocab_size": 8000},
+    {"dim": 128, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 352, "vocab_size": 4000},
+)
+MIN_LAYERS = 8
+
+
+def lab_llama(model_mb: int) -> LlamaConfig:
+    """The Llama of about `model_mb` MiB of fp32 parameters the lab builds (untied head).
+
+    ``lab_llama(1024)``: dim 1024, 17 blocks, 257e6 parameters; ``lab_llama(256)``: dim 512,
+    17 blocks. Raises ValueError below the narrowest width's single block (about 5 MiB).
+    """
+    fits = []
+    for width in _WIDTHS:
+        with contextlib.suppress(ValueError):  # not even one block of this width fits
+            fits.append(llama_config_of_bytes(model_mb * 2**20, **width))
+    if not fits:
+        raise ValueError(f"model_mb={model_mb}: too small for one Llama block; allowed >= 8")
+    deep = [c for c in fits if c.n_layers >= MIN_LAYERS]
+    return deep[0] if deep else fits[-1]
+
+
+def lab_units(config: LlamaConfig) -> list:
+    """One unit per block, the embedding and the head each their own (one joint unit if tied).
+
+    Left to the root unit, embedding + head would be the largest unit by far; split like this
+    the largest unit is the embedding: an eighth of the model at 256 MiB and at 1 GiB.
+    """
+    ends = [("tok_embeddings", "output")] if config.tie_embeddings else ["tok_embeddings", "output"]
+    return [f"layers.{i}" for i in range(config.n_layers)] + ends
+
+
+def llama_bytes(config: LlamaConfig) -> dict[str, int]:
+    """Parameters, their fp32 bytes and the buffer bytes of `Llama(config)` (built on meta)."""
+    with torch.device("meta"):
+        model = Llama(config)
+    params = sum(p.numel() for p in model.parameters())
+    return {
+        "parameters": params,
+        "parameter_bytes": 4 * params,
+        "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+    }

@@ -1,13 +1,10 @@
-"""Lab 00 — the four collectives every sharding scheme is made of, run on real ranks.
-
-Its config and command-line options, torch-free so that ``fsdp-lab --help`` stays fast;
-`fsdp_lab.labs.collectives` runs it.
-"""
+"""Lab 00 — the four collectives every sharding scheme is made of, run on real ranks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+OPS = ("broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 
 
 @dataclass(frozen=True)
@@ -31,10 +28,4 @@ class CollectivesConfig:
                 raise ValueError(f"{name}={value!r}: expected an int >= 1")
 
 
-def add_arguments(parser: Any) -> None:
-    parser.add_argument("--numel", type=int, default=None, help="float32 elements per shard")
-    parser.add_argument("--repeats", type=int, default=None, help="measured calls per op")
-
-
-def config_from_args(args: Any) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ("numel", "repeats") if getattr(args, k, None) is not None}
+CONFIG = CollectivesConfig

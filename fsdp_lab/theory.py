@@ -1,0 +1,262 @@
+"""Every formula the labs compare their measurements against, and nothing else.
+
+A lab measures (bytes counted at the collective call, storages the tracker saw, layer calls a
+hook counted) and then sets the number beside the formula from here; no lab keeps a private
+copy. Ψ is the number of parameters, N the ranks a tensor is sharded over, b bytes per element.
+
+Model state per rank (Rajbhandari et al. 2020, "ZeRO: memory optimizations toward training
+trillion parameter models", Section 3 and Table 1), with p bytes per parameter, g per gradient
+and K bytes of optimizer state per parameter (fp32 master weights counted in K):
+
+    "none"       DDP      (p + g + K)·Ψ
+    "optimizer"  ZeRO-1   (p + g)·Ψ + K·Ψ/N
+    "grad_op"    ZeRO-2   p·Ψ + (g + K)·Ψ/N
+    "full"       ZeRO-3   (p + g + K)·Ψ/N
+
+`Precision` turns dtypes into p, g, K: fp32 Adam (what the labs train) is p = g = 4, K = 8;
+the paper's mixed-precision Adam is p = g = 2 (fp16), K = 12 (fp32 master weights, momentum
+and variance). ``zero_table(7.5e9, 64, MIXED_ADAM)`` is the paper's Table 1 row: 120 GB ·
+31.4 GB · 16.6 GB · 1.88 GB.
+
+Collective bytes per rank and call, for the ring algorithms gloo and NCCL use: all-gather and
+reduce-scatter move (N−1)/N of the whole tensor, all-reduce twice that, broadcast the tensor
+once. FSDP per step: all-gather (N−1)/N·Ψ·b in forward and again in backward (ZeRO-3),
+reduce-scatter (N−1)/N·Ψ·b; DDP all-reduce 2(N−1)/N·Ψ·b.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+STRATEGIES = ("none", "optimizer", "grad_op", "full")  # DDP, ZeRO-1, ZeRO-2, ZeRO-3
+ZERO_NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "grad_op": "ZeRO-2", "full": "ZeRO-3"}
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 1, "sgd_plain": 0}  # tensors per parameter
+
+
+def _check_count(name: str, value: Any, low: float = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= low:
+        raise ValueError(f"{name}={value!r}: expected a number >= {low}")
+
+
+# -- model state -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtypes of a training setup, as the bytes per parameter of the ZeRO formulas.
+
+    Args:
+        param_dtype: the parameters the model computes with (p bytes each).
+        grad_dtype: the gradients (g bytes each).
+        optimizer: "adam"/"adamw" (two state tensors), "sgd" (momentum), "sgd_plain" (none).
+        state_dtype: the optimizer's state tensors.
+        master_weights: an fp32 copy of the parameters kept by the optimizer (mixed
+            precision): 4 more bytes of K.
+    """
+
+    param_dtype: str = "float32"
+    grad_dtype: str = "float32"
+    optimizer: str = "adam"
+    state_dtype: str = "float32"
+    master_weights: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "grad_dtype", "state_dtype"):
+            if getattr(self, name) not in DTYPE_BYTES:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r}: expected one of {sorted(DTYPE_BYTES)}"
+                )
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(
+                f"optimizer={self.optimizer!r}: expected one of {sorted(OPTIMIZER_STATES)}"
+            )
+
+    @property
+    def p(self) -> int:
+        """Bytes per parameter."""
+        return DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def g(self) -> int:
+        """Bytes per gradient element."""
+        return DTYPE_BYTES[self.grad_dtype]
+
+    @property
+    def k(self) -> int:
+        """Bytes of optimizer state per parameter (the paper's K), master weights included."""
+        states = OPTIMIZER_STATES[self.optimizer] * DTYPE_BYTES[self.state_dtype]
+        return states + (4 if self.master_weights else 0)
+
+
+FP32_ADAM = Precision()  # 4 + 4 + 8 = 16 B/param: what the labs train and measure
+FP32_SGD = Precision(optimizer="sgd")  # momentum: 4 + 4 + 4
+MIXED_ADAM = Precision("float16", "float16", "adam", "float32", master_weights=True)  # 2+2+12
+
+
+def model_state_bytes(
+    num_params: float, world_size: int, strategy: str, precision: Precision = FP32_ADAM
+) -> float:
+    """Per-rank bytes of parameters + gradients + optimizer state under `strategy`.
+
+    The largest gathered unit (ZeRO-3's transient full parameters) is not included:
+    `sharding` adds it for a concrete model.
+    """
+    _check_count("num_params", num_params)
+    _check_count("world_size", world_size)
+    if isinstance(world_size, float) and not world_size.is_integer():
+        raise ValueError(f"world_size={world_size!r}: expected an int >= 1")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}: expected one of {list(STRATEGIES)}")
+    psi, n, (p, g, k) = float(num_params), world_size, (precision.p, precision.g, precision.k)
+    return {
+        "none": (p + g + k) * psi,
+        "optimizer": (p + g) * psi + k * psi / n,
+        "grad_op": p * psi + (g + k) * psi / n,
+        "full": (p + g + k) * psi / n,
+    }[strategy]
+
+
+def zero_table(
+    num_params: float, world_size: int, precision: Precision = FP32_ADAM
+) -> dict[str, float]:
+    """`model_state_bytes` for every strategy, plus the parameters alone replicated and sharded
+    (what a rank holds right after materialising, before any gradient or optimizer state)."""
+    table = {s: model_state_bytes(num_params, world_size, s, precision) for s in STRATEGIES}
+    table["parameters_replicated"] = precision.p * float(num_params)
+    table["parameters_sharded"] = precision.p * float(num_params) / world_size
+    return table
+
+
+# -- collectives -------------------------------------------------------------------------------
+
+
+def collective_bytes(op: str, shard_bytes: float, world_size: int) -> float:
+    """Per-rank bytes of one ring collective whose per-rank shard is `shard_bytes`.
+
+    `op` is the `fsdp_lab.comm` name: broadcast and all_reduce move a tensor of `shard_bytes`;
+    all_gather_into_tensor / reduce_scatter_tensor have N·shard_bytes on the full side.
+    """
+    n = world_size
+    full = shard_bytes * n
+    formulas = {
+        "broadcast": float(shard_bytes) if n > 1 else 0.0,
+        "all_gather_into_tensor": (n - 1) / n * full,
+        "reduce_scatter_tensor": (n - 1) / n * full,
+        "all_reduce": 2 * (n - 1) / n * shard_bytes,
+    }
+    if op not in formulas:
+        raise ValueError(f"op={op!r}: expected one of {list(formulas)}")
+    return formulas[op]
+
+
+def sharding_step(
+    strategy: str, units: list[dict[str, Any]], world_size: int, precision: Precision = FP32_ADAM
+) -> dict[str, Any]:
+    """Bytes per rank and training step under `strategy` for a model cut into `units`, and the
+    peak model state (ZeRO-3: plus the largest gathered unit while it is live).
+
+    Args:
+        units: per wrap unit, "numel", "padded_numel" (rounded up to a multiple of N) and
+            "element_size" (b), as `fsdp_lab.shard` reports them.
+    """
+    n, b = world_size, units[0]["element_size"]
+    psi = sum(u["numel"] for u in units)
+    psi_padded = sum(u["padded_numel"] for u in units)
+    largest = max(u["padded_numel"] for u in units) * b
+    f = (n - 1) / n
+    if strategy == "none":
+        comm_bytes = {"all_reduce": 2 * f * psi * b}
+        unpadded = dict(comm_bytes)
+    else:
+        gathers = 2 if strategy == "full" else 1  # ZeRO-3 gathers again for backward
+        comm_bytes = {
+            "all_gather_into_tensor": gathers * f * psi_padded * b,
+            "reduce_scatter_tensor": f * psi_padded * b,
+        }
+        unpadded = {
+            "all_gather_into_tensor": gathers * f * psi * b,
+            "reduce_scatter_tensor": f * psi * b,
+        }
+    peak = model_state_bytes(psi, n, strategy, precision)
+    if strategy == "full" and n > 1:  # one rank gathers nothing
+        peak += largest
+    return {
+        "psi": psi,
+        "psi_padded": psi_padded,
+        "bytes_per_element": b,
+        "largest_unit_bytes": largest,
+        "comm_bytes": comm_bytes,
+        "comm_bytes_unpadded": unpadded,
+        "peak_model_state_bytes": peak,
+    }
+
+
+def sharded_optimizer_step(
+    owned_numel_per_rank: list[int],
+    trainable_numel: int,
+    element_size: int,
+    optimizer: str,
+    world_size: int,
+) -> dict[str, Any]:
+    """DDP + a sharded optimizer (ZeRO-1 as an optimizer) per rank and step.
+
+    Optimizer state K·Ψ_r on rank r for the Ψ_r elements it owns (Adam: K = 2b, SGD momentum:
+    K = b), against K·Ψ/N for a perfect split: parameters are not cut, so the largest share
+    is what a rank must hold. Bytes: DDP's all-reduce 2(N−1)/N·Ψ·b plus one broadcast of every
+    trainable parameter, Ψ·b on every rank — where ZeRO-1 as a transformation moves
+    2(N−1)/N·Ψ·b in all.
+    """
+    psi, n, b = sum(owned_numel_per_rank), world_size, element_size
+    k = OPTIMIZER_STATES[optimizer] * b
+    return {
+        "optimizer_state_bytes_per_rank": [k * numel for numel in owned_numel_per_rank],
+        "optimizer_state_bytes_even_split": k * psi / n,
+        "largest_share_over_even_split": max(owned_numel_per_rank) / (psi / n),
+        "comm_bytes": {
+            "all_reduce": collective_bytes("all_reduce", psi * b, n),
+            "broadcast": trainable_numel * b,
+        },
+    }
+
+
+# -- activation checkpointing -----------------------------------------------------------------
+
+
+def checkpoint_cost(schedule: Any, n: int) -> Any:
+    """Predicted (stored layer inputs, layer forward calls) of a `schedules.Schedule` on a
+    chain of `n` layers: closed forms, and the revolve dynamic programme for ``optimal``.
+
+        store_all       N stored, N calls
+        full_recompute  2 stored, N(N+1)/2 calls (layer i: i no-grad calls, 1 with grad)
+        every(C)        C+1 stored; the sweep to the last checkpoint, then each part recomputed
+        segments(k)     ⌈N/k⌉ + k − 1 (or −2) stored; N + (⌈N/k⌉ − 1)·k calls
+    """
+    from fsdp_lab import schedules  # torch: the schedules module runs chains
+
+    schedules.check_range(schedule, n)
+    name, arg = schedule.name, schedule.arg or 0
+    cost = schedules.ScheduleCost
+    if name == "store_all":
+        return cost(n, n)
+    if name == "full_recompute":
+        return cost(min(n, 2), n * (n + 1) // 2)
+    if name == "every":
+        lengths = schedules.every_lengths(n, arg)
+        calls = n - lengths[-1] + sum(length * (length + 1) // 2 for length in lengths)
+        return cost(arg + 1 if arg < n else n, calls)
+    if name == "segments":  # checkpoints freed as their segment is done; one rerun each
+        n_seg = -(-n // arg)
+        return cost(n_seg + arg - (2 if n % arg else 1), n + (n_seg - 1) * arg)
+    calls, stored = schedules.revolve_cost(n, arg)
+    return cost(stored, calls)
+
+
+# -- pipeline ------------------------------------------------------------------------------------
+
+
+def rng_replay_bytes(handoffs: int, generator_state_bytes: int, pipelines: int) -> int:
+    """RNG replay sends the generator's state at every change of owner along the init order:
+    `handoffs` messages of `generator_state_bytes` per pipeline."""
+    return pipelines * handoffs * generator_state_bytes

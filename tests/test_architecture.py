@@ -1,0 +1,133 @@
+"""The package's shape: no import cycles, mechanisms that know nothing of the labs, and text
+reports that do not pull in matplotlib."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_lab"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """fsdp_lab module -> the fsdp_lab modules it imports, anywhere in its body (a lazy import
+    inside a function is still a dependency)."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        edges: set[str] = set()
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's package
+                    package = name if is_package else name.rpartition(".")[0]
+                    for _ in range(node.level - 1):
+                        package = package.rpartition(".")[0]
+                    base = f"{package}.{base}".rstrip(".")
+                # `from pkg import sub` imports the submodule when there is one
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names
+                ]
+            else:
+                continue
+            edges |= {t for t in targets if t in paths and t != name}
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    sys.setrecursionlimit(10_000)
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _package_edges(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    # A package's __init__ re-exports its modules; edges into the package from its own modules
+    # are what a cycle through an __init__ looks like, so they stay.
+    return graph
+
+
+def test_the_import_graph_has_no_cycles():
+    graph = import_graph()
+    assert len(graph) > 50  # the walk found the package
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    # The control: a graph with a cycle is reported.
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+MECHANISMS = [
+    "fsdp_lab.comm",
+    "fsdp_lab.wrap",
+    "fsdp_lab.tying",
+    "fsdp_lab.checkpointing",
+    "fsdp_lab.schedules",
+    "fsdp_lab.meta_init",
+    "fsdp_lab.reference",
+    "fsdp_lab.theory",
+]
+
+
+@pytest.mark.parametrize("module", MECHANISMS)
+def test_mechanisms_do_not_import_the_labs(module):
+    graph = import_graph()
+    prefixes = ("fsdp_lab.sharding", "fsdp_lab.pipeline")
+    names = [module] + [m for m in graph if m.startswith(prefixes)]
+    for name in names:
+        assert not any(t.startswith("fsdp_lab.labs") for t in graph[name]), (name, graph[name])
+
+
+def test_text_reports_do_not_import_matplotlib():
+    code = (
+        "import sys; from fsdp_lab.labs.registry import LABS\n"
+        "for lab in LABS.values():\n"
+        "    lab.config_class\n"
+        "import fsdp_lab.sizes, fsdp_lab.theory\n"
+        "print('matplotlib' in sys.modules, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
