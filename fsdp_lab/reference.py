@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from fsdp_lab.model_spec import declared_vocab, vocab_size_of
 from fsdp_lab.models import synthetic_batch
+from fsdp_lab.sharding.state import sharding_state
 from fsdp_lab.trace import category, compute_span, mark
 
 
@@ -177,8 +178,7 @@ def apply_fsdp1(
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full-size copies of every parameter by original name (on CPU), whatever wrapped it."""
     require_values(model)
-    state = getattr(model, "_fsdp_lab_state", None)
-    if state is not None:  # ours
+    if sharding_state(model, required=False) is not None:  # ours
         from fsdp_lab.sharding.state_dict import full_state_dict
 
         names = _param_names(model)
@@ -201,8 +201,6 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _param_names(model: nn.Module) -> set[str]:
-    from fsdp_lab.sharding import sharding_state
-
     return {
         name for unit in sharding_state(model).units for names in unit.aliases for name in names
     }

@@ -158,7 +158,9 @@ def verify_weight_tying(model: nn.Module, ties: list[Tie] | None = None) -> list
     must hold it and all must be the very same tensor object. Right after `shard` no owner has
     the attribute yet, so only the segment check applies.
     """
-    state = getattr(model, "_fsdp_lab_state", None)
+    from fsdp_lab.sharding.state import sharding_state  # sharding imports this module
+
+    state = sharding_state(model, required=False)
     if ties is None:
         ties = recorded_ties(model)
         if not ties and state is None:

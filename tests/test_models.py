@@ -277,12 +277,22 @@ def test_llama_is_causal():
 
 
 def test_llama_position_matters_through_rope():
-    # No position embedding: only the rotation tells positions apart.
-    model = llama()
-    ids = torch.full((1, 6), 3)
+    # No position embedding: only the rotation tells positions apart. Without it, causal
+    # attention sees the prefix as a set, so the last position's logits cannot depend on the
+    # order of the earlier tokens; with it they must. One layer: in a deeper stack the earlier
+    # positions' own outputs already depend on the order (causal masking), rotation or not.
+    # (Identical tokens would prove nothing: every position then averages the same value
+    # vectors, rotation or not.)
+    model = llama(n_layers=1)
+    ids = torch.tensor([[5, 17, 3, 9, 11, 2]])
+    swapped = ids[:, [1, 0, 2, 3, 4, 5]]  # the first two tokens exchanged
     with torch.no_grad():
-        logits = model(ids)
-    assert not torch.allclose(logits[0, 1], logits[0, 5])
+        order_matters = (model(ids)[0, -1] - model(swapped)[0, -1]).abs().max().item()
+        model.rope.rope_cos.fill_(1.0)  # the control: every angle zero, no rotation
+        model.rope.rope_sin.zero_()
+        without_rope = (model(ids)[0, -1] - model(swapped)[0, -1]).abs().max().item()
+    assert without_rope < 1e-5, without_rope  # order-blind: only float rounding differs
+    assert order_matters > 1e-3, order_matters  # two orders of magnitude above that
 
 
 def test_llama_rotary_cache_is_non_persistent_and_rebuilt_after_to_empty():

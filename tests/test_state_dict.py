@@ -22,14 +22,9 @@ from fsdp_lab import Cluster, RankError, comm, rank, world_size
 from fsdp_lab.models import Block, TinyGPT, synthetic_batch, tiny_gpt
 from fsdp_lab.reference import train_steps
 from fsdp_lab.sharding import shard, sharding_state
-from fsdp_lab.sharding import state_dict as state_dict_module
-from fsdp_lab.sharding.state_dict import (
-    clip_grad_norm_,
-    full_state_dict,
-    load_full_state_dict,
-    load_sharded,
-    save_sharded,
-)
+from fsdp_lab.sharding import sharded_checkpoint as state_dict_module
+from fsdp_lab.sharding.sharded_checkpoint import load_sharded, save_sharded
+from fsdp_lab.sharding.state_dict import clip_grad_norm_, full_state_dict, load_full_state_dict
 
 
 def _sharded(strategy: str = "full", seed: int | None = None, buffers: bool = False):

@@ -1,5 +1,8 @@
 """`Cluster`: N live rank processes a notebook talks to, one `run` call at a time.
 
+(Over 400 lines on purpose: start, run, and the failure policy are one state machine — a
+rank dying, a timeout, Ctrl-C, a restart — and read best in one file, top to bottom.)
+
 Real distributed training runs one process per device. A notebook is a single process, so
 `Cluster` starts N rank processes (forked from `launcher`'s fork server), joins them into one
 process group, and keeps them alive. Each `cluster.run(fn, ...)` ships `fn` by value

@@ -1,23 +1,48 @@
 """FSDP / ZeRO from scratch: flat parameters, gather/free per unit, reduce-scatter, prefetch.
 
 Read in this order: `flat_param.py` (the storage), `unit.py` (one unit's step, hook by hook),
-`shard.py` (the entry point and strategies), `materialize.py` (meta models, unit by unit),
-`whole_view.py` (a model's own init code on its shards), `state_dict.py` (checkpoints, grad
-clipping); `sharded_optimizer.py` (ZeRO-1 as an optimizer beside DDP, PyTorch's
-ZeroRedundancyOptimizer).
+`state.py` (what the units share), `shard.py` (the entry point and strategies), `checks.py`
+(what shard refuses, before any message), `materialize.py` (meta models, unit by unit),
+`whole_view.py` (a model's own init code on its shards), `state_dict.py` (full checkpoints,
+grad clipping), `sharded_checkpoint.py` (crash-safe sharded checkpoints);
+`sharded_optimizer.py` (ZeRO-1 as an optimizer beside DDP, PyTorch's ZeroRedundancyOptimizer).
+
+[Note: our names in PyTorch's] The same lifecycle under three vocabularies, so that each lesson
+maps onto the code a learner meets next:
+
+    fsdp_lab                      FSDP1 (FullyShardedDataParallel)   FSDP2 (fully_shard)
+    ----------------------------  ---------------------------------  ---------------------------
+    unit (ShardedUnit)            FSDP instance / its handle         FSDPParamGroup (a module's
+                                  (FlatParamHandle)                  params), FSDPState per module
+    FlatParameter (flat_param.py) FlatParameter: one flat padded     no flat buffer: a DTensor per
+                                  1-D tensor per unit, shard r kept  parameter (FSDPParam), Shard(0)
+    per-parameter views           use_orig_params=True               the default (DTensor params)
+    ShardingState (state.py)      the root FSDP instance's state     FSDPState of the root module
+    strategy "full"/"grad_op"/    ShardingStrategy.FULL_SHARD /      reshard_after_forward=True /
+      "none"                        SHARD_GRAD_OP / NO_SHARD           False / (replicate / DDP)
+    reshard_after_forward         FULL_SHARD frees after forward     reshard_after_forward
+    unshard / reshard             _unshard / _reshard                unshard / reshard
+    finalize_backward             _post_backward_final_callback      finalize_backward (root's
+                                                                     _root_post_backward_final_
+                                                                     callback runs it per group)
+    prefetch (recorded order)     forward_prefetch / backward_       implicit prefetch of the next
+                                  prefetch=BACKWARD_PRE              group; set_modules_to_*_prefetch
+    TrainingState                 TrainingState / HandleTrainingState  TrainingState
+    MixedPrecision(param_dtype,   MixedPrecision(param_dtype,         MixedPrecisionPolicy(
+      reduce_dtype)                 reduce_dtype, buffer_dtype)         param_dtype, reduce_dtype)
+
+Where they differ in substance: FSDP1 flattens like we do (one all-gather per unit, views into
+it); FSDP2 keeps each parameter a DTensor sharded on dim 0 and copies into/out of a per-group
+all-gather buffer, which frees it from a flat parameter's restrictions (mixed requires_grad,
+per-parameter dtypes) at the cost of those copies.
 """
 
 from fsdp_lab.choices import SHARDING_STRATEGIES as STRATEGIES
-from fsdp_lab.sharding.shard import MixedPrecision, shard, sharding_state
+from fsdp_lab.sharding.shard import MixedPrecision, shard
+from fsdp_lab.sharding.sharded_checkpoint import CorruptCheckpointError, load_sharded, save_sharded
 from fsdp_lab.sharding.sharded_optimizer import ShardedOptimizer
-from fsdp_lab.sharding.state_dict import (
-    CorruptCheckpointError,
-    clip_grad_norm_,
-    full_state_dict,
-    load_full_state_dict,
-    load_sharded,
-    save_sharded,
-)
+from fsdp_lab.sharding.state import sharding_state
+from fsdp_lab.sharding.state_dict import clip_grad_norm_, full_state_dict, load_full_state_dict
 from fsdp_lab.sharding.whole_view import full_init
 
 __all__ = [

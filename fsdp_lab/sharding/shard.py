@@ -13,9 +13,9 @@ A model built on the meta device is materialised here, module by module in build
 rank ever holds it whole (`materialize.py`: ordinary init, each parameter into its shard as
 soon as it is initialised; or each shard generated directly).
 
-`ShardingState` is what the units share: the process group, the order units ran in (recorded
-on the first step, used to prefetch; a unit of several modules appears once per member call),
-and the end-of-backward callback that finishes the step.
+`ShardingState` (`state.py`) is what the units share: the process group, the order units ran
+in (recorded on the first step, used to prefetch), and the end-of-backward callback that
+finalizes every unit.
 
 Strategies (DESIGN.md, Ψ parameters, N ranks, fp32 Adam):
 
@@ -27,7 +27,6 @@ Strategies (DESIGN.md, Ψ parameters, N ranks, fp32 Adam):
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +37,7 @@ import torch.nn as nn
 
 from fsdp_lab import comm
 from fsdp_lab.choices import SHARDING_STRATEGIES as STRATEGIES
+from fsdp_lab.sharding.checks import check_model, check_units
 from fsdp_lab.sharding.flat_param import FlatParameter, SliceValues
 from fsdp_lab.sharding.materialize import (
     EMPTY,
@@ -49,18 +49,18 @@ from fsdp_lab.sharding.materialize import (
     to_empty_keeping_ties,
     walk_build_order,
 )
-from fsdp_lab.sharding.unit import ShardedUnit, TrainingState
+from fsdp_lab.sharding.state import ShardingState, attach_state
+from fsdp_lab.sharding.unit import ShardedUnit
 from fsdp_lab.sharding.whole_view import (
     WholeView,
     install_whole_views,
     remove_whole_views,
     whole_init_functions,
 )
-from fsdp_lab.tying import find_ties, record_ties, recorded_ties, verify_weight_tying
+from fsdp_lab.tying import record_ties, recorded_ties
 from fsdp_lab.wrap import Units, build_plan
 
 FLAT_PARAM = "flat_param"  # attribute of each unit module holding its shard
-PLANNED = ("hybrid", "hybrid_zero2")  # need a 2-D mesh: the HSDP lab
 
 
 @dataclass(frozen=True)
@@ -72,88 +72,6 @@ class MixedPrecision:
 
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype | None = torch.float32
-
-
-class ShardingState:
-    """What the units of one sharded model share."""
-
-    def __init__(
-        self, group: dist.ProcessGroup | None, world: int, rank: int, prefetch: bool, strategy: str
-    ) -> None:
-        self.group, self.world, self.rank = group, world, rank
-        self.prefetch, self.strategy = prefetch, strategy
-        self.units: list[ShardedUnit] = []
-        # Unit calls in the order of the first step (repeats: a group unit runs once per member).
-        self.forward_order: list[ShardedUnit] = []
-        self.backward_order: list[ShardedUnit] = []
-        self._forward_calls = 0  # calls so far in this step's forward
-        self._backward_calls = 0
-        self._forward_recorded = False
-        self._backward_recorded = False
-        self._backward_queued = False
-
-    @property
-    def root(self) -> ShardedUnit:
-        return self.units[0]
-
-    def begin_step(self) -> None:
-        """Root pre-forward: a new step. Shards may have changed (optimizer step)."""
-        if self.forward_order:
-            self._forward_recorded = True
-        self._forward_calls = 0
-        for unit in self.units:
-            unit.stale = True
-
-    def record_forward(self, unit: ShardedUnit) -> None:
-        if not self._forward_recorded:
-            self.forward_order.append(unit)
-        self._forward_calls += 1
-
-    def next_in_forward(self, unit: ShardedUnit) -> ShardedUnit | None:
-        if not self._forward_recorded:
-            return None
-        return _next_call(self.forward_order, self._forward_calls, unit)
-
-    def begin_backward(self, unit: ShardedUnit) -> None:
-        if not self._backward_queued:
-            # Runs once autograd has finished the whole backward pass.
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
-            self._backward_queued = True
-        if not self._backward_recorded:
-            self.backward_order.append(unit)
-        self._backward_calls += 1
-
-    def next_in_backward(self, unit: ShardedUnit) -> ShardedUnit | None:
-        if not self._backward_recorded:
-            return None
-        return _next_call(self.backward_order, self._backward_calls, unit)
-
-    def finish_backward(self) -> None:
-        """End of backward: ZeRO-1 reduces now; anything still gathered is freed."""
-        self._backward_queued = False
-        self._backward_calls = 0
-        if self.backward_order:
-            self._backward_recorded = True
-        for unit in reversed(self.units):
-            if unit._grad_ready:  # ZeRO-1 kept every full gradient until here
-                unit._grad_ready = False
-                unit.reduce_grad()
-            unit.wait_unshard()  # a prefetch whose backward never came
-            if unit.strategy.reshard_after_backward:
-                unit.reshard()
-            unit._use_sharded()  # views set by a pre-backward: the slices show again
-            unit.training_state = TrainingState.IDLE
-
-
-def _next_call(order: list[ShardedUnit], calls: int, unit: ShardedUnit) -> ShardedUnit | None:
-    """The unit of call number `calls` (0-based), if this step still follows the recorded order.
-
-    `unit` has just made call `calls - 1`; if the recording disagrees (the model took another
-    path this step), nothing is prefetched rather than the wrong unit.
-    """
-    if not 0 < calls < len(order) or order[calls - 1] is not unit:
-        return None
-    return order[calls]
 
 
 def _resolve_group(mesh: Any) -> tuple[dist.ProcessGroup | None, int, int]:
@@ -182,62 +100,6 @@ def _resolve_group(mesh: Any) -> tuple[dist.ProcessGroup | None, int, int]:
             f"every rank. Fix: init_device_mesh(device_type, ({world},)), or mesh=None"
         )
     return group, world, rank
-
-
-def _check_model(model: nn.Module, strategy: str) -> None:
-    if strategy in PLANNED:
-        raise ValueError(
-            f"strategy={strategy!r} needs a 2-D (replicate x shard) mesh and arrives with the "
-            f"HSDP lab; available now: {sorted(STRATEGIES)}"
-        )
-    if strategy not in STRATEGIES:
-        raise ValueError(
-            f"strategy={strategy!r} is not one of {sorted(STRATEGIES) + list(PLANNED)}"
-        )
-    if getattr(model, "_fsdp_lab_state", None) is not None:
-        raise ValueError("this model is already sharded; shard() applies once per model")
-    for name, module in model.named_modules():
-        root = getattr(module, "_fsdp_lab_sharded_in", None)
-        root = root() if root is not None else None
-        if root is not None or getattr(module, "_fsdp_lab_state", None) is not None:
-            inside = f"its submodule {name!r}" if name else "this module"
-            whole = type(root).__name__ if root is not None else type(module).__name__
-            raise ValueError(
-                f"{inside} is part of a {whole} that fsdp_lab.shard already sharded: its "
-                "parameters are views into that model's flat shards, and sharding them again "
-                "would shard slices of slices. Fix: shard the whole model once, naming the "
-                f"units you want, e.g. shard(model, units={{{type(module).__name__}}})"
-            )
-    params = list(model.named_parameters())
-    if not params:
-        raise ValueError("the model has no parameters: there is nothing to shard")
-
-    views = [t for t in find_ties(model) if t.kind == "storage"]
-    if views:
-        # Each Parameter becomes its own flat segment: two Parameters viewing one storage would
-        # get two copies, trained apart. Only one Parameter under several names stays one copy.
-        raise ValueError(
-            f"parameters {list(views[0].names)} are distinct Parameters sharing one storage "
-            "(a storage tie); shard() keeps one copy per Parameter object, so they would drift "
-            "apart. Fix: register the same nn.Parameter under both names (an identity tie), "
-            "e.g. `model.head.weight = model.tok_emb.weight`."
-        )
-    ties = recorded_ties(model)
-    broken = verify_weight_tying(model, ties) if ties else []
-    if broken:
-        raise ValueError(
-            "the model's recorded weight ties are broken (materialising from meta with "
-            "to_empty unties them): " + "; ".join(broken) + ". Fix: "
-            "fsdp_lab.tying.retie(model, fsdp_lab.tying.recorded_ties(model)) before shard()."
-        )
-    devices = {p.device for _, p in params}
-    if len(devices) > 1:
-        where = {str(d): next(n for n, p in params if p.device == d) for d in devices}
-        raise ValueError(
-            f"the model's parameters are on several devices, e.g. {where}: shard() takes a model "
-            "on one device (or entirely on meta, to materialise shard by shard). Fix: "
-            "model.to(device) — or build the whole model under torch.device('meta')"
-        )
 
 
 def _target_device(device: torch.device | str | None) -> torch.device:
@@ -298,10 +160,10 @@ def shard(
             parameter per unit, ``flat_param`` (FSDP1's default; the sharding lab draws it).
             See [Note: per-parameter views] in `fsdp_lab.sharding.unit`.
     """
-    _check_model(model, strategy)
+    check_model(model, strategy)
     group, world, rank = _resolve_group(mesh)
     plan = build_plan(model, units)  # every plan error is raised here, before any collective
-    on_meta = next(model.parameters()).is_meta  # one device: _check_model made sure
+    on_meta = next(model.parameters()).is_meta  # one device: check_model made sure
     if not on_meta and (param_init_fn is not None or shard_init is not None):
         what = "param_init_fn" if param_init_fn is not None else "shard_init"
         raise ValueError(
@@ -314,7 +176,7 @@ def shard(
             "shard_init and sync_module_states=True both make ranks agree; pick one "
             "(shard_init needs no communication)"
         )
-    _check_units(model, plan, use_orig_params)
+    check_units(model, plan, use_orig_params)
     if strategy == "none" and shard_init is None:
         sync_module_states = True  # DDP: every replica starts from rank 0's values
     target = _target_device(device) if on_meta else None
@@ -330,18 +192,18 @@ def shard(
     else:
         free_after = set(plan.units) if policy.reshard_after_forward else set()
 
-    state = ShardingState(group, world, rank, prefetch, strategy)
+    state = ShardingState(group=group, world=world, rank=rank, prefetch=prefetch, strategy=strategy)
     lookup = dict(model.named_parameters(remove_duplicate=False))
     mp = mixed_precision
     built: dict[str, _Built] = {}
 
     def flat_of(name: str, params: list[torch.Tensor], values: SliceValues | None) -> FlatParameter:
         return FlatParameter(
-            [r.name for r in plan.params[name]],
-            params,
-            rank if policy.sharded else 0,
-            world if policy.sharded else 1,
-            mp.param_dtype if mp else None,
+            names=[r.name for r in plan.params[name]],
+            params=params,
+            shard_rank=rank if policy.sharded else 0,
+            shard_size=world if policy.sharded else 1,
+            compute_dtype=mp.param_dtype if mp else None,
             template=next(iter(lookup.values())),
             values=values,
             device=target,
@@ -382,7 +244,7 @@ def shard(
             with torch.no_grad():
                 for b in model.buffers():
                     comm.broadcast(b, src=0, group=group)
-    for name in plan.units:  # root first: the order the hooks and `finish_backward` expect
+    for name in plan.units:  # root first: the order the hooks and `finalize_backward` expect
         b = built[name]
         modules = [model.get_submodule(m) for m in plan.members_of(name)]
         if not use_orig_params:
@@ -392,23 +254,20 @@ def shard(
             modules[0].register_parameter(FLAT_PARAM, b.flat.shard)  # a group: its first member
         state.units.append(
             ShardedUnit(
-                name,
-                modules,
-                b.flat,
-                b.owners,
-                b.aliases,
-                policy,
-                state,
-                name in free_after,
-                mp.reduce_dtype if mp else None,
-                b.params if use_orig_params else None,
-                b.frozen,
+                name=name,
+                modules=modules,
+                flat=b.flat,
+                owners=b.owners,
+                aliases=b.aliases,
+                strategy=policy,
+                state=state,
+                reshard_after_forward=name in free_after,
+                reduce_dtype=mp.reduce_dtype if mp else None,
+                params=b.params if use_orig_params else None,
+                frozen=b.frozen,
             )
         )
-    model._fsdp_lab_state = state
-    for module in model.modules():  # so that shard(model.blocks[0]) later is refused
-        if module is not model:
-            module._fsdp_lab_sharded_in = weakref.ref(model)
+    attach_state(model, state)
     return model
 
 
@@ -498,32 +357,6 @@ def _register_slices(
     return params
 
 
-def _check_units(model: nn.Module, plan: Any, use_orig_params: bool) -> None:
-    """One dtype per unit (one flat buffer); one `requires_grad` per unit for the flat view."""
-    for unit in plan.units:
-        named = [(r.name, model.get_parameter(r.name)) for r in plan.params[unit]]
-        dtypes = {p.dtype for _, p in named}
-        where = "the root unit" if unit == "" else f"unit {unit!r}"
-        if len(dtypes) > 1:
-            first = {d: next(n for n, p in named if p.dtype == d) for d in dtypes}
-            shown = ", ".join(f"{n!r} is {d}" for d, n in first.items())
-            raise ValueError(
-                f"{where} mixes parameter dtypes: {shown}. A unit is one flat buffer of one "
-                "dtype (fully_shard refuses this too). Fix: model.to(one_dtype) and "
-                "mixed_precision=MixedPrecision(...) for compute, or put the parameters of each "
-                "dtype in their own unit (units=[...])"
-            )
-        frozen = {p.requires_grad for _, p in named}
-        if not use_orig_params and len(frozen) > 1:
-            stiff = [n for n, p in named if not p.requires_grad]
-            raise ValueError(
-                f"{where} mixes frozen and trainable parameters (frozen: {stiff[:3]}"
-                f"{' ...' if len(stiff) > 3 else ''}), and with use_orig_params=False the unit "
-                "is one flat parameter with one requires_grad (FSDP1 refuses this too). Fix: "
-                "use_orig_params=True (the default), or put the frozen modules in their own unit"
-            )
-
-
 def _slice_values(
     model: nn.Module,
     refs: tuple,
@@ -544,11 +377,3 @@ def _slice_values(
         return shard_init.values(name, tuple(shape), start, end, dtype=dtypes[name], device=device)
 
     return values
-
-
-def sharding_state(model: nn.Module) -> ShardingState:
-    """The state `shard` attached to `model` (raises if the model is not sharded)."""
-    state = getattr(model, "_fsdp_lab_state", None)
-    if state is None:
-        raise ValueError("this model is not sharded: call fsdp_lab.shard(model, ...) first")
-    return state

@@ -59,7 +59,7 @@ from fsdp_lab.trace import category, mark
 from fsdp_lab.trace.timeline import active_timeline
 
 if TYPE_CHECKING:
-    from fsdp_lab.sharding.shard import ShardingState
+    from fsdp_lab.sharding.state import ShardingState
 
 
 class TrainingState(Enum):
@@ -74,6 +74,7 @@ class ShardedUnit:
 
     def __init__(
         self,
+        *,
         name: str,
         modules: list[nn.Module],
         flat: FlatParameter,
@@ -285,11 +286,24 @@ class ShardedUnit:
                 "compute", f"backward {self.label}", self._compute_start, time.perf_counter()
             )
         if self.strategy.reduce_at_end:
-            self._grad_ready = True  # ZeRO-1: reduced by finish_backward, all at once
+            self._grad_ready = True  # ZeRO-1: reduced by finalize_backward, all at once
             return
         self.reduce_grad()
         if self.strategy.reshard_after_backward:
             self.reshard()
+
+    def finalize_backward(self) -> None:
+        """The step's backward is over (FSDP2's ``FSDPParamGroup.finalize_backward``): ZeRO-1
+        reduces the gradient it kept whole until now; a prefetch whose backward never came is
+        waited for; the unit is resharded and its parameters show their slices again."""
+        if self._grad_ready:  # ZeRO-1 kept the full gradient until here
+            self._grad_ready = False
+            self.reduce_grad()
+        self.wait_unshard()
+        if self.strategy.reshard_after_backward:
+            self.reshard()
+        self._use_sharded()  # views set by a pre-backward: the slices show again
+        self.training_state = TrainingState.IDLE
 
     def reduce_grad(self) -> None:
         """Average the gradient over ranks into the shard's .grad; free the full gradient."""

@@ -198,7 +198,7 @@ def full_init(model: nn.Module) -> Iterator[None]:
         with full_init(model):
             model.init_weights()
     """
-    from fsdp_lab.sharding.shard import sharding_state
+    from fsdp_lab.sharding.state import sharding_state
 
     state = sharding_state(model)
     undo = install_whole_views(state.units)

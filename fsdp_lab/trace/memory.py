@@ -1,5 +1,8 @@
 """How many bytes does this rank hold right now, and what are they for? A live memory tracker.
 
+(Over 400 lines on purpose: the dispatch mode, storage lifetimes and the category rules
+are one mechanism; split, the reason a byte is counted would sit in another file.)
+
 A mechanism's own bookkeeping ("I freed the gathered buffer") can be wrong; the storages that
 really exist cannot. `MemoryTracker` measures memory the way PyTorch's own tools do
 (`torch.distributed._tools.mem_tracker`, `torch.cuda.memory._snapshot`): a `TorchDispatchMode`

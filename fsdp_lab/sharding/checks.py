@@ -1,0 +1,101 @@
+"""What `shard` refuses, and why — checked on every rank before any message is sent.
+
+A refusal after the first collective would leave the other ranks waiting in one; so every
+check here reads only this rank's model, which every rank built the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from fsdp_lab.choices import SHARDING_STRATEGIES as STRATEGIES
+from fsdp_lab.sharding.state import sharded_root, sharding_state
+from fsdp_lab.tying import find_ties, recorded_ties, verify_weight_tying
+
+PLANNED = ("hybrid", "hybrid_zero2")  # need a 2-D mesh: the HSDP lab
+
+
+def check_model(model: nn.Module, strategy: str) -> None:
+    """Refuse what cannot be sharded — an unknown strategy, a model (or part of one) sharded
+    already, storage ties, broken recorded ties, parameters on several devices — each with
+    the fix, before any rank sends a message."""
+    if strategy in PLANNED:
+        raise ValueError(
+            f"strategy={strategy!r} needs a 2-D (replicate x shard) mesh and arrives with the "
+            f"HSDP lab; available now: {sorted(STRATEGIES)}"
+        )
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"strategy={strategy!r} is not one of {sorted(STRATEGIES) + list(PLANNED)}"
+        )
+    if sharding_state(model, required=False) is not None:
+        raise ValueError("this model is already sharded; shard() applies once per model")
+    for name, module in model.named_modules():
+        root = sharded_root(module)
+        if root is not None or sharding_state(module, required=False) is not None:
+            inside = f"its submodule {name!r}" if name else "this module"
+            whole = type(root).__name__ if root is not None else type(module).__name__
+            raise ValueError(
+                f"{inside} is part of a {whole} that fsdp_lab.shard already sharded: its "
+                "parameters are views into that model's flat shards, and sharding them again "
+                "would shard slices of slices. Fix: shard the whole model once, naming the "
+                f"units you want, e.g. shard(model, units={{{type(module).__name__}}})"
+            )
+    params = list(model.named_parameters())
+    if not params:
+        raise ValueError("the model has no parameters: there is nothing to shard")
+
+    views = [t for t in find_ties(model) if t.kind == "storage"]
+    if views:
+        # Each Parameter becomes its own flat segment: two Parameters viewing one storage would
+        # get two copies, trained apart. Only one Parameter under several names stays one copy.
+        raise ValueError(
+            f"parameters {list(views[0].names)} are distinct Parameters sharing one storage "
+            "(a storage tie); shard() keeps one copy per Parameter object, so they would drift "
+            "apart. Fix: register the same nn.Parameter under both names (an identity tie), "
+            "e.g. `model.head.weight = model.tok_emb.weight`."
+        )
+    ties = recorded_ties(model)
+    broken = verify_weight_tying(model, ties) if ties else []
+    if broken:
+        raise ValueError(
+            "the model's recorded weight ties are broken (materialising from meta with "
+            "to_empty unties them): " + "; ".join(broken) + ". Fix: "
+            "fsdp_lab.tying.retie(model, fsdp_lab.tying.recorded_ties(model)) before shard()."
+        )
+    devices = {p.device for _, p in params}
+    if len(devices) > 1:
+        where = {str(d): next(n for n, p in params if p.device == d) for d in devices}
+        raise ValueError(
+            f"the model's parameters are on several devices, e.g. {where}: shard() takes a model "
+            "on one device (or entirely on meta, to materialise shard by shard). Fix: "
+            "model.to(device) — or build the whole model under torch.device('meta')"
+        )
+
+
+def check_units(model: nn.Module, plan: Any, use_orig_params: bool) -> None:
+    """One dtype per unit (one flat buffer); one `requires_grad` per unit for the flat view."""
+    for unit in plan.units:
+        named = [(r.name, model.get_parameter(r.name)) for r in plan.params[unit]]
+        dtypes = {p.dtype for _, p in named}
+        where = "the root unit" if unit == "" else f"unit {unit!r}"
+        if len(dtypes) > 1:
+            first = {d: next(n for n, p in named if p.dtype == d) for d in dtypes}
+            shown = ", ".join(f"{n!r} is {d}" for d, n in first.items())
+            raise ValueError(
+                f"{where} mixes parameter dtypes: {shown}. A unit is one flat buffer of one "
+                "dtype (fully_shard refuses this too). Fix: model.to(one_dtype) and "
+                "mixed_precision=MixedPrecision(...) for compute, or put the parameters of each "
+                "dtype in their own unit (units=[...])"
+            )
+        frozen = {p.requires_grad for _, p in named}
+        if not use_orig_params and len(frozen) > 1:
+            stiff = [n for n, p in named if not p.requires_grad]
+            raise ValueError(
+                f"{where} mixes frozen and trainable parameters (frozen: {stiff[:3]}"
+                f"{' ...' if len(stiff) > 3 else ''}), and with use_orig_params=False the unit "
+                "is one flat parameter with one requires_grad (FSDP1 refuses this too). Fix: "
+                "use_orig_params=True (the default), or put the frozen modules in their own unit"
+            )
