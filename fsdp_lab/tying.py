@@ -18,14 +18,14 @@ owner, and gives every owner the very same view when the unit is gathered.
 Why materialising from meta unties them: the usual large-model recipe is "build on meta,
 `to_empty`, `init_weights`" (torchtitan). `Module.to_empty` walks each module's own
 `_parameters` and, unless it can swap the storage into the existing object, puts a *new*
-Parameter in each owner's slot — two owners, two Parameters, no tie. `untied_by_to_empty`
-measures what the installed torch does (torch 2.13 CPU: untied). Hence: record the ties on meta, `retie` after `to_empty`, then
-initialise. Real FSDP2 leaves this to the user too (`model.tie_weights()` in Hugging Face).
+Parameter in each owner's slot — two owners, two Parameters, no tie (lab 03 measures what the
+installed torch does; torch 2.13 CPU: untied). Hence: record the ties on meta, `retie` after
+`to_empty`, then initialise. Real FSDP2 leaves this to the user too (`model.tie_weights()` in
+Hugging Face).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,34 +228,3 @@ def assert_tied(model: nn.Module, ties: list[Tie] | None = None) -> None:
     problems = verify_weight_tying(model, ties)
     if problems:
         raise ValueError("weight tying is broken:\n  " + "\n  ".join(problems))
-
-
-# -- the meta-device demonstration --------------------------------------------------------------
-
-
-def _holds(model: nn.Module, ties: list[Tie]) -> bool:
-    """Every name of every tie resolves to the first name's Parameter object."""
-    return all(
-        model.get_parameter(n) is model.get_parameter(t.names[0]) for t in ties for n in t.names
-    )
-
-
-def untied_by_to_empty(model_factory: Callable[[], nn.Module]) -> dict[str, Any]:
-    """Build on meta, record ties, `to_empty(device="cpu")`, retie: does the tie survive?
-
-    Returns a dict: "ties" (the names of each recorded tie), "tied_on_meta",
-    "tied_after_to_empty" and "tied_after_retie" (measured on this torch), and "torch".
-    """
-    with torch.device("meta"):
-        model = model_factory()
-    ties = record_ties(model)
-    result: dict[str, Any] = {
-        "torch": torch.__version__,
-        "ties": [t.names for t in ties],
-        "tied_on_meta": _holds(model, ties),
-    }
-    model.to_empty(device="cpu")
-    result["tied_after_to_empty"] = _holds(model, ties)
-    retie(model, recorded_ties(model))
-    result["tied_after_retie"] = _holds(model, ties)
-    return result

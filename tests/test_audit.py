@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 import fsdp_lab
-from fsdp_lab.audit import STAGES, SYSTEMS, _agree, audit_table, audit_worker
+from fsdp_lab.labs.tying.audit import STAGES, SYSTEMS, _agree, audit_worker
+from fsdp_lab.labs.tying.report import audit_table
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from fsdp_lab.tying import (
     record_ties,
     recorded_ties,
     retie,
-    untied_by_to_empty,
     verify_weight_tying,
 )
 
@@ -154,17 +153,6 @@ def test_verify_on_a_sharded_model_flags_a_tie_outside_one_segment(cluster_of):
 
     for problems in cluster_of(2).run(split_tie):
         assert len(problems) == 1 and "split over flat segments" in problems[0]
-
-
-def test_untied_by_to_empty_matches_a_direct_check():
-    result = untied_by_to_empty(tiny_gpt)
-    assert result["ties"] == [GPT_TIE]
-    assert result["tied_on_meta"] is True
-    with torch.device("meta"):
-        model = tiny_gpt()
-    model.to_empty(device="cpu")
-    assert result["tied_after_to_empty"] == (model.head.weight is model.tok_emb.weight)
-    assert result["tied_after_retie"] is True
 
 
 def test_shard_refuses_a_storage_tie_naming_both_parameters():

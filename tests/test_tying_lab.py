@@ -7,15 +7,19 @@ The lab runs with ``model=`` a tied Llama: its verification and audit are on tha
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from matplotlib.figure import Figure
 
-from fsdp_lab.audit import SYSTEMS as AUDIT_SYSTEMS
 from fsdp_lab.diagrams import Diagram
 from fsdp_lab.labs import tying as lab
-from fsdp_lab.models import GPTConfig, tied_llama, tiny_gpt
+from fsdp_lab.labs.tying.audit import SYSTEMS as AUDIT_SYSTEMS
+from fsdp_lab.labs.tying.config import LAB_MODEL, SPIKE_SYSTEMS, WRAPPINGS
+from fsdp_lab.labs.tying.measure import preflight
+from fsdp_lab.labs.tying.plans import tie_plans
+from fsdp_lab.models import tied_llama, tiny_gpt
 
 MODEL = "fsdp_lab.models:tied_llama"
 CONFIG = lab.TyingConfig(
@@ -49,7 +53,7 @@ def test_result_is_json_with_the_issue_keys(result):
 
 
 def test_ties_of_the_lab_model_and_of_a_given_model(result):
-    (tie,) = result["ties"][lab.LAB_MODEL]
+    (tie,) = result["ties"][LAB_MODEL]
     assert tie["names"] == ["tok_emb.weight", "head.weight"]
     assert tie["modules"] == ["tok_emb", "head"]
     assert tie["module_types"] == ["Embedding", "Linear"]
@@ -68,14 +72,19 @@ def test_the_plans_of_a_given_model_come_from_its_tie_and_its_blocks(result):
         "split_tie": ["output"],
     }
     assert result["model"] == MODEL and result["vocab_size"] == 64
-    # On TinyGPT they are the lab's own plans.
-    assert lab.tie_plans(tiny_gpt()) == lab.plans(GPTConfig().n_layers)
-    assert lab.tie_plans(tied_llama()) == result["tie_plans"]
+    # On TinyGPT: its blocks, and its embedding and head.
+    blocks = [f"blocks.{i}" for i in range(len(tiny_gpt().blocks))]
+    assert tie_plans(tiny_gpt()) == {
+        "root_unit": blocks,
+        "joint_unit": [*blocks, ["tok_emb", "head"]],
+        "split_tie": ["head"],
+    }
+    assert tie_plans(tied_llama()) == result["tie_plans"]
 
 
 def test_a_model_without_a_tie_is_refused_before_any_rank_starts():
     with pytest.raises(ValueError, match="the MLPStack has no tied parameters") as err:
-        lab.preflight(lab.TyingConfig(model="fsdp_lab.models:MLPStack"))
+        preflight(lab.TyingConfig(model="fsdp_lab.models:MLPStack"))
     assert str(err.value).startswith("--model 'fsdp_lab.models:MLPStack': ")
     assert "Fix: a model whose head shares the embedding's Parameter" in str(err.value)
 
@@ -101,7 +110,7 @@ def test_audit_has_every_system_and_ours_refuses_at_wrap(result):
 
 
 def test_tie_holds_after_shard_and_training_and_matches_one_process(result):
-    for name in lab.WRAPPINGS:
+    for name in WRAPPINGS:
         v = result["verification"][name]
         assert v["right_after_shard"] == [[], []]
         assert v["after_steps"] == [[], []]
@@ -114,6 +123,7 @@ def test_tie_holds_after_shard_and_training_and_matches_one_process(result):
 
 def test_to_empty_result_is_what_torch_does_and_shard_follows_it(result):
     te = result["to_empty"]
+    assert te["ties"] == [["tok_emb.weight", "head.weight"]] and te["tied_on_meta"] is True
     with torch.device("meta"):
         model = tiny_gpt()
     model.to_empty(device="cpu")
@@ -147,8 +157,8 @@ def test_root_unit_holds_the_tied_matrix_where_the_joint_unit_frees_it(result):
 
 def test_every_trace_peak_is_the_max_of_its_samples(result):
     spike = result["spike"]
-    for system in lab.SYSTEMS:
-        for w in lab.WRAPPINGS:
+    for system in SPIKE_SYSTEMS:
+        for w in WRAPPINGS:
             run = spike[system][w]
             for r, trace in enumerate(run["traces"]):
                 assert trace["peak_bytes"] == max(trace["total"]) == run["peak_bytes"][r]
@@ -175,8 +185,10 @@ def test_figures_are_plots_and_wrap_diagrams(result):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"world_size": 0}, "world_size=0 is out of range: allowed >= 1"),
-        ({"vocab": 0}, "vocab=0 is out of range: allowed an int >= 1"),
+        ({"world_size": 0}, "world_size=0 is out of range: allowed an int >= 1 (ranks)"),
+        ({"vocab": 0}, "vocab=0 is out of range: allowed an int >= 1 (rows of the tied"),
+        ({"vocab": 0}, "Fix: vocab=32768"),  # in Python terms; the CLI says --vocab 32768
+        ({"spike_steps": True}, "spike_steps=True is out of range"),
         ({"steps": -1}, "steps=-1 is out of range"),
         ({"dim": 30, "heads": 4}, "dim=30 is not divisible by heads=4"),
         ({"lr": 0.0}, "lr=0.0 is out of range: allowed a number > 0"),
@@ -184,6 +196,6 @@ def test_figures_are_plots_and_wrap_diagrams(result):
     ],
 )
 def test_bad_config_names_the_value_the_range_and_the_fix(kwargs, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")) as err:
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
         lab.TyingConfig(**kwargs)
     assert "Fix:" in str(err.value)

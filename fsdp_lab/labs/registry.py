@@ -57,7 +57,7 @@ _LABS: tuple[Lab, ...] = (
         "fsdp_lab.labs.checkpoint_config",
         "CheckpointConfig",
     ),
-    _FlatLab("tying", "fsdp_lab.labs.tying", "fsdp_lab.labs.tying_config", "TyingConfig"),
+    LabPackage("tying", "fsdp_lab.labs.tying"),
     _FlatLab(
         "meta-init", "fsdp_lab.labs.meta_init", "fsdp_lab.labs.meta_init_config", "MetaInitConfig"
     ),
