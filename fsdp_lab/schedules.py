@@ -17,8 +17,9 @@ through it with `torch.autograd.backward`, and hands the input gradient down.
                      calls that keep at most b layer inputs alive, by dynamic programming
 
 Units: *stored activations* = the most layer inputs alive at once (the chain input counts);
-*calls* = layer forward calls. Both are measured by forward hooks (`LayerInputCounter`) and
-must equal `fsdp_lab.theory.checkpoint_cost(schedule, n)`. Bytes are measured by `MemoryTracker`, never derived.
+*calls* = layer forward calls. Both are counted by forward hooks (`LayerInputCounter`) and
+must equal `fsdp_lab.theory.checkpoint_cost(schedule, n)`. Bytes are measured by `MemoryTracker`,
+never derived; timing and measuring a schedule is the lab's (`fsdp_lab.labs.checkpoint.measure`).
 
 [Note: the last layer runs once] The output is first computed by the grad-mode run that
 starts the backward sweep, so no schedule forwards the last segment under no_grad just to see
@@ -35,7 +36,6 @@ saved with each checkpoint (`preserve_rng_state` in `torch.utils.checkpoint`); n
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fsdp_lab.trace.memory import MemoryTracker, category
+from fsdp_lab.trace.memory import category
 
 SCHEDULES = ("store_all", "full_recompute", "every", "segments", "optimal")
 _ARG_NAME = {"every": "C", "segments": "k", "optimal": "budget"}
@@ -325,52 +325,3 @@ class LayerInputCounter:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-
-def measure_schedule(
-    layers: Sequence[nn.Module],
-    x: torch.Tensor,
-    schedule: Schedule,
-    *,
-    grad_output: torch.Tensor | None = None,
-    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    keep_grads: bool = False,
-    repeats: int = 3,
-) -> dict[str, Any]:
-    """Run `schedule` `repeats` times timed, then once under a `MemoryTracker`: one table row.
-
-    Parameter .grad are cleared before each run, so `grads` (with keep_grads) are one run's.
-    `time_s` is the fastest timed run: on a busy CPU, thread contention adds noise, never speed.
-    """
-    layers = list(layers)
-    params = {f"{i}.{name}": p for i, m in enumerate(layers) for name, p in m.named_parameters()}
-    kwargs = {"grad_output": grad_output, "loss_fn": loss_fn}
-    times = []
-    for _ in range(max(repeats, 1)):
-        for p in params.values():
-            p.grad = None
-        with LayerInputCounter(layers) as counter:
-            t0 = time.perf_counter()
-            run_chain(layers, x, schedule, **kwargs)
-            times.append(time.perf_counter() - t0)
-    for p in params.values():
-        p.grad = None
-    with MemoryTracker() as mem:  # the tracker slows every op: time was taken without it
-        run_chain(layers, x, schedule, **kwargs)
-        activations = mem.trace()["bytes"]["activations"]  # a sample at every alloc and free
-    from fsdp_lab.theory import checkpoint_cost
-
-    predicted = checkpoint_cost(schedule, len(layers))
-    row: dict[str, Any] = {
-        "schedule": str(schedule),
-        "n": len(layers),
-        "stored_activations": counter.stored_activations,
-        "forward_calls": counter.forward_calls,
-        "theory_stored_activations": predicted.stored_activations,
-        "theory_forward_calls": predicted.forward_calls,
-        "time_s": min(times),
-        "peak_activation_bytes": max(activations),
-    }
-    if keep_grads:
-        row["grads"] = {name: p.grad.detach().clone() for name, p in params.items()}
-    return row

@@ -146,8 +146,8 @@ def shard_explorer(
 class CheckpointExplorer(_Explorer):
     """Chain length, schedule and its argument for lab 02; measures it beside store-all.
 
-    A run builds a `Chain` of N layers, measures the chosen schedule and store-all with
-    `schedules.measure_schedule` (peak activation bytes, layer calls and kept inputs beside
+    A run builds a `Chain` of N layers, measures the chosen schedule and store-all with the
+    lab's `measure_schedules` (peak activation bytes, layer calls and kept inputs beside
     `theory.checkpoint_cost`, gradients compared), then draws one forward+backward of each under a
     `MemoryTracker`, with a marker at every layer call. No ranks: everything runs here.
     """
@@ -203,6 +203,7 @@ class CheckpointExplorer(_Explorer):
         from IPython.display import Markdown
 
         from fsdp_lab import schedules
+        from fsdp_lab.labs.checkpoint.measure import measure_schedules
         from fsdp_lab.models import Chain
         from fsdp_lab.plots import plot_memory_trace
         from fsdp_lab.sizes import format_bytes
@@ -211,11 +212,7 @@ class CheckpointExplorer(_Explorer):
         torch.manual_seed(0)
         chain, x = Chain(n, self.dim), torch.randn(self.batch, self.dim)  # x: (B, dim)
         runs = [schedules.store_all] + ([chosen] if chosen != schedules.store_all else [])
-        rows = [
-            schedules.measure_schedule(chain.layers, x, s, loss_fn=_mean_square, keep_grads=True)
-            for s in runs
-        ]
-        base = rows[0]["grads"]
+        rows = measure_schedules(chain, x, runs)  # gradients compared with store_all's
         lines = [
             f"**N = {n}** layers, dim {self.dim}, batch {self.batch}",
             "",
@@ -224,14 +221,12 @@ class CheckpointExplorer(_Explorer):
             "|---|---|---|---|---|---|",
         ]
         for row in rows:
-            diff = max((row["grads"][k] - base[k]).abs().max().item() for k in base)
             lines.append(
                 f"| {row['schedule']} | {format_bytes(row['peak_activation_bytes'])} "
                 f"| {row['forward_calls']} ({row['theory_forward_calls']}) "
                 f"| {row['stored_activations']} ({row['theory_stored_activations']}) "
-                f"| {row['time_s'] * 1e3:.1f} ms | {diff:.1e} |"
+                f"| {row['time_s'] * 1e3:.1f} ms | {row['max_abs_grad_diff']:.1e} |"
             )
-            del row["grads"]
         if len(rows) == 2:
             ratio = rows[1]["peak_activation_bytes"] / rows[0]["peak_activation_bytes"]
             calls = rows[1]["forward_calls"] / rows[0]["forward_calls"]

@@ -340,7 +340,7 @@ def test_a_unit_with_several_outputs_is_gathered_once_per_pass(cluster_of):
 
 
 def test_checkpointing_a_sharded_unit_costs_a_gather_only_across_units(cluster_of):
-    from fsdp_lab.labs.checkpoint import MODES, sharded_chain_worker
+    from fsdp_lab.labs.checkpoint.measure import MODES, sharded_chain_worker
 
     runs = {m: cluster_of(2).run(sharded_chain_worker, m, 4, 16, 2)[0] for m in MODES}
     gathers = {m: r["all_gather_calls_per_step"] for m, r in runs.items()}

@@ -51,12 +51,7 @@ class _FlatLab:
 _LABS: tuple[Lab, ...] = (
     LabPackage("collectives", "fsdp_lab.labs.collectives"),
     _FlatLab("shard", "fsdp_lab.labs.shard", "fsdp_lab.labs.shard_config", "ShardConfig"),
-    _FlatLab(
-        "checkpoint",
-        "fsdp_lab.labs.checkpoint",
-        "fsdp_lab.labs.checkpoint_config",
-        "CheckpointConfig",
-    ),
+    LabPackage("checkpoint", "fsdp_lab.labs.checkpoint"),
     LabPackage("tying", "fsdp_lab.labs.tying"),
     _FlatLab(
         "meta-init", "fsdp_lab.labs.meta_init", "fsdp_lab.labs.meta_init_config", "MetaInitConfig"

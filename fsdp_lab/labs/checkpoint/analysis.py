@@ -1,0 +1,79 @@
+"""Lab 02, the verdicts: counted calls and kept inputs against `theory.checkpoint_cost`, the
+optimal frontier they cannot cross, and the all-gathers a checkpoint's place costs under ZeRO-3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from fsdp_lab import theory
+from fsdp_lab.labs.checkpoint.config import CheckpointConfig
+
+# Per schedule, what the JSON's "schedules" table keeps of a measured row.
+COLUMNS = ("peak_activation_bytes", "forward_calls", "time_s", "max_abs_grad_diff")
+
+
+def frontier(n: int) -> list[dict[str, int]]:
+    """revolve's (kept inputs, calls) for every budget b: at most b inputs kept, no schedule
+    makes fewer calls — the line the measured schedules can reach but never cross."""
+    from fsdp_lab import schedules  # torch; the report of a saved result needs none
+
+    return [
+        asdict(theory.checkpoint_cost(schedules.optimal(b), n)) | {"budget": b}
+        for b in range(schedules.min_budget(n), n + 1)
+    ]
+
+
+def all_gathers_per_step(mode: str, units: int) -> int:
+    """ZeRO-3 gathers each unit for forward and again for backward. A checkpoint spanning a pair
+    of units reruns the first one's forward after it was freed: one more gather per pair."""
+    return 2 * units + (units // 2 if mode == "checkpoint_spans_two_units" else 0)
+
+
+def disagreements(result: dict[str, Any]) -> list[str]:
+    """Every count that differs from its theory, as a sentence; empty when all agree."""
+    out = []
+    for n, chain in result["chains"].items():
+        for r in chain["rows"]:
+            counted = (r["forward_calls"], r["stored_activations"])
+            predicted = (r["theory_forward_calls"], r["theory_stored_activations"])
+            if counted != predicted:
+                out.append(
+                    f"N={n} {r['schedule']}: (calls, kept inputs) {counted}, theory {predicted}"
+                )
+    for mode, s in (result["with_sharding"] or {}).items():
+        counted, predicted = s["all_gather_calls_per_step"], s["theory_all_gather_calls_per_step"]
+        if counted != predicted:
+            out.append(f"{mode}: {counted:g} all-gathers per step, theory {predicted}")
+    return out
+
+
+def analyse(config: CheckpointConfig, measured: dict[str, Any]) -> dict[str, Any]:
+    """The measured rows and runs -> the lab's result (JSON types only)."""
+    chains = {}
+    for n, c in measured["chains"].items():
+        v = c["versus_torch"]
+        ratio = v["ours_peak_activation_bytes"] / v["torch_peak_activation_bytes"]  # 1: same bytes
+        chains[n] = {
+            "n": int(n),
+            "rows": c["rows"],
+            "frontier": frontier(int(n)),
+            "versus_torch": v | {"peak_ratio_ours_to_torch": ratio},
+        }
+    sharding = measured["with_sharding"]
+    if sharding is not None:
+        sharding = {
+            mode: s | {"theory_all_gather_calls_per_step": all_gathers_per_step(mode, s["units"])}
+            for mode, s in sharding.items()
+        }
+    return {
+        "config": asdict(config),
+        "chains": chains,
+        "schedules": {
+            n: {r["schedule"]: {k: r[k] for k in COLUMNS} for r in c["rows"]}
+            for n, c in chains.items()
+        },
+        "with_sharding": sharding,
+        "memory_traces": measured["memory_traces"],
+    }

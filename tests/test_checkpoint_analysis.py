@@ -1,0 +1,144 @@
+"""Lab 02's analysis and report without ranks or timing: a hand-built measurement in, verdicts,
+tables and figure stems out — and a miscounted call or all-gather is caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_lab import schedules, theory
+from fsdp_lab.labs.checkpoint import CheckpointConfig
+from fsdp_lab.labs.checkpoint.analysis import (
+    COLUMNS,
+    all_gathers_per_step,
+    analyse,
+    disagreements,
+    frontier,
+)
+from fsdp_lab.labs.checkpoint.config import MODES
+from fsdp_lab.labs.checkpoint.report import figures, summary
+from fsdp_lab.labs.contract import LabResult
+from fsdp_lab.trace import MemoryTracker, category
+
+N = 4
+SCHEDULES = [
+    schedules.store_all,
+    schedules.full_recompute,
+    schedules.every(2),
+    schedules.segments(2),
+    schedules.optimal(3),
+]
+
+
+def _row(schedule: schedules.Schedule) -> dict:
+    """A row as measure_schedule makes it, counted exactly as the theory says."""
+    cost = theory.checkpoint_cost(schedule, N)
+    return {
+        "schedule": str(schedule),
+        "n": N,
+        "stored_activations": cost.stored_activations,
+        "forward_calls": cost.forward_calls,
+        "theory_stored_activations": cost.stored_activations,
+        "theory_forward_calls": cost.forward_calls,
+        "time_s": 1e-3 * cost.forward_calls,
+        "peak_activation_bytes": 1024 * cost.stored_activations,
+        "max_abs_grad_diff": 0.0,
+    }
+
+
+def _trace() -> dict:
+    with MemoryTracker() as mem, category("activations"):
+        x = torch.ones(256)
+        del x
+    return mem.trace()
+
+
+def measured(sharding: bool = True) -> dict:
+    """What measure() returns for layers=(4,): every count equal to its theory."""
+    gathers = {"plain": 8, "unit_wraps_checkpoint": 8, "checkpoint_spans_two_units": 10}
+    return {
+        "chains": {
+            str(N): {
+                "rows": [_row(s) for s in SCHEDULES],
+                "versus_torch": {
+                    "k": 2,
+                    "store_all_peak_activation_bytes": 4096,
+                    "ours_peak_activation_bytes": 3000,
+                    "torch_peak_activation_bytes": 2000,
+                    "max_abs_grad_diff_ours_vs_torch": 0.0,
+                },
+            }
+        },
+        "memory_traces": {"store_all": _trace(), "segments(2)": _trace()},
+        "with_sharding": {
+            m: {
+                "units": 4,
+                "all_gather_calls_per_step": float(gathers[m]),
+                "all_gather_bytes_per_step": 256.0 * gathers[m],
+                "max_abs_param_diff_vs_plain": 0.0,
+            }
+            for m in MODES
+        }
+        if sharding
+        else None,
+    }
+
+
+CONFIG = CheckpointConfig(layers=(N,), world_size=2)
+
+
+def test_counts_equal_to_theory_give_no_disagreement_and_the_cli_keys():
+    result = analyse(CONFIG, measured())
+    assert set(result) == {"config", "chains", "schedules", "with_sharding", "memory_traces"}
+    assert disagreements(result) == []
+    assert summary(LabResult("checkpoint", result)).endswith("every count equals its theory")
+    table = result["schedules"]["4"]
+    assert list(table) == ["store_all", "full_recompute", "every(2)", "segments(2)", "optimal(3)"]
+    assert all(set(columns) == set(COLUMNS) for columns in table.values())
+    assert table["full_recompute"]["forward_calls"] == 10  # N(N+1)/2
+    assert result["chains"]["4"]["versus_torch"]["peak_ratio_ours_to_torch"] == 1.5
+
+
+@pytest.mark.parametrize("field", ["forward_calls", "stored_activations"])
+def test_a_miscounted_schedule_is_named(field):
+    data = measured()
+    data["chains"]["4"]["rows"][3][field] += 1  # segments(2) counted one too many
+    result = analyse(CONFIG, data)
+    (line,) = disagreements(result)
+    assert line.startswith("N=4 segments(2):")
+    text = summary(LabResult("checkpoint", result))
+    assert "differs from the theory:" in text and "- N=4 segments(2)" in text
+
+
+def test_the_extra_all_gather_of_a_checkpoint_across_units_is_the_theory():
+    assert [all_gathers_per_step(m, 4) for m in MODES] == [8, 8, 10]
+    assert all_gathers_per_step("checkpoint_spans_two_units", 6) == 15
+    data = measured()
+    # As if the recompute found the first unit still gathered: no extra all-gather counted.
+    data["with_sharding"]["checkpoint_spans_two_units"]["all_gather_calls_per_step"] = 8.0
+    result = analyse(CONFIG, data)
+    assert (
+        result["with_sharding"]["checkpoint_spans_two_units"]["theory_all_gather_calls_per_step"]
+        == 10
+    )
+    assert disagreements(result) == [
+        "checkpoint_spans_two_units: 8 all-gathers per step, theory 10"
+    ]
+
+
+def test_the_frontier_runs_from_two_slots_to_store_all():
+    front = frontier(8)
+    assert [f["budget"] for f in front] == list(range(2, 9))
+    assert all(f["stored_activations"] <= f["budget"] for f in front)
+    calls = [f["forward_calls"] for f in front]
+    assert calls == sorted(calls, reverse=True)  # more memory never costs calls
+    assert calls[0] == 8 * 9 // 2 - 1 and calls[-1] == 8  # full recompute minus one; store-all
+    assert analyse(CONFIG, measured())["chains"]["4"]["frontier"] == frontier(4)
+
+
+def test_without_ranks_the_report_has_no_sharded_part_and_the_same_figure_stems():
+    result = LabResult("checkpoint", analyse(CONFIG, measured(sharding=False)))
+    assert result["with_sharding"] is None
+    text = summary(result)
+    assert "ZeRO-3" not in text and "| segments(2) | 3.00 KiB | 6 (6) | 3 (3) |" in text
+    assert set(figures(result)) == {"memory_vs_compute", "trace_store_all", "trace_segments_2"}
