@@ -101,7 +101,10 @@ def test_tour_runs_every_lab_with_progress_and_summary(tmp_path):
         (["meta-init", "--model-mb", "4"], "--model-mb 4 is out of range: allowed an int in 8.."),
         (["meta-init", "--sizes-mb", "16", "0"], "--sizes-mb 16 0 is out of range"),
         (["meta-init", "--model", "m:f"], "--model is not used by this lab"),
-        (["pp-seed", "--stages", "5", "--layers", "4"], "--stages 5 is out of range for --layers 4"),
+        (
+            ["pp-seed", "--stages", "5", "--layers", "4"],
+            "--stages 5 is out of range for --layers 4",
+        ),
         (["pp-seed", "--stages", "2", "--world-size", "3"], "2 does not divide --world-size 3"),
         (["pp-seed", "--strategies", "replay"], "strategy 'replay' is unknown: allowed"),
         (["pp-seed", "--model", "m:f"], "--model is not used by this lab"),
