@@ -366,7 +366,8 @@ class PPSeedExplorer(_Explorer):
         from IPython.display import Markdown
 
         from fsdp_lab.diagrams import pipeline_diagram
-        from fsdp_lab.labs import pp_seed, pp_seed_report
+        from fsdp_lab.labs import pp_seed
+        from fsdp_lab.labs.pp_seed import report
 
         s, strategy = self.stages.value, self.strategy.value
         try:
@@ -384,11 +385,11 @@ class PPSeedExplorer(_Explorer):
         display(pipeline_diagram(config.gpt(), s, strategy=strategy))
         result = pp_seed.run(config, cluster=self.cluster(s))
         self.last_result = result
-        tables = [pp_seed_report.results_table(result), pp_seed_report.overlap_table(result)]
+        tables = [report.results_table(result), report.overlap_table(result)]
         display(Markdown("\n\n".join(tables)))
-        display(pp_seed_report.loss_figure(result))
+        display(report.loss_figure(result))
         if strategy == "same_seed" and s > 1:
-            display(pp_seed_report.same_seed_figure(result))
+            display(report.same_seed_figure(result))
 
 
 def pp_seed_explorer(

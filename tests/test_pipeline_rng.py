@@ -15,16 +15,27 @@ import torch.nn as nn
 from foreign_models import FACTORIES, N_LAYERS, TitanLlama, reference_init, torch_sequential
 
 import fsdp_lab
-from fsdp_lab import Cluster, RankError, reference
+from fsdp_lab import Cluster, RankError, comm, reference
 from fsdp_lab.models import Llama
 from fsdp_lab.pipeline import plan_stages, train_pipeline
 from fsdp_lab.pipeline.init_order import model_init
 from fsdp_lab.pipeline.model import PipeGPT, PipeGPTConfig
 from fsdp_lab.pipeline.rng import STRATEGIES, init_stage, record_init_order
 from fsdp_lab.pipeline.stages import stage_info
+from fsdp_lab.trace import MemoryTracker
 
 CONFIG = PipeGPTConfig(vocab_size=64, dim=32, n_layers=6, n_heads=4, seq_len=16)
 SEED = 1234
+
+
+def _counted_init(*args, **kwargs) -> tuple[nn.Module, dict]:
+    """`init_stage` under a CommLog and a MemoryTracker: the stage, the bytes this rank sent (a
+    recv is the other end of a send), its messages (sends, recvs, broadcasts) and peak bytes."""
+    with comm.CommLog() as log, MemoryTracker() as mem:
+        model = init_stage(*args, **kwargs)
+    by_op = log.bytes_by_op()
+    sent = by_op.get("send", 0) + by_op.get("broadcast", 0)
+    return model, {"bytes_moved": sent, "messages": len(log.records), "peak_bytes": mem.peak_bytes}
 
 
 def _reference(config: PipeGPTConfig = CONFIG, cls: type = PipeGPT) -> dict[str, torch.Tensor]:
@@ -39,7 +50,7 @@ def _init_on_rank(strategy, stages, layers_per_stage, checkpoint_dir, config=CON
         fsdp_lab.rank(), fsdp_lab.world_size(), stages, config.n_layers, layers_per_stage
     )
     torch.manual_seed(999 + fsdp_lab.rank())  # whatever each rank had before must not matter
-    model, report = init_stage(
+    model, report = _counted_init(
         strategy, config, info, SEED, layers_per_stage, checkpoint_dir=checkpoint_dir
     )
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -126,7 +137,7 @@ def _replay_head_first(stages):
     info = stage_info(fsdp_lab.rank(), fsdp_lab.world_size(), stages, CONFIG.n_layers)
     with torch.device("meta"):
         whole = _HeadFirst(CONFIG)  # any model may be given whole: its init_weights is replayed
-    model, report = init_stage("rng_replay", whole, info, SEED)
+    model, report = _counted_init("rng_replay", whole, info, SEED)
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"params": params, **report}
 
@@ -162,7 +173,7 @@ def _seed_and_train(name: str, checkpoint_dir: str) -> dict:
     out = {}
     for strategy in STRATEGIES:
         torch.manual_seed(999 + fsdp_lab.rank())  # whatever a rank had before must not matter
-        model, report = init_stage(
+        model, report = _counted_init(
             strategy, whole, info, SEED, checkpoint_dir=checkpoint_dir, stages=plan
         )
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()}

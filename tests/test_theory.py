@@ -90,3 +90,10 @@ def test_checkpoint_cost_closed_forms():
     assert (seg.stored_activations, seg.forward_calls) == (4 + 4 - 1, 16 + 3 * 4)
     with pytest.raises(ValueError):
         theory.checkpoint_cost(schedules.every(17), n)
+
+
+def test_rng_replay_sends_one_generator_state_per_handoff_per_pipeline():
+    # S = 3 stages in init order: tok_emb ... (stage 0) -> layers (stage 1) -> ... head (stage 2):
+    # 2 handoffs; a CPU generator state is 5056 bytes; 2 pipelines replay side by side.
+    assert theory.rng_replay_bytes(2, 5056, 2) == 2 * 2 * 5056 == 20224
+    assert theory.rng_replay_bytes(0, 5056, 4) == 0  # one stage: nothing changes hands

@@ -56,7 +56,7 @@ _LABS: tuple[Lab, ...] = (
     _FlatLab(
         "meta-init", "fsdp_lab.labs.meta_init", "fsdp_lab.labs.meta_init_config", "MetaInitConfig"
     ),
-    _FlatLab("pp-seed", "fsdp_lab.labs.pp_seed", "fsdp_lab.labs.pp_seed_config", "PPSeedConfig"),
+    LabPackage("pp-seed", "fsdp_lab.labs.pp_seed"),
 )
 LABS: dict[str, Lab] = {lab.name: lab for lab in _LABS}
 PLANNED = {"hsdp": "the hybrid-sharding lab (HSDP: a 2-D replicate x shard mesh)"}

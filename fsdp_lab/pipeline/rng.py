@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import copy
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,7 +67,6 @@ from fsdp_lab.pipeline.init_order import (
 )
 from fsdp_lab.pipeline.split import plan_stages
 from fsdp_lab.pipeline.stages import StageInfo, build_stage
-from fsdp_lab.trace import MemoryTracker
 
 CHECKPOINT_NAME = "pp_seed_checkpoint.pt"
 
@@ -238,9 +236,8 @@ def init_stage(
     *,
     stages: Stages = None,
     init: InitFn | None = None,
-) -> tuple[nn.Module, dict[str, Any]]:
-    """Initialise this stage with `strategy`, measured: (stage module, {init_time_s, peak_bytes,
-    bytes_moved, messages}). Peak: live tensor bytes during the init (MemoryTracker).
+) -> nn.Module:
+    """This rank's stage, initialised with `strategy` (one of the four above).
 
     Args:
         strategy: one of `STRATEGIES`.
@@ -260,18 +257,7 @@ def init_stage(
     kwargs: dict[str, Any] = {"stages": stages, "init": init}
     if strategy == "seed_checkpoint":
         kwargs["checkpoint_dir"] = checkpoint_dir
-    tracker = MemoryTracker(device if str(device).startswith("cuda") else None)
-    with comm.CommLog() as log, tracker:
-        start = time.perf_counter()
-        stage = INIT[strategy](model, info, seed, layers_per_stage, device, **kwargs)
-        seconds = time.perf_counter() - start
-    sent = sum(log.bytes_by_op().get(op, 0) for op in ("send", "broadcast"))
-    return stage, {
-        "init_time_s": seconds,
-        "peak_bytes": tracker.peak_bytes,
-        "bytes_moved": sent,
-        "messages": sum(log.calls_by_op().values()),
-    }
+    return INIT[strategy](model, info, seed, layers_per_stage, device, **kwargs)
 
 
 def stage_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

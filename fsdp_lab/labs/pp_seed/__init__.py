@@ -1,0 +1,27 @@
+"""Lab 05 — pipeline-parallel RNG seeding: four ways to initialise a pipeline's stages, and
+which of them equal the unsplit model bitwise, at what cost.
+
+The unsplit model is initialised by ``PipeGPT(config); torch.manual_seed(s);
+model.init_weights()``: one random stream, read module after module. A stage owns a slice of
+the modules, and each strategy of `fsdp_lab.pipeline.rng` initialises that slice differently:
+
+    seed_checkpoint   rank 0 builds the whole model, saves it, every stage loads its keys
+    same_seed         every stage seeds alike (the bug: later stages repeat stage 0's draws)
+    per_stage_seed    one broadcast seed per stage (distinct, but not the unsplit init)
+    rng_replay        the recorded init order replayed, the generator state handed on
+
+`measure.py` initialises every rank's stage with each (timed, its peak memory and messages
+taken around `init_stage`), trains each pipeline with GPipe beside single-process training of
+the reference, and grows the model to show what the seed checkpoint costs rank 0.
+`analysis.py` compares every stage with the reference and the stages with each other, and,
+with more ranks than stages (pp x dp), the replicas of each stage. Mirrors torchtitan's seed
+checkpoint (``--checkpoint.create_seed_checkpoint``) and ``torch.distributed.pipelining``.
+"""
+
+from fsdp_lab.labs.pp_seed.config import PPSeedConfig
+from fsdp_lab.labs.registry import LABS
+
+LAB = LABS["pp-seed"]
+run, summary, figures = LAB.run, LAB.report, LAB.figures
+
+__all__ = ["LAB", "PPSeedConfig", "figures", "run", "summary"]

@@ -1,0 +1,155 @@
+"""Lab 05 — pipeline-parallel RNG seeding: four ways to initialise a pipeline's stages.
+
+The config, torch-free so that ``fsdp-lab --help`` stays fast; its fields are the command-line
+options (`fsdp_lab.labs.options`), its errors are in Python terms (``stages=5 ... Fix:
+stages=4``) and the CLI says them in flags.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from fsdp_lab.choices import SEEDING_STRATEGIES as STRATEGIES
+from fsdp_lab.labs.options import field_help
+
+if TYPE_CHECKING:
+    from fsdp_lab.pipeline import PipeGPTConfig
+
+OPTIMIZERS = {"sgd": 0.1, "adam": 1e-3}  # name -> default learning rate
+# The integer fields and the smallest each allows; what each is, the docstring says.
+_SIZES = {"stages": 1, "world_size": 1, "layers": 1, "dim": 1, "heads": 1, "vocab": 2}
+_SIZES |= {"seq_len": 1, "steps": 1, "microbatches": 1, "global_batch": 1, "seed": 0}
+
+
+def _bad_int(value: Any, low: int) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int) or value < low
+
+
+@dataclass(frozen=True)
+class PPSeedConfig:
+    """Args:
+    stages: S, pipeline stages — by default the world size, or 3 when neither is given.
+    world_size: ranks, S x dp pipelines — by default S (one pipeline); S must divide it.
+    layers: transformer blocks L of the `PipeGPT`, spread over the stages.
+    dim: model width.
+    heads: attention heads.
+    vocab: vocabulary size.
+    seq_len: tokens per sequence.
+    steps: training steps of each initialised pipeline and of the single-process baseline.
+    microbatches: GPipe micro-batches M per step.
+    global_batch: sequences per step, over all pipelines.
+    optimizer: "sgd" (momentum 0.9) or "adam".
+    lr: the optimizer's learning rate (default 0.1 for sgd, 1e-3 for adam).
+    seed: the seed of the unsplit reference init.
+    strategies: which of `STRATEGIES` to measure.
+    grow_dims: widths at which init time and peak memory are measured again, L kept (none: skip).
+    backend: "auto", "gloo" or "nccl".
+    """
+
+    stages: int | None = None
+    world_size: int | None = None
+    layers: int = 6
+    dim: int = 32
+    heads: int = 4
+    vocab: int = 64
+    seq_len: int = 16
+    steps: int = 50
+    microbatches: int = 2
+    global_batch: int = 8
+    optimizer: str = field(default="sgd", metadata={"choices": list(OPTIMIZERS)})
+    lr: float | None = None
+    seed: int = 0
+    strategies: tuple[str, ...] = field(default=STRATEGIES, metadata={"metavar": "S"})
+    grow_dims: tuple[int, ...] = field(
+        default=(64, 128, 256), metadata={"nargs": "*", "metavar": "D"}
+    )
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, low in _SIZES.items():
+            value = getattr(self, name)
+            if (value is None and defaults[name] is None) or not _bad_int(value, low):
+                continue
+            what = field_help(PPSeedConfig)[name].rstrip(".")
+            fix = 2 if defaults[name] is None else defaults[name]  # stages, world_size: a pipeline
+            raise ValueError(
+                f"{name}={value!r} is out of range: allowed an int >= {low} ({what}). "
+                f"Fix: {name}={fix}"
+            )
+        self._resolve_layout()
+        if self.dim % self.heads:
+            raise ValueError(
+                f"dim={self.dim} is not divisible by heads={self.heads}: allowed heads are the "
+                f"divisors of {self.dim}. Fix: heads=1, or dim={self.heads * 8}"
+            )
+        per = self.dp * self.microbatches
+        if self.global_batch % per:
+            raise ValueError(
+                f"global_batch={self.global_batch} does not split into dp={self.dp} pipelines "
+                f"x microbatches={self.microbatches}: allowed a multiple of {per}. "
+                f"Fix: global_batch={per * max(1, round(self.global_batch / per))}"
+            )
+        lr = self.lr
+        if self.optimizer not in OPTIMIZERS or (
+            lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0)
+        ):
+            raise ValueError(
+                f"optimizer={self.optimizer!r}, lr={lr!r}: allowed optimizer in "
+                f"{list(OPTIMIZERS)} and lr a number > 0 (or None). Fix: optimizer='sgd', lr=0.1"
+            )
+        strategies, grow = tuple(self.strategies), tuple(self.grow_dims)
+        unknown = [s for s in strategies if s not in STRATEGIES]
+        if not strategies or unknown or len(set(strategies)) != len(strategies):
+            why = f"strategy {unknown[0]!r} is unknown" if unknown else "none, or one twice"
+            raise ValueError(
+                f"strategies={strategies}: {why}: allowed one or more of {list(STRATEGIES)}, "
+                f"each once. Fix: strategies={STRATEGIES}"
+            )
+        bad = [d for d in grow if _bad_int(d, 1) or d % self.heads]
+        if bad:
+            widths = tuple(16 * self.heads * k for k in (1, 2, 4))  # 64 128 256 for 4 heads
+            raise ValueError(
+                f"grow_dims={grow}: width {bad[0]!r} is out of range: allowed ints divisible by "
+                f"heads={self.heads} (or none). Fix: grow_dims={widths}"
+            )
+        object.__setattr__(self, "strategies", strategies)  # frozen: normalised once, here
+        object.__setattr__(self, "grow_dims", grow)
+
+    def _resolve_layout(self) -> None:
+        """Fill in S and the world size (each defaults to the other), then check them."""
+        stages, ws = self.stages, self.world_size
+        if stages is None:
+            stages = ws if ws is not None else min(3, self.layers)
+        ws = stages if ws is None else ws
+        if stages > self.layers:
+            raise ValueError(
+                f"stages={stages} is out of range for layers={self.layers}: allowed "
+                f"1..{self.layers} (every stage needs at least one layer). "
+                f"Fix: stages={self.layers}, or layers={stages}"
+            )
+        if ws % stages:
+            divisors = [d for d in range(1, min(ws, self.layers) + 1) if ws % d == 0]
+            raise ValueError(
+                f"stages={stages} does not divide world_size={ws}: allowed stages in "
+                f"{divisors} (world_size = stages x dp pipelines). Fix: world_size={stages}, "
+                f"or stages={divisors[-1]}"
+            )
+        object.__setattr__(self, "stages", stages)  # frozen: filled in once, here
+        object.__setattr__(self, "world_size", ws)
+
+    @property
+    def dp(self) -> int:
+        """Pipelines side by side (data-parallel replicas of every stage)."""
+        return self.world_size // self.stages
+
+    def gpt(self, dim: int | None = None) -> PipeGPTConfig:
+        """The model to split (at width `dim`, for the growth measurement)."""
+        from fsdp_lab.pipeline import PipeGPTConfig  # torch: only when the lab runs
+
+        return PipeGPTConfig(self.vocab, dim or self.dim, self.layers, self.heads, self.seq_len)
+
+
+CONFIG = PPSeedConfig
