@@ -20,6 +20,8 @@ import re
 from dataclasses import MISSING, Field, fields
 from typing import Any
 
+from fsdp_lab.config_checks import field_help
+
 COMMON = ("world_size", "backend", "model")  # options of every lab, added by cli.py
 _SCALARS = {"int": int, "float": float, "str": str}
 
@@ -29,22 +31,6 @@ def _base_type(field: Field) -> tuple[str, bool]:
     text = str(field.type).replace(" ", "").removesuffix("|None")
     match = re.fullmatch(r"tuple\[(\w+),\.\.\.\]", text)
     return (match.group(1), True) if match else (text, False)
-
-
-def field_help(config_cls: type) -> dict[str, str]:
-    """Each field's line in the class docstring's ``Args:`` section (``a, b: text`` covers both)."""
-    helps: dict[str, str] = {}
-    names: list[str] = []
-    for line in (config_cls.__doc__ or "").splitlines():
-        match = re.match(r"\s*([a-z_0-9, ]+):\s+(.*)", line)
-        if match and all(n.strip().isidentifier() for n in match.group(1).split(",")):
-            names = [n.strip() for n in match.group(1).split(",")]
-            for n in names:
-                helps[n] = match.group(2).strip()
-        elif names and line.strip():  # a continuation line
-            for n in names:
-                helps[n] += " " + line.strip()
-    return helps
 
 
 def _default(field: Field) -> Any:

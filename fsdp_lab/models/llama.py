@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fsdp_lab.config_checks import is_int
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -51,7 +53,7 @@ class LlamaConfig:
             "seq_len",
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value, 1):
                 raise ValueError(f"LlamaConfig.{name}={value!r}: expected an int >= 1")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"LlamaConfig.tie_embeddings={self.tie_embeddings!r}: expected a bool")

@@ -8,11 +8,11 @@ stages=4``) and the CLI says them in flags.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fsdp_lab.choices import SEEDING_STRATEGIES as STRATEGIES
-from fsdp_lab.labs.options import field_help
+from fsdp_lab.config_checks import check_counts, is_int
 
 if TYPE_CHECKING:
     from fsdp_lab.pipeline import PipeGPTConfig
@@ -21,10 +21,6 @@ OPTIMIZERS = {"sgd": 0.1, "adam": 1e-3}  # name -> default learning rate
 # The integer fields and the smallest each allows; what each is, the docstring says.
 _SIZES = {"stages": 1, "world_size": 1, "layers": 1, "dim": 1, "heads": 1, "vocab": 2}
 _SIZES |= {"seq_len": 1, "steps": 1, "microbatches": 1, "global_batch": 1, "seed": 0}
-
-
-def _bad_int(value: Any, low: int) -> bool:
-    return isinstance(value, bool) or not isinstance(value, int) or value < low
 
 
 @dataclass(frozen=True)
@@ -68,17 +64,8 @@ class PPSeedConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        defaults = {f.name: f.default for f in fields(self)}
-        for name, low in _SIZES.items():
-            value = getattr(self, name)
-            if (value is None and defaults[name] is None) or not _bad_int(value, low):
-                continue
-            what = field_help(PPSeedConfig)[name].rstrip(".")
-            fix = 2 if defaults[name] is None else defaults[name]  # stages, world_size: a pipeline
-            raise ValueError(
-                f"{name}={value!r} is out of range: allowed an int >= {low} ({what}). "
-                f"Fix: {name}={fix}"
-            )
+        # stages, world_size: None means "the other one"; the fix for them is a pipeline of 2
+        check_counts(self, _SIZES, fixes={"stages": 2, "world_size": 2})
         self._resolve_layout()
         if self.dim % self.heads:
             raise ValueError(
@@ -108,7 +95,7 @@ class PPSeedConfig:
                 f"strategies={strategies}: {why}: allowed one or more of {list(STRATEGIES)}, "
                 f"each once. Fix: strategies={STRATEGIES}"
             )
-        bad = [d for d in grow if _bad_int(d, 1) or d % self.heads]
+        bad = [d for d in grow if not is_int(d, 1) or d % self.heads]
         if bad:
             widths = tuple(16 * self.heads * k for k in (1, 2, 4))  # 64 128 256 for 4 heads
             raise ValueError(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from fsdp_lab.labs.options import field_help
+from fsdp_lab.config_checks import check_counts
 from fsdp_lab.model_spec import load_factory
 
 LAB_MODEL = "fsdp_lab.models:tiny_gpt"
@@ -52,15 +52,7 @@ class TyingConfig:
 
     def __post_init__(self) -> None:
         # Every int of this config is a count: one check, its help says what is counted.
-        helps = field_help(TyingConfig)
-        for f in fields(self):
-            value = getattr(self, f.name)
-            is_count = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-            if f.type == "int" and not is_count:
-                raise ValueError(
-                    f"{f.name}={value!r} is out of range: allowed an int >= 1 "
-                    f"({helps[f.name].rstrip('.')}). Fix: {f.name}={f.default}"
-                )
+        check_counts(self, {f.name: 1 for f in fields(self) if f.type == "int"})
         if self.dim % self.heads:
             fits = self.heads * max(1, round(self.dim / self.heads))
             raise ValueError(
