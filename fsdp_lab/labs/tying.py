@@ -24,7 +24,6 @@ from fsdp_lab import reference
 from fsdp_lab.audit import audit_table, audit_worker, block_names, split_tie
 from fsdp_lab.cluster import AttachedCluster, Cluster, device, rank, world_size
 from fsdp_lab.labs import LabResult
-from fsdp_lab.labs.shard import max_abs_diff
 from fsdp_lab.labs.tying_config import LAB_MODEL, TyingConfig
 from fsdp_lab.labs.tying_spike import (
     PHASES,
@@ -39,6 +38,7 @@ from fsdp_lab.labs.tying_spike import (
 )
 from fsdp_lab.model_spec import check_on_rank0, load_factory
 from fsdp_lab.models import Block, tiny_gpt
+from fsdp_lab.reference import max_abs_diff
 from fsdp_lab.sharding import shard, sharding_state
 from fsdp_lab.tying import find_ties, record_ties, retie, untied_by_to_empty, verify_weight_tying
 from fsdp_lab.wrap import PlanError, build_plan, ownership
