@@ -85,13 +85,16 @@ def _timed_training(
     return losses, statistics.median(per_step[1:] if len(per_step) > 1 else per_step)
 
 
-def _ours(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
-    """`fsdp_lab.shard(strategy=cfg.strategy)`, trained under the tracker, the comm log and the
-    timeline; then trained again untracked, for its step time."""
+def _tracked_training(
+    cfg: ShardConfig, strategy: str, prefetch: bool, make_optimizer: Any, vocab: int
+) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+    """Ours under `strategy`, trained under the memory tracker (parameters, gradients, optimizer
+    state, gathered buffers), the comm log (the steps' collectives, not the wrap's) and the
+    timeline. Returns the model, its optimizer and what was measured."""
     with MemoryTracker(device(), rank=rank()) as mem, comm.CommLog() as log, Timeline(rank()) as tl:
-        model = _sharded(cfg, cfg.strategy, cfg.prefetch)
+        model = _sharded(cfg, strategy, prefetch)
+        opt = make_optimizer(model.parameters())
         at_wrap = len(log.records)  # "none" broadcasts rank 0's values here, as DDP does
-        opt = _optimizer(cfg)(model.parameters())
         mem.track(model)
         mem.track(opt)
         state = sharding_state(model)
@@ -100,13 +103,9 @@ def _ours(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
                 mem.track(unit.flat.unsharded, "comm_buffers")  # its .grad as "gradients"
         mem.mark("sharded")
         losses, _ = _timed_training(cfg, model, opt, vocab)
-    steps = log.records[at_wrap:]  # the training steps' collectives, not the wrap's
-    # Timed again without the tracker, whose dispatch mode and marks cost more than a step.
-    timed = _sharded(cfg, cfg.strategy, cfg.prefetch)
-    _, step_time = _timed_training(cfg, timed, _optimizer(cfg)(timed.parameters()), vocab)
-    return {
+    steps = log.records[at_wrap:]
+    measured = {
         "losses": losses,
-        "step_time_s": step_time,
         "params": reference.full_parameters(model),
         "comm_bytes_per_step": {op: b / cfg.steps for op, b in comm.bytes_by_op(steps).items()},
         "calls_per_step": {op: c / cfg.steps for op, c in comm.calls_by_op(steps).items()},
@@ -114,6 +113,16 @@ def _ours(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
         "timeline": tl.to_dict(),
         "units": [{"name": u.label, **flat_layout(u.flat)} for u in state.units],
     }
+    return model, opt, measured
+
+
+def _ours(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
+    """`fsdp_lab.shard(strategy=cfg.strategy)`, measured; then trained again, for its step time."""
+    _, _, measured = _tracked_training(cfg, cfg.strategy, cfg.prefetch, _optimizer(cfg), vocab)
+    # Timed without the tracker, whose dispatch mode and marks cost more than a step.
+    timed = _sharded(cfg, cfg.strategy, cfg.prefetch)
+    _, step_time = _timed_training(cfg, timed, _optimizer(cfg)(timed.parameters()), vocab)
+    return {**measured, "step_time_s": step_time}
 
 
 def _fsdp2(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
@@ -127,21 +136,13 @@ def _fsdp2(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
 def _ddp_sharded_optimizer(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     """ZeRO-1 as an optimizer: DDP's all-reduce, then `ShardedOptimizer` steps and broadcasts."""
     recipe = _optimizer(cfg)
-    with MemoryTracker(device(), rank=rank()) as mem:
-        model = _sharded(cfg, "none")
-        opt = ShardedOptimizer(model.parameters(), recipe.func, **recipe.keywords)
-        mem.track(model)
-        mem.track(opt)
-        mem.mark("sharded")
-        with comm.CommLog() as log:  # from here on: the bytes of the training steps only
-            losses, _ = _timed_training(cfg, model, opt, vocab)
+    sharded_optimizer = functools.partial(
+        ShardedOptimizer, optimizer_class=recipe.func, **recipe.keywords
+    )
+    model, opt, measured = _tracked_training(cfg, "none", True, sharded_optimizer, vocab)
     owned = opt.params_per_rank
     return {
-        "losses": losses,
-        "params": reference.full_parameters(model),
-        "memory_trace": mem.trace(),
-        "comm_bytes_per_step": {op: b / cfg.steps for op, b in log.bytes_by_op().items()},
-        "calls_per_step": {op: c / cfg.steps for op, c in log.calls_by_op().items()},
+        **measured,
         "owned_numel_per_rank": [sum(p.numel() for p in ps) for ps in owned],
         "owned_tensors_per_rank": [len(ps) for ps in owned],
         "trainable_numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
