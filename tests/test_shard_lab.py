@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
+from fsdp_lab.labs import LabResult
 from fsdp_lab.labs import shard as shard_lab
+from fsdp_lab.labs.options import add_config_arguments, config_overrides, to_flags
+from fsdp_lab.model_spec import load_factory
 
 KEYS = {
     "world_size",
@@ -86,24 +91,64 @@ def test_sharded_optimizer_is_measured_beside_zero1(cluster_of):
             "broadcast": pytest.approx(psi * 4, rel=1e-12),
         }
     assert "DDP + ShardedOptimizer bytes equal their formula on every rank: True" in (
-        shard_lab.summary(shard_lab.LabResult("shard", data))
+        shard_lab.summary(LabResult("shard", data))
     )
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"strategy": "zero5"}, "strategy='zero5'"),
-        ({"optimizer": "lion"}, "optimizer='lion'"),
-        ({"steps": 0}, "steps=0"),
-        ({"model": "nocolon"}, "module:factory"),
+        ({"strategy": "zero5"}, "strategy='zero5': expected one of"),
+        (
+            {"optimizer": "lion"},
+            "optimizer='lion': expected one of ['adam', 'sgd']. Fix: optimizer='adam'",
+        ),
+        ({"steps": 0}, "steps=0: expected an int >= 1. Fix: steps=5"),
+        ({"global_batch": 0}, "global_batch=0: expected an int >= 1. Fix: global_batch=12"),
+        ({"model": "nocolon"}, "model='nocolon': expected 'module:factory'"),
+        (
+            {"world_size": 5},
+            "global_batch=12 does not divide over world_size=5 ranks: allowed world sizes "
+            "[1, 2, 3, 4, 6, 12]. Fix: world_size=4",
+        ),
     ],
 )
-def test_bad_config_is_a_clear_error(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+def test_bad_config_is_a_clear_error_in_python_terms(kwargs, message):
+    with pytest.raises(ValueError) as info:
         shard_lab.ShardConfig(**kwargs)
+    assert message in str(info.value)
+
+
+def test_the_command_line_keeps_every_option_and_speaks_errors_in_flags():
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, shard_lab.ShardConfig)
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    # Every option the lab had before its config generated them, spelled the same.
+    assert {
+        "--strategy",
+        "--steps",
+        "--no-prefetch",
+        "--optimizer",
+        "--no-sharded-optimizer",
+    } <= flags
+    args = parser.parse_args(
+        ["--strategy", "grad_op", "--steps", "2", "--no-prefetch", "--no-fsdp2", "--lr", "0.5"]
+    )
+    assert config_overrides(args, shard_lab.ShardConfig) == {
+        "strategy": "grad_op",
+        "steps": 2,
+        "prefetch": False,
+        "lr": 0.5,
+        "compare_fsdp2": False,
+    }
+    with pytest.raises(ValueError) as info:
+        shard_lab.ShardConfig(world_size=5)
+    assert to_flags(str(info.value), shard_lab.ShardConfig) == (
+        "--global-batch 12 does not divide over --world-size 5 ranks: allowed world sizes "
+        "[1, 2, 3, 4, 6, 12]. Fix: --world-size 4"
+    )
 
 
 def test_model_factory_errors_name_the_spec():
     with pytest.raises(ValueError, match="cannot load 'nope'"):
-        shard_lab.load_factory("fsdp_lab.models:nope")
+        load_factory("fsdp_lab.models:nope")

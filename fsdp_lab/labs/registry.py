@@ -50,7 +50,7 @@ class _FlatLab:
 
 _LABS: tuple[Lab, ...] = (
     LabPackage("collectives", "fsdp_lab.labs.collectives"),
-    _FlatLab("shard", "fsdp_lab.labs.shard", "fsdp_lab.labs.shard_config", "ShardConfig"),
+    LabPackage("shard", "fsdp_lab.labs.shard"),
     LabPackage("checkpoint", "fsdp_lab.labs.checkpoint"),
     LabPackage("tying", "fsdp_lab.labs.tying"),
     _FlatLab(

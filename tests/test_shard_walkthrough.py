@@ -7,13 +7,13 @@ import types
 import pytest
 import torch
 
-from fsdp_lab.labs import shard_steps
+from fsdp_lab.labs.shard import report, walkthrough
 
 
 @pytest.fixture(scope="module", params=[(2, (3, 2, 2)), (3, (3, 2, 2)), (3, (4, 1))])
 def walk(request, cluster_of):
     n, sizes = request.param
-    return shard_steps.walkthrough(cluster_of(n), numel_per_param=sizes, lr=0.2)
+    return walkthrough.run(cluster_of(n), numel_per_param=sizes, lr=0.2)
 
 
 def _rows(walk, stage):
@@ -102,39 +102,18 @@ def test_optimizer_step_updates_only_the_shard(walk):
 
 
 def test_figures_and_table_show_the_measurement(walk):
-    flatten = shard_steps.figure(walk, "flatten")
+    flatten = report.stage_figure(walk, "flatten")
     assert len(flatten.axes) == 2  # the separate parameters, then the flat buffer
-    free = shard_steps.figure(walk, "free")
+    free = report.stage_figure(walk, "free")
     zeros = ", ".join(["0"] * walk["world_size"])
     assert f"after free (unsharded storage: {zeros} B)" == free.axes[1].get_title()
-    table = shard_steps.table(walk).splitlines()
+    table = report.stage_table(walk).splitlines()
     assert len(table) == 2 + len(walk["stages"])
     assert table[2].startswith("| flatten |") and "| free | " in table[6]
 
 
 def test_one_rank_has_nothing_to_shard():
     with pytest.raises(ValueError, match="2 or more ranks"):
-        shard_steps.walkthrough(types.SimpleNamespace(world_size=1))
+        walkthrough.run(types.SimpleNamespace(world_size=1))
     with pytest.raises(ValueError, match="numel_per_param"):
-        shard_steps.walkthrough(types.SimpleNamespace(world_size=2), numel_per_param=(3, 0))
-
-
-def test_peak_table_reads_the_model_state_peak_not_the_activation_peak():
-    zeros = [0, 0, 0]
-    trace = {
-        "t": [0.0, 1.0, 2.0],
-        "bytes": {
-            "parameters": [100, 100, 100],
-            "gradients": [0, 0, 400],
-            "optimizer_state": [0, 200, 200],
-            "activations": [0, 5000, 0],  # the total peaks here; the model state does not
-            "comm_buffers": [0, 300, 0],
-            "other": zeros,
-        },
-        "markers": [{"t": 0.5, "label": "all-gather x"}, {"t": 1.5, "label": "free x"}],
-    }
-    result = {"memory_traces": [trace], "theory_peak_bytes": 600}
-    header, rule, row = shard_steps.peak_table({"demo": result}).splitlines()
-    assert header.count("|") == rule.count("|") == row.count("|")
-    # t=2: 100 + 400 + 200 + 0 = 700 beats t=1: 100 + 0 + 200 + 300 = 600
-    assert row == "| demo | 600 B | 700 B | 100 B | 400 B | 200 B | 0 B | free x |"
+        walkthrough.run(types.SimpleNamespace(world_size=2), numel_per_param=(3, 0))

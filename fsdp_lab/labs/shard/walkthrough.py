@@ -1,9 +1,8 @@
 """One unit through one FSDP step, stage by stage, on real ranks: who holds what, measured.
 
-The sharding lab (`fsdp_lab.labs.shard`) trains a whole model; this walkthrough slows one
-step down on a tiny unit whose values say where they came from — parameter ``a`` holds
-1, 2, …, ``b`` 11, 12, …, ``c`` 21, 22, … — and stops after every stage to record what each
-rank holds. The stages are the ones `ShardedUnit` runs from its hooks, called here one at a
+The lab (`measure.py`) trains a whole model; this walkthrough slows one step down on a tiny
+unit whose values say where they came from — parameter ``a`` holds 1, 2, …, ``b`` 11, 12, …,
+``c`` 21, 22, … — and stops after every stage to record what each rank holds. The stages are the ones `ShardedUnit` runs from its hooks, called here one at a
 time with the same pieces (`FlatParameter`, `fsdp_lab.comm`):
 
     flatten         a, b, c -> one flat buffer, padded to a multiple of N
@@ -17,19 +16,20 @@ time with the same pieces (`FlatParameter`, `fsdp_lab.comm`):
 Rank r's batch is the single number x = r + 1 (as in the collectives lab, values say where
 they came from) and the toy loss is ``x · ½‖p‖²``: its gradient ``x · p`` shows both the
 parameter values that were gathered and the data the rank saw, and the average over ranks is
-the gradient of the whole batch [1, …, N], what one process would compute.
+the gradient of the whole batch [1, …, N], what one process would compute. The pictures of
+each stage and the table of the whole step are `report.stage_figure` / `report.stage_table`.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from fsdp_lab import comm
-from fsdp_lab.cluster import Cluster, rank, world_size
+from fsdp_lab.cluster import AttachedCluster, Cluster, rank, world_size
+from fsdp_lab.labs.shard.measure import flat_layout
 from fsdp_lab.sharding.flat_param import FlatParameter
 
 STAGES: dict[str, str] = {
@@ -105,14 +105,7 @@ def _walk_on_rank(numel_per_param: tuple[int, ...], lr: float) -> dict[str, Any]
     # optimizer step: a plain torch optimizer that only ever sees the shard.
     torch.optim.SGD([flat.shard], lr=lr).step()
     record("optimizer step", flat.shard)
-    layout = {
-        "names": list(names),
-        "numel": flat.numel,
-        "padded_numel": flat.padded_numel,
-        "padding": flat.padding,
-        "shard_numel": flat.shard_numel,
-        "element_size": flat.shard.element_size(),
-    }
+    layout = {"names": list(names), **flat_layout(flat), "padding": flat.padding}
     return {
         "held": held,
         "storage": storage,
@@ -123,8 +116,10 @@ def _walk_on_rank(numel_per_param: tuple[int, ...], lr: float) -> dict[str, Any]
     }
 
 
-def walkthrough(
-    cluster: Cluster, numel_per_param: tuple[int, ...] = (3, 2, 2), lr: float = 0.2
+def run(
+    cluster: Cluster | AttachedCluster,
+    numel_per_param: tuple[int, ...] = (3, 2, 2),
+    lr: float = 0.2,
 ) -> dict[str, Any]:
     """Run one step of one tiny unit on every rank of `cluster`, stopping after each stage.
 
@@ -134,7 +129,7 @@ def walkthrough(
         lr: SGD learning rate of the optimizer step.
 
     Returns a dict: ``stages`` (name -> ``rows``, one list of floats per rank, ready for
-    `plots.plot_rank_contents`; ``explanation``; ``unsharded_storage_bytes`` and
+    `report.stage_figure`; ``explanation``; ``unsharded_storage_bytes`` and
     ``comm_bytes`` per rank), ``parameters`` (each rank's original a, b, c), ``batches``
     and the flat ``layout`` (numel, padded_numel, padding, shard_numel).
     """
@@ -160,64 +155,3 @@ def walkthrough(
         "batches": [p["batch"] for p in per_rank],
         "stages": stages,
     }
-
-
-def figure(walk: dict[str, Any], stage: str) -> Any:
-    """The picture of one stage: what every rank holds after it (flatten, free: before too)."""
-    from fsdp_lab import plots
-
-    stage_data = walk["stages"][stage]
-    panels = {f"after {stage}": stage_data["rows"]}
-    if stage == "flatten":  # the separate parameters, a blank cell between two of them
-        rows = [sum(([*p, math.nan] for p in params), [])[:-1] for params in walk["parameters"]]
-        names = " | ".join(walk["layout"]["names"])
-        panels = {f"parameters {names}": rows, **panels}
-    if stage == "free":  # the gathered parameters, then what is left; storage bytes measured
-        before, after = (
-            ", ".join(str(b) for b in walk["stages"][s]["unsharded_storage_bytes"])
-            for s in ("compute", "free")
-        )
-        panels = {
-            f"before free (unsharded storage: {before} B)": walk["stages"]["gather"]["rows"],
-            f"after free (unsharded storage: {after} B)": stage_data["rows"],
-        }
-    return plots.plot_rank_contents(panels, title=f"{stage}: {stage_data['explanation']}")
-
-
-def table(walk: dict[str, Any]) -> str:
-    """Markdown: per stage, rank 0's unsharded storage bytes and bytes moved (all measured)."""
-    lines = [
-        "| stage | elements held (rank 0) | unsharded storage (rank 0) | bytes moved (rank 0) |",
-        "|---|---|---|---|",
-    ]
-    for name, s in walk["stages"].items():
-        lines.append(
-            f"| {name} | {len(s['rows'][0])} | {s['unsharded_storage_bytes'][0]} B "
-            f"| {s['comm_bytes'][0]:g} B |"
-        )
-    return "\n".join(lines)
-
-
-# -- reading the whole-training lab: what fills the model-state peak -------------------------
-
-
-def peak_table(results: dict[str, Any], rank: int = 0) -> str:
-    """Markdown: per run (`labs.shard.run` results by label), the categories at the moment
-    the model state peaked on `rank`, the formula, and the last marker before that moment."""
-    from fsdp_lab.labs.shard import MODEL_STATE
-    from fsdp_lab.sizes import format_bytes
-
-    head = " | ".join(MODEL_STATE)
-    lines = [f"| run | formula | measured | {head} | last event before |"]
-    lines.append("|---" * (len(MODEL_STATE) + 4) + "|")
-    for label, result in results.items():
-        trace = result["memory_traces"][rank]
-        totals = [sum(trace["bytes"][c][i] for c in MODEL_STATE) for i in range(len(trace["t"]))]
-        i = max(range(len(totals)), key=totals.__getitem__)
-        parts = " | ".join(format_bytes(trace["bytes"][c][i]) for c in MODEL_STATE)
-        before = [m["label"] for m in trace["markers"] if m["t"] <= trace["t"][i]][-1:] or ["-"]
-        lines.append(
-            f"| {label} | {format_bytes(result['theory_peak_bytes'])} "
-            f"| {format_bytes(totals[i])} | {parts} | {before[0]} |"
-        )
-    return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""Lab 01 — FSDP / ZeRO from scratch, trained on real ranks, checked and measured.
+
+The lab's config: its fields are the command-line options (`fsdp_lab.labs.options`). Torch-free,
+so that ``fsdp-lab --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from fsdp_lab.choices import SHARDING_STRATEGIES
+
+DEFAULT_MODEL = "fsdp_lab.models:tiny_gpt"
+
+
+def check_batch_divides(global_batch: int, world_size: int) -> None:
+    """Every rank takes an equal slice of the global batch: raise if `world_size` cannot."""
+    if global_batch % world_size:
+        fits = [n for n in range(1, global_batch + 1) if global_batch % n == 0]
+        raise ValueError(
+            f"global_batch={global_batch} does not divide over world_size={world_size} ranks: "
+            f"allowed world sizes {fits}. Fix: world_size={max(n for n in fits if n <= world_size)}"
+        )
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Args:
+    world_size: ranks.
+    strategy: "none" (DDP), "optimizer" (ZeRO-1), "grad_op" (ZeRO-2), "full" (ZeRO-3).
+    steps: training steps.
+    prefetch: overlap the next unit's all-gather with the current unit's compute (on by
+        default).
+    model: "module:factory" returning a token model (default: TinyGPT with a tied head).
+    optimizer: "adam" (16 B/param of model state, DESIGN.md's formulas) or "sgd" (momentum).
+    lr: learning rate.
+    global_batch: sequences per step over all ranks (must divide by world_size).
+    compare_fsdp2: also train PyTorch's fully_shard on the same model and data (and, beside
+        the sharded optimizer, PyTorch's DDP + ZeroRedundancyOptimizer); on by default.
+    sharded_optimizer: with strategy="optimizer", also train ZeRO-1 as an optimizer — DDP
+        (``shard(strategy="none")``) + `fsdp_lab.ShardedOptimizer` — and measure it beside;
+        on by default.
+    backend: "auto", "gloo" or "nccl".
+    """
+
+    world_size: int = 2
+    strategy: str = field(default="full", metadata={"choices": sorted(SHARDING_STRATEGIES)})
+    steps: int = 5
+    prefetch: bool = True
+    model: str = DEFAULT_MODEL
+    optimizer: str = field(default="adam", metadata={"choices": ["adam", "sgd"]})
+    lr: float = 1e-3
+    global_batch: int = 12
+    compare_fsdp2: bool = field(default=True, metadata={"flag": "--no-fsdp2"})
+    sharded_optimizer: bool = True
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if "choices" in f.metadata and value not in f.metadata["choices"]:
+                raise ValueError(
+                    f"{f.name}={value!r}: expected one of {f.metadata['choices']}. "
+                    f"Fix: {f.name}={f.default!r}"
+                )
+            if f.name in ("steps", "global_batch") and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(
+                    f"{f.name}={value!r}: expected an int >= 1. Fix: {f.name}={f.default}"
+                )
+        if ":" not in self.model:
+            raise ValueError(
+                f"model={self.model!r}: expected 'module:factory'. Fix: model={DEFAULT_MODEL!r}"
+            )
+        # Checked here, before any rank starts, and again on the ranks (torchrun's world wins).
+        if isinstance(self.world_size, int) and self.world_size >= 1:
+            check_batch_divides(self.global_batch, self.world_size)
+
+
+CONFIG = ShardConfig
