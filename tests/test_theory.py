@@ -90,3 +90,16 @@ def test_checkpoint_cost_closed_forms():
     assert (seg.stored_activations, seg.forward_calls) == (4 + 4 - 1, 16 + 3 * 4)
     with pytest.raises(ValueError):
         theory.checkpoint_cost(schedules.every(17), n)
+
+
+def test_sync_module_states_moves_parameters_and_buffers_once_and_nothing_alone():
+    assert theory.sync_module_states_bytes(1000, 24, 4) == 1024
+    assert theory.sync_module_states_bytes(1000, 24, 2) == 1024  # the same on any N > 1
+    assert theory.sync_module_states_bytes(1000, 24, 1) == 0  # one rank: no message
+
+
+def test_materialise_peak_bytes_by_way_of_building():
+    peak = theory.materialise_peak_bytes(800, 120, 4)
+    assert peak == {"ordinary": 1000, "meta_param_init_fn": 320, "meta_shard_init": 200}
+    one = theory.materialise_peak_bytes(800, 120, 1)  # one rank keeps the whole model anyway
+    assert one["meta_shard_init"] == 800 and one["ordinary"] == 1600

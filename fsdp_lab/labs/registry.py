@@ -58,9 +58,7 @@ _LABS: tuple[Lab, ...] = (
         "CheckpointConfig",
     ),
     _FlatLab("tying", "fsdp_lab.labs.tying", "fsdp_lab.labs.tying_config", "TyingConfig"),
-    _FlatLab(
-        "meta-init", "fsdp_lab.labs.meta_init", "fsdp_lab.labs.meta_init_config", "MetaInitConfig"
-    ),
+    LabPackage("meta-init", "fsdp_lab.labs.meta_init"),
     _FlatLab("pp-seed", "fsdp_lab.labs.pp_seed", "fsdp_lab.labs.pp_seed_config", "PPSeedConfig"),
 )
 LABS: dict[str, Lab] = {lab.name: lab for lab in _LABS}
