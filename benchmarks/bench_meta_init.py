@@ -108,8 +108,9 @@ def meta_builder(way: str) -> Callable[[Callable[[], torch.nn.Module]], torch.nn
 
 def child_meta(way: str) -> dict[str, Any]:
     """Two builds in this (fresh) process: the first pays any one-time cost."""
-    from fsdp_lab.meta_init import RssSampler, meta_summary
+    from fsdp_lab.meta_init import meta_summary
     from fsdp_lab.models import Llama, llama_70b_config
+    from fsdp_lab.trace import RssSampler
 
     start = time.perf_counter()
     try:
@@ -143,8 +144,8 @@ def child_meta(way: str) -> dict[str, Any]:
 
 def child_real(gib: float) -> dict[str, Any]:
     """An ordinary build of `gib` GiB of fp32 parameters in this (fresh) process."""
-    from fsdp_lab.meta_init import RssSampler
     from fsdp_lab.models import Llama, llama_config_of_bytes, llama_param_count
+    from fsdp_lab.trace import RssSampler
 
     config = llama_config_of_bytes(int(gib * 2**30))
     with RssSampler() as rss:

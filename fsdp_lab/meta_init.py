@@ -10,8 +10,8 @@ materialise only each rank's shard and initialise it so that all ranks agree.
 
 Ordinary init cannot do that shard by shard: ``manual_seed(s); kaiming_uniform_(w)`` draws
 from one sequential stream, so a rank that initialises only its rows gets the *first* rows'
-values, and a shard along dim 1 even gets a wider bound (`kaiming_on_a_shard_differs`
-measures both). FSDP1's fix is ``sync_module_states``: rank 0 initialises and broadcasts.
+values, and a shard along dim 1 even gets a wider bound (lab 04 measures both). FSDP1's fix
+is ``sync_module_states``: rank 0 initialises and broadcasts.
 The fix here is counter-based (Salmon et al. 2011, "Parallel random numbers: as easy as 1,
 2, 3", the idea behind Philox and JAX's PRNG): `DeterministicInit` makes element i of
 parameter `name` a pure function of (seed, name, i), so any rank computes any slice alone:
@@ -45,7 +45,6 @@ import torch
 import torch.nn as nn
 
 from fsdp_lab.meta_device import meta_device
-from fsdp_lab.trace.rss import RssSampler  # noqa: F401  (here for the lab's readers)
 
 # -- what a meta model is, and what it would cost ---------------------------------------------
 
@@ -279,53 +278,3 @@ class DeterministicInit:
             )
         if not dtype.is_floating_point:
             raise ValueError(f"{name!r}: dtype={dtype} is not a floating-point dtype")
-
-
-# -- why not kaiming_uniform_ on each shard ---------------------------------------------------
-
-
-def kaiming_on_a_shard_differs(
-    shape: tuple[int, int] = (512, 256), world_size: int = 4, seed: int = 0
-) -> dict[str, Any]:
-    """What goes wrong when each rank runs ``manual_seed(seed); kaiming_uniform_`` on its own
-    shard, and that `DeterministicInit`'s slices do equal its full tensor. JSON-able numbers.
-
-    Row shards: rank r's vs rows [r R/N, (r+1) R/N) of the full tensor, and vs its *first*
-    rows (the stream restarts). Column shard: fan_in is shape[1]/N, the bound sqrt(N) times
-    wider. The caller's global RNG state is left as it was.
-    """
-    rows, cols = shape
-    if rows % world_size or cols % world_size:
-        raise ValueError(f"shape={shape} does not split evenly over world_size={world_size}")
-    R = rows // world_size
-
-    def kaiming(*size: int) -> torch.Tensor:  # what each rank would run, from a fresh seed
-        torch.manual_seed(seed)
-        return nn.init.kaiming_uniform_(torch.empty(size), a=math.sqrt(5))
-
-    def bound(fan_in: int) -> float:  # kaiming_uniform_'s own formula: gain * sqrt(3 / fan_in)
-        return nn.init.calculate_gain("leaky_relu", math.sqrt(5)) * math.sqrt(3 / fan_in)
-
-    with torch.random.fork_rng(devices=[]):
-        full, shards = kaiming(rows, cols), [kaiming(R, cols) for _ in range(world_size)]
-        column_shard = kaiming(rows, cols // world_size)
-    pairs = [(s, full[r * R : (r + 1) * R]) for r, s in enumerate(shards)]  # (shard, own rows)
-
-    init, name, numel = DeterministicInit(seed), "layers.0.attention.wq.weight", rows * cols
-    per = -(-numel // world_size)  # FSDP's equal shards, the last one padded
-    slices = [init.values(name, shape, min(r * per, numel), min(r * per + per, numel))
-              for r in range(world_size)]  # fmt: skip
-    reference = init.values(name, shape, 0, numel)
-    return {
-        "shape": list(shape),
-        "world_size": world_size,
-        "row_shards_max_abs_diff": [(s - o).abs().max().item() for s, o in pairs],
-        "row_shards_equal_own_rows": [torch.equal(s, o) for s, o in pairs],
-        "row_shards_equal_first_rows": [torch.equal(s, full[:R]) for s in shards],
-        "bound_full": bound(cols),
-        "bound_column_shard": bound(cols // world_size),
-        "max_abs_full": full.abs().max().item(),
-        "max_abs_column_shard": column_shard.abs().max().item(),
-        "deterministic_slices_equal_full": torch.equal(torch.cat(slices), reference),
-        "deterministic_max_abs": reference.abs().max().item(),
-    }

@@ -260,3 +260,30 @@ def rng_replay_bytes(handoffs: int, generator_state_bytes: int, pipelines: int) 
     """RNG replay sends the generator's state at every change of owner along the init order:
     `handoffs` messages of `generator_state_bytes` per pipeline."""
     return pipelines * handoffs * generator_state_bytes
+
+
+# -- meta-device init ----------------------------------------------------------------------------
+
+
+def sync_module_states_bytes(parameter_bytes: int, buffer_bytes: int, world_size: int) -> int:
+    """Per-rank bytes of FSDP1's ``sync_module_states``: rank 0 broadcasts every parameter and
+    buffer once, and a broadcast counts the tensor on every rank (nothing to send alone)."""
+    return int(collective_bytes("broadcast", parameter_bytes + buffer_bytes, world_size))
+
+
+def materialise_peak_bytes(
+    model_bytes: float, largest_unit_bytes: float, world_size: int
+) -> dict[str, float]:
+    """Per-rank tensor bytes at the peak of building a model and sharding it (buffers and
+    padding aside), by how it was built:
+
+        ordinary             Ψ·b + Ψ·b/N   the whole model, and its shards copied out of it
+        meta_param_init_fn   Ψ·b/N + unit  the shards, and one unit whole (the largest)
+        meta_shard_init      Ψ·b/N         the shards only: each filled slice by slice
+    """
+    shards = model_bytes / world_size
+    return {
+        "ordinary": model_bytes + shards,
+        "meta_param_init_fn": shards + largest_unit_bytes,
+        "meta_shard_init": shards,
+    }

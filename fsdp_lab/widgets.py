@@ -307,16 +307,16 @@ class MetaInitExplorer(_Explorer):
     def show(self) -> None:
         from IPython.display import Markdown
 
-        from fsdp_lab.labs import meta_init, meta_init_agree
+        from fsdp_lab.labs.meta_init import analysis, measure, report
 
         n, mb = self.world_size.value, self.model_mb.value
         cluster = self.cluster(n)
-        memory = meta_init.measure_materialisation(mb, self.seed, cluster)
-        row = meta_init_agree.measure_size(mb, self.seed, cluster)
+        memory = analysis.materialisation(measure.measure_materialisation(mb, self.seed, cluster))
+        row = analysis.agreement_row(measure.measure_size(mb, self.seed, cluster))
         self.last_result = {"materialise": memory, "agreement": row}
-        display(meta_init.rss_figure(memory))
-        display(Markdown(meta_init.memory_table(memory)))
-        display(Markdown(meta_init_agree.agreement_table([row])))
+        display(report.rss_figure(memory))
+        display(Markdown(report.memory_table(memory)))
+        display(Markdown(report.agreement_table([row])))
 
 
 def meta_init_explorer(model_mb: int = 64, world_size: int = 2) -> MetaInitExplorer:

@@ -1,9 +1,8 @@
 """meta_init: counting a meta model, host memory measured, the counter-based deterministic init
-(any slice, bitwise, by name), and the demonstration that kaiming_uniform_ on a shard differs."""
+(any slice, bitwise, by name)."""
 
 from __future__ import annotations
 
-import json
 import math
 import random
 
@@ -12,14 +11,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_lab.meta_init import (
-    DeterministicInit,
-    RssSampler,
-    build_on_meta,
-    kaiming_on_a_shard_differs,
-    meta_summary,
-)
+from fsdp_lab.meta_init import DeterministicInit, build_on_meta, meta_summary
 from fsdp_lab.models import Llama, LlamaConfig, llama_70b_config, llama_param_count
+from fsdp_lab.trace import RssSampler
 
 MB = 10**6
 SMALL = LlamaConfig(vocab_size=50, dim=16, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=40)
@@ -270,23 +264,3 @@ def test_init_module_then_training_works():
     assert losses[-1] < 0.8 * losses[0], losses
     still = [k for k, v in model.named_parameters() if torch.equal(v, before[k])]
     assert still == [], still
-
-
-# -- kaiming on a shard -----------------------------------------------------------------------
-
-
-def test_kaiming_on_a_shard_differs_and_the_deterministic_slices_do_not():
-    state = torch.get_rng_state()
-    r = kaiming_on_a_shard_differs(shape=(64, 32), world_size=4, seed=0)
-    assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG is left alone
-    json.dumps(r)
-    diffs = r["row_shards_max_abs_diff"]
-    assert diffs[0] == 0 and all(d > 0 for d in diffs[1:])
-    assert r["row_shards_equal_own_rows"] == [True, False, False, False]
-    assert r["row_shards_equal_first_rows"] == [True] * 4  # the stream restarts on every rank
-    assert r["bound_column_shard"] == pytest.approx(2 * r["bound_full"])  # sqrt(N) wider
-    assert r["max_abs_full"] <= r["bound_full"] < r["max_abs_column_shard"]
-    assert r["deterministic_slices_equal_full"] is True
-    assert r["deterministic_max_abs"] <= r["bound_full"]
-    with pytest.raises(ValueError, match="world_size=3"):
-        kaiming_on_a_shard_differs(shape=(64, 32), world_size=3)

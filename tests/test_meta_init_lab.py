@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from matplotlib.figure import Figure
 
 from fsdp_lab import models
 from fsdp_lab.labs import meta_init as lab
-from fsdp_lab.labs import meta_init_agree as agree
+from fsdp_lab.labs.meta_init import analysis, measure
+from fsdp_lab.labs.meta_init.config import APPROACHES, CONTROL, MODES
+from fsdp_lab.labs.meta_init.one_process import kaiming_on_a_shard_differs
 from fsdp_lab.models import Llama, LlamaConfig
 from fsdp_lab.models.llama import MIN_LAYERS
 from fsdp_lab.sharding.flat_param import FILL_CHUNK
@@ -83,7 +86,7 @@ def test_peak_during_shard_is_a_share_plus_one_unit_never_the_whole_model(result
         assert slices <= full / n + 2 * 4 * FILL_CHUNK + extra
         # The ordinary build held the whole model, and its shards were copied out beside it.
         assert m["modes"]["ordinary"]["peak_bytes"][r] >= full + full / n
-        for mode in lab.MODES:  # afterwards every way holds the same: its shards and buffers
+        for mode in MODES:  # afterwards every way holds the same: its shards and buffers
             after = m["modes"][mode]["after_bytes"][r]
             assert full / n <= after <= full / n + extra, mode
 
@@ -97,7 +100,7 @@ def test_resident_memory_meta_is_flat_where_the_ordinary_build_spikes(result):
         for mode in ("meta_param_init_fn", "meta_shard_init"):
             grew = modes[mode]["rss_growth_bytes"][r]
             assert grew < 0.75 * ordinary and grew < full, (mode, r, grew, ordinary)
-        for mode in lab.MODES:  # the allocator's slack handed back: the shards are what stays
+        for mode in MODES:  # the allocator's slack handed back: the shards are what stays
             trimmed = modes[mode]["rss_after_trim_bytes"][r]
             assert full / 2 - 2**20 <= trimmed <= 1.1 * full / 2 + 4 * 2**20, (mode, r, trimmed)
         curve = modes["ordinary"]["rss"][r]
@@ -157,8 +160,8 @@ def test_figures_and_summary(result):
 
 @pytest.mark.parametrize("n", [1, 3, 4])  # 2 ranks: the lab result above
 def test_both_approaches_bitwise_equal_on_n_ranks(cluster_of, n):
-    row = agree.measure_size(8, seed=11, cluster=cluster_of(n), control=n > 1)
-    for approach in agree.APPROACHES:
+    row = analysis.agreement_row(measure.measure_size(8, 11, cluster_of(n), control=n > 1))
+    for approach in APPROACHES:
         assert row[approach]["bitwise_equal_to_reference"], approach
         assert row[approach]["buffers_equal_to_ordinary"], approach
         assert row[approach]["bytes_moved_per_rank"] == [row[approach]["theory_bytes_moved"]] * n
@@ -167,7 +170,7 @@ def test_both_approaches_bitwise_equal_on_n_ranks(cluster_of, n):
         assert (
             row["sync_module_states"]["bytes_moved"] == row["parameter_bytes"] + row["buffer_bytes"]
         )
-        assert row[agree.CONTROL]["bitwise_equal_to_reference"] is False
+        assert row[CONTROL]["bitwise_equal_to_reference"] is False
 
 
 def test_lab_llama_sizes_and_units():
@@ -200,5 +203,23 @@ def test_bad_config_names_the_value_the_range_and_the_fix(kwargs, message):
 
 
 def test_a_model_too_large_for_this_host_is_refused_before_any_build():
-    with pytest.raises(ValueError, match="needs about .* GiB of host memory.*Fix: --model-mb"):
-        lab.check_host_memory(16384, 4096)
+    too_large = lab.MetaInitConfig(world_size=4096, model_mb=16384)
+    with pytest.raises(ValueError, match="needs about .* GiB of host memory.*Fix: model_mb="):
+        measure.preflight(too_large)
+
+
+def test_kaiming_on_a_shard_differs_and_the_deterministic_slices_do_not():
+    state = torch.get_rng_state()
+    r = kaiming_on_a_shard_differs(shape=(64, 32), world_size=4, seed=0)
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG is left alone
+    json.dumps(r)
+    diffs = r["row_shards_max_abs_diff"]
+    assert diffs[0] == 0 and all(d > 0 for d in diffs[1:])
+    assert r["row_shards_equal_own_rows"] == [True, False, False, False]
+    assert r["row_shards_equal_first_rows"] == [True] * 4  # the stream restarts on every rank
+    assert r["bound_column_shard"] == pytest.approx(2 * r["bound_full"])  # sqrt(N) wider
+    assert r["max_abs_full"] <= r["bound_full"] < r["max_abs_column_shard"]
+    assert r["deterministic_slices_equal_full"] is True
+    assert r["deterministic_max_abs"] <= r["bound_full"]
+    with pytest.raises(ValueError, match="world_size=3"):
+        kaiming_on_a_shard_differs(shape=(64, 32), world_size=3)

@@ -97,3 +97,16 @@ def test_rng_replay_sends_one_generator_state_per_handoff_per_pipeline():
     # 2 handoffs; a CPU generator state is 5056 bytes; 2 pipelines replay side by side.
     assert theory.rng_replay_bytes(2, 5056, 2) == 2 * 2 * 5056 == 20224
     assert theory.rng_replay_bytes(0, 5056, 4) == 0  # one stage: nothing changes hands
+
+
+def test_sync_module_states_moves_parameters_and_buffers_once_and_nothing_alone():
+    assert theory.sync_module_states_bytes(1000, 24, 4) == 1024
+    assert theory.sync_module_states_bytes(1000, 24, 2) == 1024  # the same on any N > 1
+    assert theory.sync_module_states_bytes(1000, 24, 1) == 0  # one rank: no message
+
+
+def test_materialise_peak_bytes_by_way_of_building():
+    peak = theory.materialise_peak_bytes(800, 120, 4)
+    assert peak == {"ordinary": 1000, "meta_param_init_fn": 320, "meta_shard_init": 200}
+    one = theory.materialise_peak_bytes(800, 120, 1)  # one rank keeps the whole model anyway
+    assert one["meta_shard_init"] == 800 and one["ordinary"] == 1600

@@ -53,9 +53,7 @@ _LABS: tuple[Lab, ...] = (
     LabPackage("shard", "fsdp_lab.labs.shard"),
     LabPackage("checkpoint", "fsdp_lab.labs.checkpoint"),
     LabPackage("tying", "fsdp_lab.labs.tying"),
-    _FlatLab(
-        "meta-init", "fsdp_lab.labs.meta_init", "fsdp_lab.labs.meta_init_config", "MetaInitConfig"
-    ),
+    LabPackage("meta-init", "fsdp_lab.labs.meta_init"),
     LabPackage("pp-seed", "fsdp_lab.labs.pp_seed"),
 )
 LABS: dict[str, Lab] = {lab.name: lab for lab in _LABS}
