@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
-import importlib
 import json
 import os
 import sys
@@ -112,10 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, lab in LABS.items():
         p = sub.add_parser(name, help=lab.title)
         _common(p)
-        if hasattr(lab, "config_module"):  # a lab not yet split into its package: TEMPORARY
-            importlib.import_module(lab.config_module).add_arguments(p)
-        else:
-            add_config_arguments(p, lab.config_class)
+        add_config_arguments(p, lab.config_class)
     tour = sub.add_parser("tour", help="run every lab headless; write figures and a summary")
     _common(tour)
     return parser
@@ -197,10 +193,7 @@ def prepare(name: str, args: argparse.Namespace, out: Path | None, tour: bool = 
             f"drop --model, or pass it to a lab that trains a model: {', '.join(model_labs())}",
             where,
         )
-    if hasattr(lab, "config_module"):  # TEMPORARY, as in build_parser
-        overrides.update(importlib.import_module(lab.config_module).config_from_args(args))
-    else:
-        overrides.update(config_overrides(args, config_cls))
+    overrides.update(config_overrides(args, config_cls))
     try:
         config = config_cls(**overrides)
     except ValueError as exc:
