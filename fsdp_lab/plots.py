@@ -1,5 +1,8 @@
 """Pictures of measurements: memory over time, compute/communication timelines, theory checks.
 
+(Over 400 lines on purpose: one function per kind of figure, sharing the colours, byte axes and
+marker rules defined at the top; split, a learner would meet two colour schemes.)
+
 What it teaches: a number is easier to believe when you can see it. Every lab measures something
 (bytes held per category, spans of compute and communication, tensors held by each rank) and
 these functions draw the measurement next to the theory, in the way PyTorch's memory snapshot
