@@ -2,8 +2,9 @@
 
 The lab (`measure.py`) trains a whole model; this walkthrough slows one step down on a tiny
 unit whose values say where they came from — parameter ``a`` holds 1, 2, …, ``b`` 11, 12, …,
-``c`` 21, 22, … — and stops after every stage to record what each rank holds. The stages are the ones `ShardedUnit` runs from its hooks, called here one at a
-time with the same pieces (`FlatParameter`, `fsdp_lab.comm`):
+``c`` 21, 22, … — and stops after every stage to record what each rank holds. The stages are
+the ones `ShardedUnit` runs from its hooks, called here one at a time with the same pieces
+(`FlatParameter`, `fsdp_lab.comm`):
 
     flatten         a, b, c -> one flat buffer, padded to a multiple of N
     shard           rank r keeps flat[r*S : (r+1)*S]                 (the only persistent copy)
