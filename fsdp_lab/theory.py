@@ -253,6 +253,16 @@ def checkpoint_cost(schedule: Any, n: int) -> Any:
     return cost(stored, calls)
 
 
+def checkpoint_all_gathers(units: int, spans_two_units: bool, world_size: int) -> int:
+    """All-gathers per ZeRO-3 training step of `units` units with activation checkpointing:
+    each unit gathered for forward and again for backward; a checkpoint spanning a pair of
+    units reruns the first one's forward after it was freed — one more gather per pair. On one
+    rank a shard is the whole parameter and nothing is gathered (FSDP1 switches to NO_SHARD)."""
+    if world_size == 1:
+        return 0
+    return 2 * units + (units // 2 if spans_two_units else 0)
+
+
 # -- pipeline ------------------------------------------------------------------------------------
 
 

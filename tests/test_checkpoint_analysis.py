@@ -10,7 +10,6 @@ from fsdp_lab import schedules, theory
 from fsdp_lab.labs.checkpoint import CheckpointConfig
 from fsdp_lab.labs.checkpoint.analysis import (
     COLUMNS,
-    all_gathers_per_step,
     analyse,
     disagreements,
     frontier,
@@ -73,6 +72,7 @@ def measured(sharding: bool = True) -> dict:
         "with_sharding": {
             m: {
                 "units": 4,
+                "world_size": 2,
                 "all_gather_calls_per_step": float(gathers[m]),
                 "all_gather_bytes_per_step": 256.0 * gathers[m],
                 "max_abs_param_diff_vs_plain": 0.0,
@@ -111,8 +111,10 @@ def test_a_miscounted_schedule_is_named(field):
 
 
 def test_the_extra_all_gather_of_a_checkpoint_across_units_is_the_theory():
-    assert [all_gathers_per_step(m, 4) for m in MODES] == [8, 8, 10]
-    assert all_gathers_per_step("checkpoint_spans_two_units", 6) == 15
+    spans = [m == "checkpoint_spans_two_units" for m in MODES]
+    assert [theory.checkpoint_all_gathers(4, s, 2) for s in spans] == [8, 8, 10]
+    assert theory.checkpoint_all_gathers(6, True, 3) == 15
+    assert theory.checkpoint_all_gathers(6, True, 1) == 0  # one rank: the shard is everything
     data = measured()
     # As if the recompute found the first unit still gathered: no extra all-gather counted.
     data["with_sharding"]["checkpoint_spans_two_units"]["all_gather_calls_per_step"] = 8.0

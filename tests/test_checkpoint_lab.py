@@ -76,3 +76,14 @@ def test_bad_config_names_the_value_the_range_and_the_fix(kwargs, message, fix):
     with pytest.raises(ValueError) as err:
         lab.CheckpointConfig(**kwargs)
     assert str(err.value).startswith(message) and str(err.value).endswith(f"Fix: {fix}")
+
+
+def test_one_rank_gathers_nothing_and_the_theory_says_so(cluster_of):
+    # Found on an H100 (`Cluster(1, backend="nccl")`), the same on gloo: the lab read the
+    # all-gather count of a log that has none on one rank, and raised KeyError.
+    config = lab.CheckpointConfig(layers=(4,), dim=8, batch=4, world_size=1)
+    result = lab.run(config, cluster=cluster_of(1))
+    for mode, s in result["with_sharding"].items():
+        assert s["all_gather_calls_per_step"] == s["theory_all_gather_calls_per_step"] == 0, mode
+        assert s["max_abs_param_diff_vs_plain"] == 0.0
+    assert "differs from the theory" not in lab.summary(result)

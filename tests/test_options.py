@@ -82,6 +82,12 @@ def test_help_comes_from_the_args_section():
     assert helps["steps"] == "training steps."
     assert helps["sizes_mb"] == "model sizes (MiB) of the table, one row each."
     assert helps["dim"] == helps["heads"] == "the model's width and heads."
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, _Config)
+    shown = {a.dest: a.help for a in parser._actions}
+    # --no-prefetch turns off what the docstring describes; --verbose turns on what it says
+    assert shown["prefetch"] == "turn off: overlap the next unit's gather."
+    assert shown["verbose"] == "say more."
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type) -> N
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": text or None}
         if base == "bool":
             kwargs["action"] = "store_false" if default is True else "store_true"
+            if default is True and text:  # the flag turns off what the docstring describes
+                kwargs["help"] = f"turn off: {text}"
         else:
             kwargs["type"] = _SCALARS.get(base, str)
             if is_tuple:

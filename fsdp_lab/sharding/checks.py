@@ -17,10 +17,11 @@ from fsdp_lab.tying import find_ties, recorded_ties, verify_weight_tying
 PLANNED = ("hybrid", "hybrid_zero2")  # need a 2-D mesh: the HSDP lab
 
 
-def check_model(model: nn.Module, strategy: str) -> None:
+def check_model(model: nn.Module, strategy: str, backend: str | None = None) -> None:
     """Refuse what cannot be sharded — an unknown strategy, a model (or part of one) sharded
-    already, storage ties, broken recorded ties, parameters on several devices — each with
-    the fix, before any rank sends a message."""
+    already, storage ties, broken recorded ties, parameters on several devices, or on the CPU
+    under NCCL (`backend`, the process group's) — each with the fix, before any rank sends a
+    message."""
     if strategy in PLANNED:
         raise ValueError(
             f"strategy={strategy!r} needs a 2-D (replicate x shard) mesh and arrives with the "
@@ -72,6 +73,15 @@ def check_model(model: nn.Module, strategy: str) -> None:
             f"the model's parameters are on several devices, e.g. {where}: shard() takes a model "
             "on one device (or entirely on meta, to materialise shard by shard). Fix: "
             "model.to(device) — or build the whole model under torch.device('meta')"
+        )
+    (device,) = devices
+    if backend == "nccl" and device.type == "cpu":
+        # NCCL moves GPU memory only: the first collective on a CPU shard fails deep inside
+        # backward ("No backend type associated with device type cpu"), not here.
+        raise ValueError(
+            f"the model's parameters are on the CPU (e.g. {params[0][0]!r}) but the process "
+            "group is NCCL, which moves GPU memory only. Fix: model.to(fsdp_lab.cluster.device()) "
+            "before shard(), or build it on the meta device, or use backend='gloo'"
         )
 
 

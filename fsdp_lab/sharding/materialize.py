@@ -229,6 +229,17 @@ def materialize_buffers(
     return done
 
 
+def concrete_device(device: torch.device | str) -> torch.device:
+    """The device a tensor made on `device` reports: "cuda" -> "cuda:<current>", "cpu:0" -> "cpu".
+
+    Parameters are compared with it after `param_init_fn`; "cuda" != "cuda:0" as devices.
+    """
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError("device='meta': shards need real memory. Fix: device='cpu' or 'cuda'")
+    return torch.empty(0, device=device).device
+
+
 def _check_shape(name: str, p: torch.Tensor, shape: torch.Size) -> None:
     if p.shape != shape:
         raise ValueError(
@@ -261,6 +272,5 @@ def materialize(
     """
     if not any(p.is_meta for p in model.parameters()):
         raise ValueError("materialize() takes a model built on meta; this one has values")
-    device = torch.device(device)
-    walk_build_order(model, build_plan(model, units), device, param_init_fn)
+    walk_build_order(model, build_plan(model, units), concrete_device(device), param_init_fn)
     return model

@@ -43,6 +43,7 @@ from fsdp_lab.sharding.materialize import (
     EMPTY,
     ParamInitFn,
     SliceInit,
+    concrete_device,
     materialize_buffers,
     owning_modules,
     reset_parameters,
@@ -104,17 +105,9 @@ def _resolve_group(mesh: Any) -> tuple[dist.ProcessGroup | None, int, int]:
 
 def _target_device(device: torch.device | str | None) -> torch.device:
     """Where a meta model's shards go: `device`, else this rank's GPU under NCCL, else CPU."""
-    if device is not None:
-        device = torch.device(device)
-    elif dist.is_initialized() and dist.get_backend() == "nccl":
-        device = torch.device("cuda")
-    else:
-        device = torch.device("cpu")
-    if device.type == "meta":
-        raise ValueError("device='meta': shards need real memory. Fix: device='cpu' or 'cuda'")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    if device is None:
+        device = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    return concrete_device(device)
 
 
 def shard(
@@ -160,7 +153,7 @@ def shard(
             parameter per unit, ``flat_param`` (FSDP1's default; the sharding lab draws it).
             See [Note: per-parameter views] in `fsdp_lab.sharding.unit`.
     """
-    check_model(model, strategy)
+    check_model(model, strategy, dist.get_backend() if dist.is_initialized() else None)
     group, world, rank = _resolve_group(mesh)
     plan = build_plan(model, units)  # every plan error is raised here, before any collective
     on_meta = next(model.parameters()).is_meta  # one device: check_model made sure

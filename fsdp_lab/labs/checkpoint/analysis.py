@@ -25,12 +25,6 @@ def frontier(n: int) -> list[dict[str, int]]:
     ]
 
 
-def all_gathers_per_step(mode: str, units: int) -> int:
-    """ZeRO-3 gathers each unit for forward and again for backward. A checkpoint spanning a pair
-    of units reruns the first one's forward after it was freed: one more gather per pair."""
-    return 2 * units + (units // 2 if mode == "checkpoint_spans_two_units" else 0)
-
-
 def disagreements(result: dict[str, Any]) -> list[str]:
     """Every count that differs from its theory, as a sentence; empty when all agree."""
     out = []
@@ -64,7 +58,12 @@ def analyse(config: CheckpointConfig, measured: dict[str, Any]) -> dict[str, Any
     sharding = measured["with_sharding"]
     if sharding is not None:
         sharding = {
-            mode: s | {"theory_all_gather_calls_per_step": all_gathers_per_step(mode, s["units"])}
+            mode: s
+            | {
+                "theory_all_gather_calls_per_step": theory.checkpoint_all_gathers(
+                    s["units"], mode == "checkpoint_spans_two_units", s["world_size"]
+                )
+            }
             for mode, s in sharding.items()
         }
     return {

@@ -17,7 +17,15 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from fsdp_lab import comm, reference, schedules, theory
 from fsdp_lab.checkpointing import CheckpointWrapper, checkpoint, checkpoint_modules, run_segments
-from fsdp_lab.cluster import AttachedCluster, Cluster, borrow, intra_op_threads, rank, world_size
+from fsdp_lab.cluster import (
+    AttachedCluster,
+    Cluster,
+    borrow,
+    device,
+    intra_op_threads,
+    rank,
+    world_size,
+)
 from fsdp_lab.labs.checkpoint.config import MODES, CheckpointConfig
 from fsdp_lab.models import Chain, ChainLayer
 from fsdp_lab.trace import MemoryTracker, category
@@ -143,7 +151,7 @@ def sharded_chain_worker(
     from fsdp_lab.sharding import shard
 
     torch.manual_seed(0)
-    model = Chain(n_layers, dim)
+    model = Chain(n_layers, dim).to(device())  # the same values on every rank: seeded on CPU
     if mode == "unit_wraps_checkpoint":  # torchtitan's apply_ac, then apply_fsdp
         checkpoint_modules(model, lambda _, m: isinstance(m, ChainLayer))
         shard(model, units={CheckpointWrapper})
@@ -152,7 +160,7 @@ def sharded_chain_worker(
     if mode == "checkpoint_spans_two_units":  # one checkpoint around each pair of units
         model.forward = functools.partial(run_segments, list(model.layers), segment_size=2)
     r, n = rank(), world_size()
-    x = torch.randn(8 * n, dim, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(8 * n, dim, generator=torch.Generator().manual_seed(1)).to(device())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with comm.CommLog() as log:
         for _ in range(steps):
@@ -160,10 +168,11 @@ def sharded_chain_worker(
             _loss(model(reference.local_slice(x, r, n))).backward()
             opt.step()
     params = {k.replace("module.", ""): v for k, v in reference.full_parameters(model).items()}
+    gather = "all_gather_into_tensor"  # none on one rank: the shard is the whole parameter
     return {
         "mode": mode,
-        "all_gather_calls_per_step": log.calls_by_op()["all_gather_into_tensor"] / steps,
-        "all_gather_bytes_per_step": log.bytes_by_op()["all_gather_into_tensor"] / steps,
+        "all_gather_calls_per_step": log.calls_by_op().get(gather, 0) / steps,
+        "all_gather_bytes_per_step": log.bytes_by_op().get(gather, 0.0) / steps,
         "params": params,
     }
 
@@ -187,6 +196,7 @@ def measure(
         sharding = {
             m: {
                 "units": units,
+                "world_size": ranks.world_size,
                 "all_gather_calls_per_step": r["all_gather_calls_per_step"],
                 "all_gather_bytes_per_step": r["all_gather_bytes_per_step"],
                 "max_abs_param_diff_vs_plain": reference.max_abs_diff(

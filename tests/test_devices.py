@@ -1,0 +1,65 @@
+"""Where the model lives: devices compared as tensors report them, CPU parameters refused under
+NCCL with the fix, and every lab run on one GPU over NCCL (skipped without one: CI has no GPU;
+`scripts/gpu_check.sh` runs these on a GPU machine).
+
+The first run on an H100 found two bugs no CPU run could: `materialize(device="cuda")`
+refused its own parameters ("on cuda:0 ..., expected cuda") and the checkpoint lab sharded a
+CPU model under NCCL, failing inside backward with "No backend type associated with device
+type cpu"."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fsdp_lab.labs.registry import LABS
+from fsdp_lab.sharding.checks import check_model
+from fsdp_lab.sharding.materialize import concrete_device, materialize
+
+
+def test_materialize_accepts_a_device_named_without_its_canonical_index():
+    # "cpu:0" is the CPU named with an index; a tensor made there reports "cpu" — the CPU twin
+    # of "cuda" vs "cuda:0", which refused every parameter on the GPU.
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    materialize(model, device="cpu:0")
+    assert {p.device for p in model.parameters()} == {torch.device("cpu")}
+    assert concrete_device("cpu:0") == torch.device("cpu")
+    with pytest.raises(ValueError, match="device='meta': shards need real memory"):
+        concrete_device("meta")
+
+
+def test_cpu_parameters_under_nccl_are_refused_before_any_collective():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"on the CPU \(e.g. 'weight'\) but the process group is "
+                       r"NCCL.*Fix: model.to\(fsdp_lab.cluster.device\(\)\)"):  # fmt: skip
+        check_model(model, "full", backend="nccl")
+    check_model(model, "full", backend="gloo")  # control: gloo moves CPU memory
+    with torch.device("meta"):
+        check_model(nn.Linear(2, 2), "full", backend="nccl")  # meta: shards land on the GPU
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_gpu
+@pytest.mark.parametrize("lab", list(LABS))
+def test_every_lab_runs_on_one_gpu_over_nccl(lab, tmp_path):
+    """`Cluster(1, backend="nccl")` through the CLI: exit 0, one JSON object, the backend named."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_lab", lab, "--world-size", "1", "--backend", "nccl"]
+        + ["--json", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["backend"] == "nccl" and result["world_size"] == 1
+    if lab == "shard":  # the same training as one process and as fully_shard, on the GPU
+        print({k: v for k, v in result.items() if "diff" in k})
