@@ -204,9 +204,9 @@ class CheckpointExplorer(_Explorer):
 
         from fsdp_lab import schedules
         from fsdp_lab.labs.checkpoint.measure import measure_schedules
+        from fsdp_lab.labs.checkpoint.report import schedule_table
         from fsdp_lab.models import Chain
         from fsdp_lab.plots import plot_memory_trace
-        from fsdp_lab.sizes import format_bytes
 
         n, chosen = self.n.value, self.current_schedule()
         torch.manual_seed(0)
@@ -216,17 +216,8 @@ class CheckpointExplorer(_Explorer):
         lines = [
             f"**N = {n}** layers, dim {self.dim}, batch {self.batch}",
             "",
-            "| schedule | peak activations | layer calls (theory) | inputs kept (theory) "
-            "| time | max grad diff vs store_all |",
-            "|---|---|---|---|---|---|",
+            schedule_table(rows, against=" vs store_all"),
         ]
-        for row in rows:
-            lines.append(
-                f"| {row['schedule']} | {format_bytes(row['peak_activation_bytes'])} "
-                f"| {row['forward_calls']} ({row['theory_forward_calls']}) "
-                f"| {row['stored_activations']} ({row['theory_stored_activations']}) "
-                f"| {row['time_s'] * 1e3:.1f} ms | {row['max_abs_grad_diff']:.1e} |"
-            )
         if len(rows) == 2:
             ratio = rows[1]["peak_activation_bytes"] / rows[0]["peak_activation_bytes"]
             calls = rows[1]["forward_calls"] / rows[0]["forward_calls"]

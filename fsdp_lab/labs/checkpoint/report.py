@@ -7,6 +7,7 @@ from typing import Any
 
 from fsdp_lab.labs.checkpoint.analysis import disagreements
 from fsdp_lab.labs.contract import LabResult
+from fsdp_lab.markdown import table
 from fsdp_lab.sizes import format_bytes
 
 
@@ -23,24 +24,28 @@ def figures(result: LabResult) -> dict[str, Any]:
     return figs
 
 
+def schedule_table(rows: list[dict[str, Any]], against: str = "") -> str:
+    """Markdown: per measured schedule, peak activation bytes, calls and kept inputs with their
+    theory, time, and the largest gradient difference (from store_all's, or `against`'s)."""
+    head = ["schedule", "peak activations", "calls (theory)", "kept (theory)", "time"]
+    return table(
+        [*head, f"max grad diff{against}"],
+        (
+            [r["schedule"], format_bytes(r["peak_activation_bytes"])]
+            + [f"{r['forward_calls']} ({r['theory_forward_calls']})"]
+            + [f"{r['stored_activations']} ({r['theory_stored_activations']})"]
+            + [f"{r['time_s'] * 1e3:.1f} ms", f"{r['max_abs_grad_diff']:.1e}"]
+            for r in rows
+        ),
+    )
+
+
 def summary(result: LabResult) -> str:
     """Markdown: per N, every schedule measured with its theory in parentheses; the ZeRO-3
     all-gathers per mode; then whether every count agreed with its theory."""
     lines = []
     for n, chain in result["chains"].items():
-        lines += [
-            f"### N = {n}",
-            "",
-            "| schedule | peak activations | calls (theory) | kept (theory) | time | max grad diff |",
-            "|---|---|---|---|---|---|",
-        ]
-        for r in chain["rows"]:
-            lines.append(
-                f"| {r['schedule']} | {format_bytes(r['peak_activation_bytes'])} "
-                f"| {r['forward_calls']} ({r['theory_forward_calls']}) "
-                f"| {r['stored_activations']} ({r['theory_stored_activations']}) "
-                f"| {r['time_s'] * 1e3:.1f} ms | {r['max_abs_grad_diff']:.1e} |"
-            )
+        lines += [f"### N = {n}", "", schedule_table(chain["rows"])]
         v = chain["versus_torch"]
         lines += [
             "",
@@ -51,19 +56,13 @@ def summary(result: LabResult) -> str:
             "",
         ]
     if result["with_sharding"]:
-        lines += [
-            "### ZeRO-3 chain with checkpointing",
-            "",
-            "| mode | all-gathers/step (counted) | bytes/step |",
-            "|---|---|---|",
+        rows = [
+            [mode, f"{s['all_gather_calls_per_step']:g} ({s['theory_all_gather_calls_per_step']})"]
+            + [format_bytes(s["all_gather_bytes_per_step"])]
+            for mode, s in result["with_sharding"].items()
         ]
-        for mode, s in result["with_sharding"].items():
-            lines.append(
-                f"| {mode} | {s['all_gather_calls_per_step']:g} "
-                f"({s['theory_all_gather_calls_per_step']}) "
-                f"| {format_bytes(s['all_gather_bytes_per_step'])} |"
-            )
-        lines.append("")
+        head = ["mode", "all-gathers/step (counted)", "bytes/step"]
+        lines += ["### ZeRO-3 chain with checkpointing", "", table(head, rows), ""]
     off = disagreements(result.data)
     lines.append("every count equals its theory" if not off else "differs from the theory:")
     lines += [f"- {line}" for line in off]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_lab.labs.contract import LabResult
+from fsdp_lab.markdown import table
 from fsdp_lab.sizes import format_bytes
 
 
@@ -27,19 +28,16 @@ def figures(result: LabResult) -> dict[str, Any]:
 def summary(result: LabResult) -> str:
     """A markdown table: per op, measured bytes (every rank), theory, median time."""
 
-    lines = [
-        f"world size {result['world_size']} on {result['backend']}, shard "
-        f"{format_bytes(result['shard_bytes'])} per rank",
-        "",
-        "| op | measured bytes/rank (all ranks) | theory | time/call |",
-        "|---|---|---|---|",
+    def measured(op: str) -> str:
+        return ", ".join(map(format_bytes, sorted({m[op] for m in result["comm_bytes_per_rank"]})))
+
+    rows = [
+        [op, measured(op), format_bytes(formula), f"{result['time_s'][op] * 1e3:.2f} ms"]
+        for op, formula in result["theory_comm_bytes"].items()
     ]
-    for op, formula in result["theory_comm_bytes"].items():
-        measured = {m[op] for m in result["comm_bytes_per_rank"]}
-        shown = ", ".join(format_bytes(b) for b in sorted(measured))
-        lines.append(
-            f"| {op} | {shown} | {format_bytes(formula)} | {result['time_s'][op] * 1e3:.2f} ms |"
-        )
-    lines.append("")
-    lines.append(f"measured equals theory on every rank: {result['matches_theory']}")
-    return "\n".join(lines)
+    return (
+        f"world size {result['world_size']} on {result['backend']}, shard "
+        f"{format_bytes(result['shard_bytes'])} per rank\n\n"
+        + table(["op", "measured bytes/rank (all ranks)", "theory", "time/call"], rows)
+        + f"\n\nmeasured equals theory on every rank: {result['matches_theory']}"
+    )

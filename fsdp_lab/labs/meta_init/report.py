@@ -7,6 +7,7 @@ from typing import Any
 
 from fsdp_lab.labs.contract import LabResult
 from fsdp_lab.labs.meta_init.config import APPROACHES, CONTROL, MODES, MiB
+from fsdp_lab.markdown import table
 from fsdp_lab.sizes import format_bytes as fb
 
 
@@ -64,40 +65,35 @@ def figures(result: LabResult) -> dict[str, Any]:
 
 def memory_table(memory: dict[str, Any]) -> str:
     """Markdown: per mode, rank 0's resident-memory growth, peak tensor bytes, theory, time."""
-    lines = [
-        f"{memory['model_mb']} MiB Llama ({fb(memory['full_model_bytes'])} of parameters, "
-        f"{memory['units']} units, largest {fb(memory['largest_unit_bytes'])}), rank 0:",
-        "",
-        "| mode | resident memory: peak growth | after trim | tensor bytes: peak (theory) "
-        "| after shard | time |",
-        "|---|---|---|---|---|---|",
+    head = ["mode", "resident memory: peak growth", "after trim", "tensor bytes: peak (theory)"]
+    rows = [
+        [r["how"], fb(r["rss_growth_bytes"][0]), fb(r["rss_after_trim_bytes"][0])]
+        + [f"{fb(r['peak_bytes'][0])} ({fb(memory['theory_peak_bytes'][mode])})"]
+        + [fb(r["after_bytes"][0]), f"{r['time_s'][0]:.2f} s"]
+        for mode, r in memory["modes"].items()
     ]
-    for mode, r in memory["modes"].items():
-        lines.append(
-            f"| {r['how']} | {fb(r['rss_growth_bytes'][0])} | {fb(r['rss_after_trim_bytes'][0])} "
-            f"| {fb(r['peak_bytes'][0])} ({fb(memory['theory_peak_bytes'][mode])}) "
-            f"| {fb(r['after_bytes'][0])} | {r['time_s'][0]:.2f} s |"
-        )
-    return "\n".join(lines)
+    return (
+        f"{memory['model_mb']} MiB Llama ({fb(memory['full_model_bytes'])} of parameters, "
+        f"{memory['units']} units, largest {fb(memory['largest_unit_bytes'])}), rank 0:\n\n"
+        + table([*head, "after shard", "time"], rows)
+    )
 
 
 def agreement_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: per size and approach, time, bytes moved (theory), bitwise and buffer checks."""
-    lines = [
-        "| parameters | approach | time (slowest rank) | rank 0 in collectives "
-        "| bytes moved per rank (theory) | bitwise = reference | buffers = ordinary |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        for a in APPROACHES:
-            r = row[a]
-            lines.append(
-                f"| {fb(row['parameter_bytes'])} | {a} | {r['time_s']:.3f} s "
-                f"| {r['comm_time_s_per_rank'][0]:.3f} s "
-                f"| {fb(r['bytes_moved'])} ({fb(r['theory_bytes_moved'])}) "
-                f"| {r['bitwise_equal_to_reference']} | {r['buffers_equal_to_ordinary']} |"
-            )
-    return "\n".join(lines)
+    head = ["parameters", "approach", "time (slowest rank)", "rank 0 in collectives"]
+    head += ["bytes moved per rank (theory)", "bitwise = reference", "buffers = ordinary"]
+    return table(
+        head,
+        (
+            [fb(row["parameter_bytes"]), a, f"{r['time_s']:.3f} s"]
+            + [f"{r['comm_time_s_per_rank'][0]:.3f} s"]
+            + [f"{fb(r['bytes_moved'])} ({fb(r['theory_bytes_moved'])})"]
+            + [r["bitwise_equal_to_reference"], r["buffers_equal_to_ordinary"]]
+            for row in rows
+            for a, r in ((a, row[a]) for a in APPROACHES)
+        ),
+    )
 
 
 def summary(result: LabResult) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 from fsdp_lab.choices import SEEDING_STRATEGIES as STRATEGIES
 from fsdp_lab.labs.contract import LabResult
 from fsdp_lab.labs.pp_seed.analysis import LOSS_RTOL
+from fsdp_lab.markdown import table
 from fsdp_lab.sizes import format_bytes
 
 
@@ -130,21 +131,19 @@ def same_seed_figure(result: LabResult) -> Any:
 
 def results_table(result: LabResult) -> str:
     """One Markdown row per strategy: equal to the unsplit init?, memory, time, bytes, loss."""
-    lines = [
-        "| strategy | bitwise = unsplit | max abs diff | peak rank 0 | peak other ranks "
-        "| init time | bytes moved | messages | final loss | loss = baseline |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for strategy, row in result["strategies"].items():
-        rank0, others = _peaks(row["peak_bytes_per_rank"])
-        lines.append(
-            f"| {_label(strategy)} | {'yes' if row['bitwise_equal'] else 'no'} "
-            f"| {row['max_abs_diff']:.3g} | {rank0} | {others} "
-            f"| {row['init_time_s'] * 1e3:.1f} ms | {row['bytes_moved']:,.0f} B | {row['messages']} "
-            f"| {row['final_loss']:.4f} | {'yes' if row['loss_matches_baseline'] else 'no'} "
-            f"(max rel diff {row['loss_max_rel_diff']:.1e}) |"
-        )
-    return "\n".join(lines)
+    head = ["strategy", "bitwise = unsplit", "max abs diff", "peak rank 0", "peak other ranks"]
+    head += ["init time", "bytes moved", "messages", "final loss", "loss = baseline"]
+    yes = {True: "yes", False: "no"}
+    return table(
+        head,
+        (
+            [_label(s), yes[row["bitwise_equal"]], f"{row['max_abs_diff']:.3g}"]
+            + [*_peaks(row["peak_bytes_per_rank"]), f"{row['init_time_s'] * 1e3:.1f} ms"]
+            + [f"{row['bytes_moved']:,.0f} B", row["messages"], f"{row['final_loss']:.4f}"]
+            + [f"{yes[row['loss_matches_baseline']]} (max rel diff {row['loss_max_rel_diff']:.1e})"]
+            for s, row in result["strategies"].items()
+        ),
+    )
 
 
 def overlap_table(result: LabResult) -> str:
@@ -153,37 +152,40 @@ def overlap_table(result: LabResult) -> str:
     def num(x: Any, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
-    lines = [
-        "| strategy | corr(stage 0 layer 0, stage 1 first layer) | corr(stage 1, stage 2 first "
-        "layers) | identical first layers | shared prefix, stages 0/1 | values repeating an "
-        "earlier stage's | stages distinct | replicas equal (dp) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    head = ["strategy", "corr(stage 0 layer 0, stage 1 first layer)"]
+    head += ["corr(stage 1, stage 2 first layers)", "identical first layers"]
+    head += ["shared prefix, stages 0/1", "values repeating an earlier stage's"]
+    head += ["stages distinct", "replicas equal (dp)"]
+    rows = []
     for strategy, row in result["strategies"].items():
         o, mesh = row["overlap"], row["mesh"]
         same = ", ".join(f"{a}={b}" for a, b in o["identical_first_layers"]) or "none"
         fractions = ", ".join(num(f, ".2e") for f in o["duplicate_fraction_per_stage"][1:]) or "-"
-        lines.append(
-            f"| {_label(strategy)} | {num(o['first_layer_corr_0_1'], '.3f')} "
-            f"| {num(o['first_layer_corr_1_2'], '.3f')} | {same} "
-            f"| {num(o['shared_prefix_values_0_1'], ',')} | {fractions} "
-            f"| {num(o['stages_distinct'], '')} | {num(mesh['replicas_equal'], '')} |"
+        rows.append(
+            [_label(strategy), num(o["first_layer_corr_0_1"], ".3f")]
+            + [num(o["first_layer_corr_1_2"], ".3f"), same]
+            + [num(o["shared_prefix_values_0_1"], ","), fractions]
+            + [num(o["stages_distinct"], ""), num(mesh["replicas_equal"], "")]
         )
-    return "\n".join(lines)
+    return table(head, rows)
 
 
 def growth_table(result: LabResult) -> str:
     """Per width: the whole model, and per strategy rank 0's peak / the others', slowest init."""
     strategies = list(result["strategies"])
-    head = " | ".join(f"{_label(s)} peak rank 0 / others, time" for s in strategies)
-    lines = [f"| dim | whole model | {head} |", "|---|---|" + "---|" * len(strategies)]
-    for row in result["growth"]:
-        cells = [row["dim"], format_bytes(row["full_model_bytes"])]
-        for s in strategies:
-            rank0, others = _peaks(row[s]["peak_bytes_per_rank"])
-            cells.append(f"{rank0} / {others}, {max(row[s]['init_time_s_per_rank']) * 1e3:.1f} ms")
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+    head = ["dim", "whole model"] + [f"{_label(s)} peak rank 0 / others, time" for s in strategies]
+
+    def cell(r: dict[str, Any]) -> str:
+        rank0, others = _peaks(r["peak_bytes_per_rank"])
+        return f"{rank0} / {others}, {max(r['init_time_s_per_rank']) * 1e3:.1f} ms"
+
+    return table(
+        head,
+        (
+            [row["dim"], format_bytes(row["full_model_bytes"])] + [cell(row[s]) for s in strategies]
+            for row in result["growth"]
+        ),
+    )
 
 
 def summary(result: LabResult) -> str:

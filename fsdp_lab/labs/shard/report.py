@@ -10,6 +10,7 @@ from typing import Any
 
 from fsdp_lab.labs.contract import LabResult
 from fsdp_lab.labs.shard.analysis import MODEL_STATE, model_state_bytes
+from fsdp_lab.markdown import table
 from fsdp_lab.sizes import format_bytes
 
 
@@ -50,13 +51,15 @@ def summary(result: LabResult) -> str:
     lines += [
         f"- peak model state per rank: {peaks} (formula {format_bytes(result['theory_peak_bytes'])})",
         "",
-        "| collective | measured bytes/step (rank 0) | theory | calls/step |",
-        "|---|---|---|---|",
+        table(
+            ["collective", "measured bytes/step (rank 0)", "theory", "calls/step"],
+            (
+                [op, format_bytes(result["comm_bytes_per_rank"][0].get(op, 0.0))]
+                + [format_bytes(t), f"{result['calls_per_step'].get(op, 0):g}"]
+                for op, t in result["theory_comm_bytes"].items()
+            ),
+        ),
     ]
-    for op, t in result["theory_comm_bytes"].items():
-        m = result["comm_bytes_per_rank"][0].get(op, 0.0)
-        calls = result["calls_per_step"].get(op, 0)
-        lines.append(f"| {op} | {format_bytes(m)} | {format_bytes(t)} | {calls:g} |")
     lines.append(f"\nmeasured equals theory on every rank: {result['comm_matches_theory']}")
     so = result.data.get("sharded_optimizer")
     if so:
@@ -84,22 +87,12 @@ def sharded_optimizer_table(result: LabResult) -> str:
     `ShardedOptimizer` — optimizer state per rank and bytes per step, with their formulas."""
     so = result["sharded_optimizer"]
     th = so["theory"]
-    lines = [
-        "| rank | elements owned (ShardedOptimizer) | optimizer state: ShardedOptimizer "
-        "| formula K·Ψ_r | even split K·Ψ/N | shard(strategy='optimizer') |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r, measured in enumerate(so["optimizer_state_bytes_per_rank"]):
-        lines.append(
-            f"| {r} | {so['owned_numel_per_rank'][r]} | {format_bytes(measured)} "
-            f"| {format_bytes(th['optimizer_state_bytes_per_rank'][r])} "
-            f"| {format_bytes(th['optimizer_state_bytes_even_split'])} "
-            f"| {format_bytes(result['optimizer_state_bytes_per_rank'][r])} |"
-        )
-    lines += [
-        "",
-        "| collective | shard(strategy='optimizer') | formula | DDP + ShardedOptimizer | formula |",
-        "|---|---|---|---|---|",
+    state = [
+        [r, so["owned_numel_per_rank"][r], format_bytes(measured)]
+        + [format_bytes(th["optimizer_state_bytes_per_rank"][r])]
+        + [format_bytes(th["optimizer_state_bytes_even_split"])]
+        + [format_bytes(result["optimizer_state_bytes_per_rank"][r])]
+        for r, measured in enumerate(so["optimizer_state_bytes_per_rank"])
     ]
     columns = [  # rank 0, measured and formula, for each of the two
         result["comm_bytes_per_rank"][0],
@@ -107,34 +100,35 @@ def sharded_optimizer_table(result: LabResult) -> str:
         so["comm_bytes_per_rank"][0],
         th["comm_bytes"],
     ]
-    for op in (*result["theory_comm_bytes"], *th["comm_bytes"]):
-        cells = [format_bytes(c[op]) if op in c else "-" for c in columns]
-        lines.append(f"| {op} | {' | '.join(cells)} |")
-    lines.append(f"| total | {' | '.join(format_bytes(sum(c.values())) for c in columns)} |")
-    lines.append(
-        f"\nDDP + ShardedOptimizer bytes equal their formula on every rank: "
-        f"{so['comm_matches_theory']}"
-    )
-    return "\n".join(lines)
+    ops = [
+        [op] + [format_bytes(c[op]) if op in c else "-" for c in columns]
+        for op in (*result["theory_comm_bytes"], *th["comm_bytes"])
+    ]
+    ops.append(["total"] + [format_bytes(sum(c.values())) for c in columns])
+    opt = "shard(strategy='optimizer')"
+    return "\n".join([
+        table(["rank", "elements owned (ShardedOptimizer)", "optimizer state: ShardedOptimizer",
+               "formula K·Ψ_r", "even split K·Ψ/N", opt], state),
+        "",
+        table(["collective", opt, "formula", "DDP + ShardedOptimizer", "formula"], ops),
+        "\nDDP + ShardedOptimizer bytes equal their formula on every rank: "
+        f"{so['comm_matches_theory']}",
+    ])  # fmt: skip
 
 
 def peak_table(results: dict[str, Any], rank: int = 0) -> str:
     """Markdown: per run (lab results by label), the categories at the moment the model state
     peaked on `rank`, the formula, and the last marker before that moment."""
-    head = " | ".join(MODEL_STATE)
-    lines = [f"| run | formula | measured | {head} | last event before |"]
-    lines.append("|---" * (len(MODEL_STATE) + 4) + "|")
+    rows = []
     for label, result in results.items():
         trace = result["memory_traces"][rank]
         totals = model_state_bytes(trace)
         i = max(range(len(totals)), key=totals.__getitem__)
-        parts = " | ".join(format_bytes(trace["bytes"][c][i]) for c in MODEL_STATE)
+        parts = [format_bytes(trace["bytes"][c][i]) for c in MODEL_STATE]
         before = [m["label"] for m in trace["markers"] if m["t"] <= trace["t"][i]][-1:] or ["-"]
-        lines.append(
-            f"| {label} | {format_bytes(result['theory_peak_bytes'])} "
-            f"| {format_bytes(totals[i])} | {parts} | {before[0]} |"
-        )
-    return "\n".join(lines)
+        peak = [format_bytes(result["theory_peak_bytes"]), format_bytes(totals[i])]
+        rows.append([label, *peak, *parts, before[0]])
+    return table(["run", "formula", "measured", *MODEL_STATE, "last event before"], rows)
 
 
 # -- the one-unit walkthrough ------------------------------------------------------------------
@@ -165,13 +159,12 @@ def stage_figure(walk: dict[str, Any], stage: str) -> Any:
 
 def stage_table(walk: dict[str, Any]) -> str:
     """Markdown: per stage, rank 0's unsharded storage bytes and bytes moved (all measured)."""
-    lines = [
-        "| stage | elements held (rank 0) | unsharded storage (rank 0) | bytes moved (rank 0) |",
-        "|---|---|---|---|",
-    ]
-    for name, s in walk["stages"].items():
-        lines.append(
-            f"| {name} | {len(s['rows'][0])} | {s['unsharded_storage_bytes'][0]} B "
-            f"| {s['comm_bytes'][0]:g} B |"
-        )
-    return "\n".join(lines)
+    head = ["stage", "elements held (rank 0)", "unsharded storage (rank 0)", "bytes moved (rank 0)"]
+    return table(
+        head,
+        (
+            [name, len(s["rows"][0]), f"{s['unsharded_storage_bytes'][0]} B"]
+            + [f"{s['comm_bytes'][0]:g} B"]
+            for name, s in walk["stages"].items()
+        ),
+    )

@@ -8,6 +8,7 @@ from typing import Any
 from fsdp_lab.labs.contract import LabResult
 from fsdp_lab.labs.tying.analysis import PHASES
 from fsdp_lab.labs.tying.config import SPIKE_SYSTEMS, WRAPPINGS
+from fsdp_lab.markdown import table
 from fsdp_lab.sizes import format_bytes
 
 SYSTEM_NAMES = {"fsdp_lab": "fsdp_lab shard", "fsdp2": "FSDP2 fully_shard"}
@@ -15,14 +16,8 @@ SYSTEM_NAMES = {"fsdp_lab": "fsdp_lab shard", "fsdp2": "FSDP2 fully_shard"}
 
 def audit_table(rows: list[dict]) -> str:
     """A markdown table of `audit.audit_worker`'s rows (one rank's list)."""
-
-    def cell(value: Any) -> str:
-        return "—" if value is None else str(value).replace("|", "\\|")
-
     columns = ("system", "accepted", "stage", "still_tied", "equal_values", "error")
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
-    return "\n".join(lines)
+    return table(columns, ([row[c] for c in columns] for row in rows))
 
 
 def verdict(root: int, joint: int) -> str:
