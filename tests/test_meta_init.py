@@ -83,6 +83,28 @@ def test_rss_sampler_sees_an_allocation_and_its_release():
     assert rss._thread is not None and not rss._thread.is_alive()
 
 
+def test_rss_sampler_does_not_count_pages_of_a_file_read_through_a_mapping(tmp_path):
+    # Code pages of shared libraries are file-backed: the kernel evicts them under memory
+    # pressure and faults them back in on the next call. Counted as growth, they made a meta
+    # build on a busy CI machine look as big as the ordinary one. A mapped file is the same
+    # kind of page, deterministically: psutil's rss grows by it, the sampler must not.
+    import mmap
+
+    import psutil
+
+    path = tmp_path / "pages"
+    path.write_bytes(b"\1" * (64 * MB))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as pages:
+        before = psutil.Process().memory_info().rss
+        with RssSampler(interval_s=0.002) as rss:
+            total = sum(pages[i] for i in range(0, len(pages), 4096))  # touch every page
+            rss.mark("read")
+        after = psutil.Process().memory_info().rss
+    assert total == 64 * MB // 4096
+    assert after - before > 48 * MB  # the control: the file's pages are resident
+    assert rss.growth_bytes < 8 * MB, rss.growth_bytes
+
+
 def test_rss_sampler_stops_on_an_exception_and_refuses_reuse():
     sampler = RssSampler()
     with pytest.raises(KeyError), sampler:

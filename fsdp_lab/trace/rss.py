@@ -11,14 +11,37 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import os
 import threading
 import time
 
 import psutil
 
 
+def anonymous_rss() -> int:
+    """Resident bytes of this process's own memory: its heap and mappings, not the code pages.
+
+    psutil's rss also counts file-backed pages — the shared libraries' code (libtorch is over
+    500 MB). The kernel evicts those under memory pressure and faults them back on the next
+    call, so a build measured on a busy machine "grew" by tens of MB of torch's own code (the
+    meta-init lab's check failed so, in CI). rss − shared (Linux: /proc/self/statm's resident
+    minus its file-backed and shmem pages) is what the process allocated; elsewhere rss.
+    (Read from /proc directly: it is sampled every few ms, by forked ranks too.)
+    """
+    try:
+        with open("/proc/self/statm", "rb") as f:  # pages: size resident shared text lib data dt
+            fields = f.read().split()
+        return (int(fields[1]) - int(fields[2])) * _PAGE
+    except OSError:  # not Linux
+        return psutil.Process().memory_info().rss
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 class RssSampler:
-    """This process's resident memory (psutil), sampled every `interval_s` by a daemon thread.
+    """This process's anonymous resident memory (`anonymous_rss`), sampled every `interval_s`
+    by a daemon thread.
 
     Resident memory counts pages really touched: ``torch.empty(n)`` alone barely moves it,
     writing the tensor does. It sees what no tensor tracker sees (Python objects, the
@@ -35,14 +58,13 @@ class RssSampler:
         self.interval_s = interval_s
         self.samples: list[tuple[float, int]] = []  # (seconds since start, rss bytes)
         self.marks: list[tuple[float, str, int]] = []  # (seconds since start, label, rss bytes)
-        self._process = psutil.Process()
         self._lock = threading.Lock()  # the sampler thread and mark() both append
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
 
     def _sample(self) -> tuple[float, int]:
-        rss = self._process.memory_info().rss
+        rss = anonymous_rss()
         with self._lock:
             self.samples.append((time.perf_counter() - self._t0, rss))
             return self.samples[-1]
