@@ -21,6 +21,7 @@ class Strategy:
     reshard_after_forward: bool  # ZeRO-3 frees between forward and backward
     reshard_after_backward: bool  # ZeRO-2/3 free the gathered parameters after backward
     reduce_at_end: bool  # ZeRO-1: full gradients stay until the end of backward
+    replicated: bool = False  # HSDP: sharded inside a shard group, all-reduced across replicas
 
 
 SHARDING_STRATEGIES: dict[str, Strategy] = {
@@ -38,6 +39,26 @@ SHARDING_STRATEGIES: dict[str, Strategy] = {
     ),
     "full": Strategy(
         sharded=True, reshard_after_forward=True, reshard_after_backward=True, reduce_at_end=False
+    ),
+}
+
+# Hybrid sharding (HSDP) on a 2-D (replicate x shard) mesh: ZeRO-3 / ZeRO-2 inside each shard
+# group (a "node"), the shard's gradient all-reduced across the replicas. Apart from
+# SHARDING_STRATEGIES: they need a mesh, and every 1-D comparison iterates over those four.
+HYBRID_STRATEGIES: dict[str, Strategy] = {
+    "hybrid": Strategy(
+        sharded=True,
+        reshard_after_forward=True,
+        reshard_after_backward=True,
+        reduce_at_end=False,
+        replicated=True,
+    ),
+    "hybrid_zero2": Strategy(
+        sharded=True,
+        reshard_after_forward=False,
+        reshard_after_backward=True,
+        reduce_at_end=False,
+        replicated=True,
     ),
 }
 

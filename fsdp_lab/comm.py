@@ -102,6 +102,11 @@ def bus_bytes(op: str, payload_bytes: int, group_size: int) -> float:
     return payload_bytes * factors[op]
 
 
+def group_label(group: dist.ProcessGroup | None) -> str:
+    """How a `CommRecord` names `group` (None: the world): "ranks 0,2"."""
+    return _group_label(group)[0]
+
+
 def _group_label(group: dist.ProcessGroup | None) -> tuple[str, int]:
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     return "ranks " + ",".join(map(str, ranks)), len(ranks)

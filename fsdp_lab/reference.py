@@ -141,14 +141,19 @@ def apply_ddp(model: nn.Module) -> nn.Module:
 
 
 def apply_fsdp2(
-    model: nn.Module, unit_classes: tuple[type, ...], reshard: bool = True
+    model: nn.Module, unit_classes: tuple[type, ...], reshard: bool = True, mesh: Any = None
 ) -> nn.Module:
-    """`fully_shard` on every module of `unit_classes`, then on the root (FSDP2's recipe)."""
+    """`fully_shard` on every module of `unit_classes`, then on the root (FSDP2's recipe).
+
+    `mesh`: None (a 1-D mesh of every rank) or a DeviceMesh — a 2-D (replicate, shard) one
+    makes it HSDP.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    if mesh is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     for module in model.modules():
         if isinstance(module, unit_classes):
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
@@ -157,10 +162,15 @@ def apply_fsdp2(
 
 
 def apply_fsdp1(
-    model: nn.Module, unit_classes: tuple[type, ...], use_orig_params: bool = True
+    model: nn.Module,
+    unit_classes: tuple[type, ...],
+    use_orig_params: bool = True,
+    hybrid: str | None = None,
+    mesh: Any = None,
 ) -> nn.Module:
-    """FSDP1 (`FullyShardedDataParallel`) with a module-class auto-wrap policy."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    """FSDP1 (`FullyShardedDataParallel`) with a module-class auto-wrap policy; `hybrid`
+    ("HYBRID_SHARD" or "_HYBRID_SHARD_ZERO2") on a 2-D (replicate, shard) DeviceMesh `mesh`."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     on_gpu = dist.get_backend() == "nccl"
@@ -170,6 +180,7 @@ def apply_fsdp1(
         auto_wrap_policy=ModuleWrapPolicy(set(unit_classes)),
         device_id=device,
         use_orig_params=use_orig_params,
+        **({"sharding_strategy": ShardingStrategy[hybrid], "device_mesh": mesh} if hybrid else {}),
     )
     _keep_vocab(wrapped, model)
     return wrapped

@@ -193,6 +193,38 @@ def sharding_step(
     }
 
 
+def hybrid_step(
+    strategy: str,
+    units: list[dict[str, Any]],
+    mesh: tuple[int, int],
+    precision: Precision = FP32_ADAM,
+) -> dict[str, Any]:
+    """Bytes per rank and training step of HSDP on an (R, S) mesh, per group, and the peak
+    model state: `sharding_step` inside a shard group of S ranks (ZeRO-3 for "hybrid", ZeRO-2
+    for "hybrid_zero2"), plus what textbook formulas often leave out — the all-reduce of each
+    rank's gradient shard across the R replicas, 2(R−1)/R · Ψ_padded·b/S, on the slow link.
+
+    `units` as for `sharding_step`, their "padded_numel" a multiple of S.
+    """
+    if strategy not in ("hybrid", "hybrid_zero2"):
+        raise ValueError(f"strategy={strategy!r}: expected 'hybrid' or 'hybrid_zero2'")
+    r, s = mesh
+    _check_count("replicas", r)
+    _check_count("shard group size", s)
+    inner = "full" if strategy == "hybrid" else "grad_op"
+    step = sharding_step(inner, units, s, precision)
+    b = step["bytes_per_element"]
+    shard_bytes = step["psi_padded"] * b / s  # each rank's gradient shard
+    across = {"all_reduce": 2 * (r - 1) / r * shard_bytes} if r > 1 else {}
+    # S = 1: no shard group to speak of; each unit's whole gradient is all-reduced across.
+    inner_bytes = step["comm_bytes"] if s > 1 else {}
+    return {
+        **step,
+        "mesh": [r, s],
+        "comm_bytes": {"shard": inner_bytes, "replicate": across},
+    }
+
+
 def sharded_optimizer_step(
     owned_numel_per_rank: list[int],
     trainable_numel: int,

@@ -271,7 +271,7 @@ def _refused(kind: str) -> str:
         ("tie", ["'tok_emb.weight'", "'tok_emb'", "'head'", "different wrap units", "root unit"]),
         ("unknown_module", ["'blocks.9'", "did you mean"]),
         ("strategy", ["'zero4'", "'full'", "'grad_op'"]),
-        ("hybrid", ["'hybrid'", "2-D", "HSDP"]),
+        ("hybrid", ["'hybrid'", "2-D mesh", "HSDP", "Fix: mesh=(1, 2)"]),
         ("meta", ["several devices", "'blocks.0.", "torch.device('meta')"]),
         ("mesh", ["mesh has 1 ranks but the world has 2"]),
         ("broken_tie", ["recorded weight ties are broken", "'head.weight'", "retie"]),

@@ -11,7 +11,8 @@ its wrap units as boxes around it and every tied parameter as an ellipse linked 
 that use it, so the learner sees *why* a wrap plan is valid or not before anything runs.
 
 One module per picture: `cluster` (the processes of a Cluster), `wrap` (wrap units and tied
-weights), `pipeline` (a pipeline's stages and how its initialisation travels); `base.Diagram`
+weights), `pipeline` (a pipeline's stages and how its initialisation travels), `mesh` (a
+hybrid-sharding mesh and the link each collective uses); `base.Diagram`
 is what they return. Drawing needs graphviz's `dot` program, which is
 an OS package, not a pip package. Without it a `Diagram` still works: Jupyter shows the DOT source with a one-line note instead of failing, so a
 missing system package never breaks a lesson.
@@ -19,6 +20,7 @@ missing system package never breaks a lesson.
 
 from fsdp_lab.diagrams.base import MISSING_DOT_MESSAGE, Diagram, _explain_missing_dot_once, has_dot
 from fsdp_lab.diagrams.cluster import cluster_diagram
+from fsdp_lab.diagrams.mesh import mesh_diagram
 from fsdp_lab.diagrams.pipeline import pipeline_diagram
 from fsdp_lab.diagrams.wrap import wrap_diagram
 
@@ -28,6 +30,7 @@ __all__ = [
     "_explain_missing_dot_once",
     "cluster_diagram",
     "has_dot",
+    "mesh_diagram",
     "pipeline_diagram",
     "wrap_diagram",
 ]

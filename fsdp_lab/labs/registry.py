@@ -12,6 +12,7 @@ _LABS: tuple[Lab, ...] = (
     LabPackage("tying", "fsdp_lab.labs.tying"),
     LabPackage("meta-init", "fsdp_lab.labs.meta_init"),
     LabPackage("pp-seed", "fsdp_lab.labs.pp_seed"),
+    LabPackage("hsdp", "fsdp_lab.labs.hsdp"),
 )
 LABS: dict[str, Lab] = {lab.name: lab for lab in _LABS}
-PLANNED = {"hsdp": "the hybrid-sharding lab (HSDP: a 2-D replicate x shard mesh)"}
+PLANNED: dict[str, str] = {}  # name -> what it will be: `fsdp-lab <name>` says "planned"

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch.nn as nn
 
-from fsdp_lab.choices import SHARDING_STRATEGIES as STRATEGIES
+from fsdp_lab.choices import HYBRID_STRATEGIES, SHARDING_STRATEGIES
 from fsdp_lab.sharding.state import sharded_root, sharding_state
 from fsdp_lab.tying import find_ties, recorded_ties, verify_weight_tying
 
-PLANNED = ("hybrid", "hybrid_zero2")  # need a 2-D mesh: the HSDP lab
+STRATEGIES = {**SHARDING_STRATEGIES, **HYBRID_STRATEGIES}
 
 
 def check_model(model: nn.Module, strategy: str, backend: str | None = None) -> None:
@@ -22,15 +22,8 @@ def check_model(model: nn.Module, strategy: str, backend: str | None = None) -> 
     already, storage ties, broken recorded ties, parameters on several devices, or on the CPU
     under NCCL (`backend`, the process group's) — each with the fix, before any rank sends a
     message."""
-    if strategy in PLANNED:
-        raise ValueError(
-            f"strategy={strategy!r} needs a 2-D (replicate x shard) mesh and arrives with the "
-            f"HSDP lab; available now: {sorted(STRATEGIES)}"
-        )
     if strategy not in STRATEGIES:
-        raise ValueError(
-            f"strategy={strategy!r} is not one of {sorted(STRATEGIES) + list(PLANNED)}"
-        )
+        raise ValueError(f"strategy={strategy!r} is not one of {list(STRATEGIES)}")
     if sharding_state(model, required=False) is not None:
         raise ValueError("this model is already sharded; shard() applies once per model")
     for name, module in model.named_modules():

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_lab import comm
-from fsdp_lab.choices import SHARDING_STRATEGIES as STRATEGIES
+from fsdp_lab.sharding import mesh as meshes
 from fsdp_lab.sharding.checks import check_model, check_units
 from fsdp_lab.sharding.flat_param import FlatParameter, SliceValues
 from fsdp_lab.sharding.materialize import (
@@ -75,34 +75,6 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = torch.float32
 
 
-def _resolve_group(mesh: Any) -> tuple[dist.ProcessGroup | None, int, int]:
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if mesh is None:
-        return None, world, rank
-    if mesh is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
-            f"rank {rank} is not in the given mesh/process group: it must span every rank"
-        )
-    if isinstance(mesh, dist.ProcessGroup):
-        size, group = dist.get_world_size(mesh), mesh
-    elif hasattr(mesh, "get_group") and hasattr(mesh, "ndim"):  # a DeviceMesh
-        if mesh.ndim != 1:
-            raise ValueError(
-                f"mesh has {mesh.ndim} dimensions; strategies {sorted(STRATEGIES)} shard over "
-                "a 1-D mesh (2-D meshes are for the hybrid strategies of the HSDP lab)"
-            )
-        size, group = mesh.size(), mesh.get_group()
-    else:
-        raise TypeError(f"mesh={mesh!r}: expected None, a 1-D DeviceMesh or a ProcessGroup")
-    if size != world:
-        raise ValueError(
-            f"mesh has {size} ranks but the world has {world}: a 1-D sharding mesh must span "
-            f"every rank. Fix: init_device_mesh(device_type, ({world},)), or mesh=None"
-        )
-    return group, world, rank
-
-
 def _target_device(device: torch.device | str | None) -> torch.device:
     """Where a meta model's shards go: `device`, else this rank's GPU under NCCL, else CPU."""
     if device is None:
@@ -131,10 +103,13 @@ def shard(
         model: identical on every rank (same init); parameters on one device.
         units: the wrap plan: module classes, module names, a policy callable, `MinParams`.
             Everything not claimed is the root unit. Ties must stay inside one unit.
-        strategy: "none" (DDP), "optimizer" (ZeRO-1), "grad_op" (ZeRO-2), "full" (ZeRO-3).
+        strategy: "none" (DDP), "optimizer" (ZeRO-1), "grad_op" (ZeRO-2), "full" (ZeRO-3);
+            on a 2-D mesh "hybrid" (ZeRO-3 inside each shard group, HSDP) or "hybrid_zero2".
         prefetch: start the next unit's all-gather while the current one computes.
         mixed_precision: compute dtype and gradient-reduction dtype; None for fp32 throughout.
-        mesh: None (all ranks), a 1-D DeviceMesh or a ProcessGroup spanning every rank.
+        mesh: None (all ranks), a 1-D DeviceMesh or a ProcessGroup spanning every rank; for
+            the hybrid strategies (R, S) — R replicas of S-rank shard groups, R·S ranks — or a
+            2-D (replicate, shard) DeviceMesh. See [Note: the 2-D mesh] in `sharding.mesh`.
         reshard_after_forward: "full" only — True (default), False, or the unit names to free
             after forward (e.g. keep the last unit, whose backward comes right next).
         device: a meta model only: where its shards go (default: this rank's GPU under NCCL,
@@ -154,7 +129,8 @@ def shard(
             See [Note: per-parameter views] in `fsdp_lab.sharding.unit`.
     """
     check_model(model, strategy, dist.get_backend() if dist.is_initialized() else None)
-    group, world, rank = _resolve_group(mesh)
+    groups = meshes.resolve(mesh, strategy)  # every mesh error before any message
+    world, rank = groups.world, groups.rank
     plan = build_plan(model, units)  # every plan error is raised here, before any collective
     on_meta = next(model.parameters()).is_meta  # one device: check_model made sure
     if not on_meta and (param_init_fn is not None or shard_init is not None):
@@ -176,7 +152,7 @@ def shard(
     init_fn = param_init_fn or reset_parameters
     if on_meta and not recorded_ties(model):
         record_ties(model)  # identity ties are visible on meta: keep them for verification
-    policy = STRATEGIES[strategy]
+    policy = meshes.ALL_STRATEGIES[strategy]
     if policy.reshard_after_forward and reshard_after_forward not in (None, True):
         free_after = set() if reshard_after_forward is False else set(reshard_after_forward)
         unknown = free_after - set(plan.units)
@@ -185,7 +161,8 @@ def shard(
     else:
         free_after = set(plan.units) if policy.reshard_after_forward else set()
 
-    state = ShardingState(group=group, world=world, rank=rank, prefetch=prefetch, strategy=strategy)
+    state = ShardingState(groups=groups, prefetch=prefetch, strategy=strategy)
+    sync_group = groups.sync_group
     lookup = dict(model.named_parameters(remove_duplicate=False))
     mp = mixed_precision
     built: dict[str, _Built] = {}
@@ -214,10 +191,10 @@ def shard(
         return built[name]
 
     if on_meta and shard_init is None:  # parameter by parameter, in build order
-        sink = _ShardSink(plan, model, lookup, flat_of, finish, group, sync_module_states)
+        sink = _ShardSink(plan, model, lookup, flat_of, finish, sync_group, sync_module_states)
         try:
             with whole_init_functions():
-                walk_build_order(model, plan, target, init_fn, sink, group, sync_module_states)
+                walk_build_order(model, plan, target, init_fn, sink, sync_group, sync_module_states)
         finally:
             remove_whole_views(sink.undo)
     else:
@@ -228,15 +205,15 @@ def shard(
             flat = flat_of(name, params, values)
             if sync_module_states and not on_meta:  # the whole unit in one message
                 with torch.no_grad():
-                    comm.broadcast(flat.shard.data, src=0, group=group)
+                    comm.broadcast(flat.shard.data, src=0, group=sync_group)
             finish(name, flat, [not p.requires_grad for p in params])
             del params
         if on_meta:
-            materialize_buffers(model, target, init_fn, group, sync_module_states)
+            materialize_buffers(model, target, init_fn, sync_group, sync_module_states)
         elif sync_module_states:
             with torch.no_grad():
                 for b in model.buffers():
-                    comm.broadcast(b, src=0, group=group)
+                    comm.broadcast(b, src=0, group=sync_group)
     for name in plan.units:  # root first: the order the hooks and `finalize_backward` expect
         b = built[name]
         modules = [model.get_submodule(m) for m in plan.members_of(name)]

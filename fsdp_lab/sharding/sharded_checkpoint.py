@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_lab import comm
@@ -67,7 +68,30 @@ def save_sharded(
         folder: the checkpoint folder, created if needed (one folder per checkpoint).
         optimizer: its state (sharded like the parameters) is saved beside the shards.
     """
-    state, folder = sharding_state(model), Path(folder)
+    state = sharding_state(model)
+    replicas = state.groups.replicate_group
+    if replicas is None:
+        return _save_in_group(model, Path(folder), optimizer, state)
+    # Hybrid: the replicas hold the same shards, so the first replica's shard group writes the
+    # checkpoint (S files, not N), the others wait for its outcome and raise its error too.
+    error: Exception | None = None
+    if dist.get_rank(replicas) == 0:
+        try:
+            _save_in_group(model, Path(folder), optimizer, state)
+        except Exception as exc:  # held until the replicas know, so that none waits forever
+            error = exc
+    message = broadcast_text(state, "" if error is None else str(error) or repr(error), 0, True)
+    if error is not None:
+        raise error
+    if message:
+        raise RuntimeError(f"save_sharded failed in the first replica: {message}")
+    return Path(folder)
+
+
+def _save_in_group(
+    model: nn.Module, folder: Path, optimizer: torch.optim.Optimizer | None, state: ShardingState
+) -> Path:
+    """`save_sharded` on the ranks of one shard group (every rank, unless hybrid)."""
     version = torch.zeros(1, dtype=torch.int64, device=state_device(state))
     written: list[tuple[int, str]] = []  # (bytes, sha256) of this rank's file
 
@@ -99,7 +123,8 @@ def save_sharded(
             _remove_superseded(folder, int(version.item()))
 
     _on_every_rank(state, prepare, "save_sharded (prepare)")
-    comm.broadcast(version, src=0, group=state.group)  # every rank writes into rank 0's choice
+    root = dist.get_global_rank(state.group, 0) if state.group is not None else 0
+    comm.broadcast(version, src=root, group=state.group)  # every rank writes into rank 0's choice
     _on_every_rank(state, write_shards, "save_sharded (write_shards)")  # all files on disk
     records = _gather_file_records(state, *written[0])  # for meta.json, so loads can check
     _on_every_rank(state, lambda: commit(records), "save_sharded (commit)")

@@ -12,9 +12,9 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp_lab.sharding.mesh import Groups
 from fsdp_lab.sharding.unit import ShardedUnit
 
 _STATE = "_fsdp_lab_state"  # on the sharded model
@@ -27,13 +27,13 @@ class ShardingState:
     def __init__(
         self,
         *,
-        group: dist.ProcessGroup | None,
-        world: int,
-        rank: int,
+        groups: Groups,
         prefetch: bool,
         strategy: str,
     ) -> None:
-        self.group, self.world, self.rank = group, world, rank
+        self.groups = groups
+        # The shard group, its size and this rank's place in it (every rank, unless hybrid).
+        self.group, self.world, self.rank = groups.group, groups.world, groups.rank
         self.prefetch, self.strategy = prefetch, strategy
         self.units: list[ShardedUnit] = []
         # Unit calls in the order of the first step (repeats: a group unit runs once per member).

@@ -85,24 +85,24 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
         state_dict: needed on rank 0 only; other ranks may pass None.
     """
     state = sharding_state(model)
-    problem = _check_full(model, state, state_dict) if state.rank == 0 else ""
+    group = state.groups.sync_group  # hybrid: rank 0's values reach every replica
+    first = (dist.get_rank() if dist.is_initialized() else 0) == 0
+    problem = _check_full(model, state, state_dict) if first else ""
     _raise_on_every_rank(state, problem)  # before any data moves: a lone raise hangs the rest
     with torch.no_grad():
         for unit in state.units:
             flat = unit.flat
             if flat.padded_numel == 0:
                 continue
-            if state.rank == 0:
-                full = flat.flatten(state_dict)  # (padded_numel,), zero padding, shards' dtype
-            else:
-                full = flat.shard.new_empty(flat.padded_numel)
-            comm.broadcast(full, src=0, group=state.group)
+            # rank 0: (padded_numel,), zero padding, the shards' dtype; others: filled below
+            full = flat.flatten(state_dict) if first else flat.shard.new_empty(flat.padded_numel)
+            comm.broadcast(full, src=0, group=group)
             flat.shard.copy_(flat.shard_of(full))  # in place: the optimizer keeps its Parameter
             unit.stale = True  # the next forward gathers the new values
         for name, buf in persistent_buffers(model):
-            if state.rank == 0:
+            if first:
                 buf.copy_(state_dict[name])
-            comm.broadcast(buf, src=0, group=state.group)
+            comm.broadcast(buf, src=0, group=group)
 
 
 def _check_full(model: nn.Module, state: ShardingState, sd: dict | None) -> str:
@@ -144,21 +144,25 @@ def _check_full(model: nn.Module, state: ShardingState, sd: dict | None) -> str:
 
 def _raise_on_every_rank(state: ShardingState, problem: str) -> None:
     """Rank 0's error message ("" for none) reaches every rank; every rank raises it."""
-    problem = broadcast_text(state, problem, src=0)
+    problem = broadcast_text(state, problem, src=0, world=True)
     if problem:
         raise ValueError(problem)
 
 
-def broadcast_text(state: ShardingState, text: str, src: int) -> str:
-    """Rank `src`'s `text` on every rank: its length, then (if any) its UTF-8 bytes."""
+def broadcast_text(state: ShardingState, text: str, src: int, world: bool = False) -> str:
+    """Rank `src`'s `text` on every rank of the shard group (of the world with `world`): its
+    length, then (if any) its UTF-8 bytes. `src` is a rank of that group."""
+    group = None if world else state.group
+    rank = dist.get_rank() if world else state.rank
+    root = dist.get_global_rank(group, src) if group is not None else src  # broadcast: global
     data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=state_device(state))
     size = torch.tensor([data.numel()], device=state_device(state))
-    comm.broadcast(size, src=src, group=state.group)
+    comm.broadcast(size, src=root, group=group)
     if size.item() == 0:
         return ""
-    if state.rank != src:
+    if rank != src:
         data = data.new_empty(int(size.item()))
-    comm.broadcast(data, src=src, group=state.group)
+    comm.broadcast(data, src=root, group=group)
     return bytes(data.tolist()).decode()
 
 

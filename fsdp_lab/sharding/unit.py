@@ -306,14 +306,22 @@ class ShardedUnit:
         self.training_state = TrainingState.IDLE
 
     def reduce_grad(self) -> None:
-        """Average the gradient over ranks into the shard's .grad; free the full gradient."""
-        flat, world = self.flat, self.state.world
+        """Average the gradient over ranks into the shard's .grad; free the full gradient.
+
+        Hybrid: reduce-scattered inside the shard group, then the shard's gradient all-reduced
+        across the replicas (FSDP1's HYBRID_SHARD and FSDP2's 2-D mesh do the same two steps).
+        """
+        flat, groups = self.flat, self.state.groups
+        world = groups.world * groups.replicas  # every rank's gradient is in the average
         full_grad = flat.unsharded.grad
         if full_grad is None or flat.padded_numel == 0:
             return
         with torch.no_grad():
-            if flat.aliased:  # DDP: all-reduce the parameter's own gradient in place
-                comm.all_reduce(full_grad, group=self.state.group)
+            if flat.aliased:  # DDP (or S = 1): all-reduce the parameter's gradient in place
+                if groups.world > 1 or groups.replicate_group is None:  # S = 1: nothing to add
+                    comm.all_reduce(full_grad, group=self.state.group)
+                if groups.replicate_group is not None:
+                    comm.all_reduce(full_grad, group=groups.replicate_group)
                 full_grad.div_(world)
                 if self.params is not None:
                     flat.shard.grad = None  # handed to the parameters below
@@ -327,6 +335,8 @@ class ShardedUnit:
                 else:
                     comm.all_reduce(grad, group=self.state.group)
                     out = grad
+                if groups.replicate_group is not None:  # the shard's gradient, across nodes
+                    comm.all_reduce(out, group=groups.replicate_group)
                 out = out.div_(world).to(flat.shard.dtype)
                 flat.unsharded.grad = None  # the full gradient is freed here
                 del grad, full_grad

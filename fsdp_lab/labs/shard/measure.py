@@ -36,12 +36,12 @@ def flat_layout(flat: FlatParameter) -> dict[str, int]:
     }
 
 
-def _build(cfg: ShardConfig) -> torch.nn.Module:
+def build_model(cfg: ShardConfig) -> torch.nn.Module:
     """The factory's model on this rank's device: the same initial weights in every run."""
     return load_factory(cfg.model)().to(device())
 
 
-def _unit_classes(model: torch.nn.Module) -> tuple[type, ...]:
+def unit_classes(model: torch.nn.Module) -> tuple[type, ...]:
     """Wrap the repeated blocks (the ModuleList children), as one does for a transformer."""
     blocks = {
         type(m) for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst
@@ -49,14 +49,17 @@ def _unit_classes(model: torch.nn.Module) -> tuple[type, ...]:
     return tuple(blocks)
 
 
-def _sharded(cfg: ShardConfig, strategy: str, prefetch: bool = True) -> torch.nn.Module:
+def _sharded(
+    cfg: ShardConfig, strategy: str, prefetch: bool = True, mesh: Any = None
+) -> torch.nn.Module:
     """Ours: `fsdp_lab.shard` with a unit per block (everything else in the root unit)."""
-    model = _build(cfg)
-    shard(model, units=set(_unit_classes(model)) or None, strategy=strategy, prefetch=prefetch)
+    model = build_model(cfg)
+    units = set(unit_classes(model)) or None
+    shard(model, units=units, strategy=strategy, prefetch=prefetch, mesh=mesh)
     return model
 
 
-def _optimizer(cfg: ShardConfig) -> functools.partial[torch.optim.Optimizer]:
+def optimizer_recipe(cfg: ShardConfig) -> functools.partial[torch.optim.Optimizer]:
     """The optimizer class with its arguments: each run calls it on its own parameters (and the
     sharded optimizers take ``.func`` and ``.keywords``)."""
     if cfg.optimizer == "adam":
@@ -64,7 +67,7 @@ def _optimizer(cfg: ShardConfig) -> functools.partial[torch.optim.Optimizer]:
     return functools.partial(torch.optim.SGD, lr=cfg.lr, momentum=0.9)
 
 
-def _timed_training(
+def timed_training(
     cfg: ShardConfig, model: torch.nn.Module, opt: Any, vocab: int
 ) -> tuple[list[float], float]:
     """This rank's losses and its median step time."""
@@ -85,14 +88,19 @@ def _timed_training(
     return losses, statistics.median(per_step[1:] if len(per_step) > 1 else per_step)
 
 
-def _tracked_training(
-    cfg: ShardConfig, strategy: str, prefetch: bool, make_optimizer: Any, vocab: int
+def tracked_training(
+    cfg: ShardConfig,
+    strategy: str,
+    prefetch: bool,
+    make_optimizer: Any,
+    vocab: int,
+    mesh: Any = None,
 ) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
-    """Ours under `strategy`, trained under the memory tracker (parameters, gradients, optimizer
-    state, gathered buffers), the comm log (the steps' collectives, not the wrap's) and the
-    timeline. Returns the model, its optimizer and what was measured."""
+    """Ours under `strategy` (on `mesh`), trained under the memory tracker (parameters,
+    gradients, optimizer state, gathered buffers), the comm log (the steps' collectives, not the
+    wrap's) and the timeline. Returns the model, its optimizer and what was measured."""
     with MemoryTracker(device(), rank=rank()) as mem, comm.CommLog() as log, Timeline(rank()) as tl:
-        model = _sharded(cfg, strategy, prefetch)
+        model = _sharded(cfg, strategy, prefetch, mesh)
         opt = make_optimizer(model.parameters())
         at_wrap = len(log.records)  # "none" broadcasts rank 0's values here, as DDP does
         mem.track(model)
@@ -102,13 +110,20 @@ def _tracked_training(
             if not unit.flat.aliased:  # DDP's buffer is the parameter itself
                 mem.track(unit.flat.unsharded, "comm_buffers")  # its .grad as "gradients"
         mem.mark("sharded")
-        losses, _ = _timed_training(cfg, model, opt, vocab)
+        losses, _ = timed_training(cfg, model, opt, vocab)
     steps = log.records[at_wrap:]
     measured = {
         "losses": losses,
         "params": reference.full_parameters(model),
         "comm_bytes_per_step": {op: b / cfg.steps for op, b in comm.bytes_by_op(steps).items()},
         "calls_per_step": {op: c / cfg.steps for op, c in comm.calls_by_op(steps).items()},
+        "comm_bytes_per_step_by_group": {
+            group: {
+                op: b / cfg.steps
+                for op, b in comm.bytes_by_op([r for r in steps if r.group == group]).items()
+            }
+            for group in dict.fromkeys(r.group for r in steps)
+        },
         "memory_trace": mem.trace(),
         "timeline": tl.to_dict(),
         "units": [{"name": u.label, **flat_layout(u.flat)} for u in state.units],
@@ -118,28 +133,28 @@ def _tracked_training(
 
 def _ours(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     """`fsdp_lab.shard(strategy=cfg.strategy)`, measured; then trained again, for its step time."""
-    _, _, measured = _tracked_training(cfg, cfg.strategy, cfg.prefetch, _optimizer(cfg), vocab)
+    _, _, measured = tracked_training(cfg, cfg.strategy, cfg.prefetch, optimizer_recipe(cfg), vocab)
     # Timed without the tracker, whose dispatch mode and marks cost more than a step.
     timed = _sharded(cfg, cfg.strategy, cfg.prefetch)
-    _, step_time = _timed_training(cfg, timed, _optimizer(cfg)(timed.parameters()), vocab)
+    _, step_time = timed_training(cfg, timed, optimizer_recipe(cfg)(timed.parameters()), vocab)
     return {**measured, "step_time_s": step_time}
 
 
 def _fsdp2(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     """PyTorch's `fully_shard` on the same blocks."""
-    model = _build(cfg)
-    reference.apply_fsdp2(model, _unit_classes(model))
-    losses, step_time = _timed_training(cfg, model, _optimizer(cfg)(model.parameters()), vocab)
+    model = build_model(cfg)
+    reference.apply_fsdp2(model, unit_classes(model))
+    losses, step_time = timed_training(cfg, model, optimizer_recipe(cfg)(model.parameters()), vocab)
     return {"losses": losses, "step_time_s": step_time, "params": reference.full_parameters(model)}
 
 
 def _ddp_sharded_optimizer(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     """ZeRO-1 as an optimizer: DDP's all-reduce, then `ShardedOptimizer` steps and broadcasts."""
-    recipe = _optimizer(cfg)
+    recipe = optimizer_recipe(cfg)
     sharded_optimizer = functools.partial(
         ShardedOptimizer, optimizer_class=recipe.func, **recipe.keywords
     )
-    model, opt, measured = _tracked_training(cfg, "none", True, sharded_optimizer, vocab)
+    model, opt, measured = tracked_training(cfg, "none", True, sharded_optimizer, vocab)
     owned = opt.params_per_rank
     return {
         **measured,
@@ -154,12 +169,12 @@ def _ddp_zero_redundancy(cfg: ShardConfig, vocab: int) -> dict[str, torch.Tensor
     """PyTorch's own: DistributedDataParallel + ZeroRedundancyOptimizer, same model and data."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    model = reference.apply_ddp(_build(cfg))
-    recipe = _optimizer(cfg)
+    model = reference.apply_ddp(build_model(cfg))
+    recipe = optimizer_recipe(cfg)
     opt = ZeroRedundancyOptimizer(
         model.parameters(), optimizer_class=recipe.func, **recipe.keywords
     )
-    _timed_training(cfg, model, opt, vocab)
+    timed_training(cfg, model, opt, vocab)
     return reference.full_parameters(model)
 
 
@@ -182,7 +197,7 @@ def measure(
     # The ground truth, here once the ranks are gone: one process on the whole batch.
     single = reference.single_process(
         load_factory(config.model),
-        _optimizer(config),
+        optimizer_recipe(config),
         config.steps,
         global_batch=config.global_batch,
         vocab_size=vocab,

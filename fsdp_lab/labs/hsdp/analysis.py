@@ -1,0 +1,132 @@
+"""Lab 06, the verdicts: does HSDP train like one process and like PyTorch's HSDP; do its bytes
+per group and op, and its model state per rank, equal `theory.hybrid_step`; what crosses a
+node's NIC; what the capacity argument and the network model say for a real model.
+
+Pure functions of what `measure.py` brought back; no rank is needed to run or test them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from fsdp_lab import netsim, theory
+from fsdp_lab.labs.hsdp.config import NODES, SYSTEMS, HsdpConfig
+from fsdp_lab.labs.hsdp.measure import TWINS
+from fsdp_lab.labs.shard.analysis import model_state_bytes, same_bytes
+from fsdp_lab.reference import max_abs_diff
+
+
+def formula(
+    system: str, units: list[dict[str, Any]], mesh: tuple[int, int], precision: Any
+) -> dict:
+    """`theory`'s bytes per step by group kind, and peak model state, of one system."""
+    if system == "full":
+        step = theory.sharding_step("full", units, mesh[0] * mesh[1], precision)
+        return {"comm_bytes": {"world": step["comm_bytes"]}, "peak": step["peak_model_state_bytes"]}
+    step = theory.hybrid_step(system, units, mesh, precision)
+    comm_bytes = {g: ops for g, ops in step["comm_bytes"].items() if ops}
+    return {"comm_bytes": comm_bytes, "peak": step["peak_model_state_bytes"]}
+
+
+def node_nic_bytes(
+    system: str, per_rank: dict[str, dict[str, float]], mesh: tuple[int, int]
+) -> float:
+    """Bytes per step through one node's NIC, a node being one shard group (S ranks), from one
+    rank's measured bytes and the ring rule: a ring leaves each node once, so the NIC carries
+    one ring edge — a rank's bytes — per ring through it: 1 ring over the world for full FSDP
+    (when there is more than one node), S rings across nodes for HSDP's replicate all-reduce."""
+    r, s = mesh
+    if r == 1:
+        return 0.0
+    if system == "full":
+        return sum(per_rank.get("world", {}).values())
+    return s * sum(per_rank.get("replicate", {}).values())
+
+
+def capacity(params: float, vram_bytes: float, gpus: int, s: int) -> dict[str, Any]:
+    """The capacity argument in numbers (mixed-precision Adam, 16 bytes of model state per
+    parameter): per-GPU model state of full FSDP over `gpus` GPUs vs HSDP sharded over a node
+    of `s`, and the largest model each fits — N×VRAM vs S×VRAM."""
+    k = theory.MIXED_ADAM
+    per_param = k.p + k.g + k.k
+    return {
+        "params": params,
+        "vram_bytes": vram_bytes,
+        "gpus": gpus,
+        "shard_group": s,
+        "bytes_per_parameter": per_param,
+        "per_gpu_full": theory.model_state_bytes(params, gpus, "full", k),
+        "per_gpu_hybrid": theory.model_state_bytes(params, s, "full", k),
+        "largest_params_full": gpus * vram_bytes / per_param,
+        "largest_params_hybrid": s * vram_bytes / per_param,
+    }
+
+
+def analyse(config: HsdpConfig, measured: dict[str, Any]) -> dict[str, Any]:
+    """The runs' raw results -> the lab's result (JSON types only)."""
+    mesh, ours, single = config.mesh, measured["ours"], measured["single_process"]
+    precision = theory.FP32_ADAM if config.optimizer == "adam" else theory.FP32_SGD
+    systems: dict[str, Any] = {}
+    for system in SYSTEMS:
+        runs = ours[system]
+        f = formula(system, runs[0]["units"], mesh, precision)
+        by_group = [r["comm_bytes_per_step_by_group"] for r in runs]
+        systems[system] = {
+            "comm_bytes_per_rank": by_group,
+            "theory_comm_bytes": f["comm_bytes"],
+            "comm_matches_theory": all(
+                set(g) == set(f["comm_bytes"])
+                and all(same_bytes(g[k], f["comm_bytes"][k]) for k in g)
+                for g in by_group
+            ),
+            "peak_model_state_bytes_per_rank": [
+                max(model_state_bytes(r["memory_trace"])) for r in runs
+            ],
+            "theory_peak_bytes": f["peak"],
+            "node_nic_bytes_per_step": node_nic_bytes(system, by_group[0], mesh),
+            "max_abs_diff_vs_single_process": max_abs_diff(runs[0]["params"], single),
+            "units": runs[0]["units"],
+        }
+    twins = measured["pytorch"]
+    versus = {
+        twin: max_abs_diff(ours[ours_system][0]["params"], twins[twin])
+        for twin, ours_system in TWINS.items()
+        if twin in twins
+    }
+    nodes_gpus = 16 * config.gpus_per_node  # the capacity argument on 16 nodes
+    workload = netsim.Workload(parameters=config.params_b * 1e9, overlap=config.overlap)
+    network = netsim.with_bandwidth(
+        netsim.Network(gpus_per_node=config.gpus_per_node), config.inter_node_gbit
+    )
+    hybrid = systems["hybrid"]
+    return {
+        "config": {**asdict(config), "mesh": list(mesh)},
+        "mesh": list(mesh),
+        "world_size": mesh[0] * mesh[1],
+        "backend": measured["backend"],
+        "systems": systems,
+        "comm_bytes_per_rank": hybrid["comm_bytes_per_rank"],
+        "theory_comm_bytes": hybrid["theory_comm_bytes"],
+        "peak_bytes_per_rank": {s: systems[s]["peak_model_state_bytes_per_rank"] for s in SYSTEMS},
+        "max_abs_diff_vs_single_process": hybrid["max_abs_diff_vs_single_process"],
+        "max_abs_diff_vs_fsdp2": versus.get("fully_shard"),
+        "max_abs_diff_vs_pytorch": versus,
+        "pytorch_max_abs_diff_vs_single_process": {
+            t: max_abs_diff(p, single) for t, p in twins.items()
+        },
+        "capacity": capacity(
+            config.params_b * 1e9, config.vram_gb * 1e9, nodes_gpus, config.gpus_per_node
+        ),
+        "network_model": {
+            "workload": asdict(workload),
+            "network": asdict(network),
+            "nodes": list(NODES),
+            "scaling": netsim.scaling(workload, network, list(NODES)),
+        },
+        # Point 5 of the issue (ranks in network namespaces joined by a shaped veth pair) is not
+        # built: the key says so rather than carrying a number nobody measured.
+        "emulated": {
+            "skipped": "not built yet: the emulated two-node cluster (network namespaces)"
+        },
+    }

@@ -1,0 +1,87 @@
+"""Lab 06, on the ranks: the same model and data trained by full FSDP (ZeRO-3 over every rank),
+HSDP (`hybrid`: ZeRO-3 inside each shard group, gradients all-reduced across replicas) and
+`hybrid_zero2` on one (R, S) mesh — each measured as it trains (bytes per group and op, model
+state per rank) — then PyTorch's HSDP twins on the same 2-D DeviceMesh, and one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdp_lab import comm, reference
+from fsdp_lab.cluster import AttachedCluster, Cluster, borrow
+from fsdp_lab.labs.hsdp.config import SYSTEMS, HsdpConfig
+from fsdp_lab.labs.shard.measure import (
+    build_model,
+    optimizer_recipe,
+    timed_training,
+    tracked_training,
+    unit_classes,
+)
+from fsdp_lab.model_spec import check_on_rank0, load_factory
+from fsdp_lab.sharding import sharding_state
+from fsdp_lab.sharding.mesh import device_mesh
+
+TWINS = {  # PyTorch's HSDP: (system, option) -> how it is built on the same 2-D mesh
+    "fully_shard": "hybrid",
+    "fully_shard_zero2": "hybrid_zero2",
+    "fsdp1_HYBRID_SHARD": "hybrid",
+    "fsdp1__HYBRID_SHARD_ZERO2": "hybrid_zero2",
+}
+
+
+def ours_worker(config: HsdpConfig, system: str, vocab: int) -> dict[str, Any]:
+    """One of `SYSTEMS` trained under the tracker and the comm log; bytes per step by the kind
+    of group they crossed ("shard" inside a node, "replicate" across nodes, "world")."""
+    mesh = config.mesh if system != "full" else None
+    model, _, m = tracked_training(config, system, True, optimizer_recipe(config), vocab, mesh)
+    groups = sharding_state(model).groups
+    kinds = {comm.group_label(groups.group): "world" if mesh is None else "shard"}
+    if groups.replicate_group is not None:
+        kinds[comm.group_label(groups.replicate_group)] = "replicate"
+    by_kind = {kinds[g]: ops for g, ops in m.pop("comm_bytes_per_step_by_group").items()}
+    return {**m, "comm_bytes_per_step_by_group": by_kind}
+
+
+def twin_worker(config: HsdpConfig, twin: str, vocab: int) -> dict[str, Any]:
+    """PyTorch's HSDP on the same (replicate, shard) DeviceMesh: its trained parameters."""
+    model = build_model(config)
+    mesh = device_mesh(*config.mesh)
+    units = unit_classes(model)
+    if twin.startswith("fully_shard"):
+        reference.apply_fsdp2(model, units, reshard=twin == "fully_shard", mesh=mesh)
+    else:
+        model = reference.apply_fsdp1(model, units, hybrid=twin.split("_", 1)[1], mesh=mesh)
+    losses, _ = timed_training(config, model, optimizer_recipe(config)(model.parameters()), vocab)
+    return {"losses": losses, "params": reference.full_parameters(model)}
+
+
+def measure(config: HsdpConfig, cluster: Cluster | AttachedCluster | None = None) -> dict[str, Any]:
+    """Every system's per-rank results on the ranks, then single-process training here."""
+    with borrow(cluster, config.world_size, config.backend) as ranks:
+        if ranks.world_size != config.world_size:
+            raise ValueError(
+                f"the cluster has {ranks.world_size} ranks but mesh={config.mesh} needs "
+                f"{config.world_size}. Fix: world_size={ranks.world_size} and a mesh of it"
+            )
+        vocab = ranks.run(check_on_rank0, config.model)[0]
+        ours = {s: ranks.run(ours_worker, config, s, vocab) for s in SYSTEMS}
+        twins = (
+            {t: ranks.run(twin_worker, config, t, vocab)[0]["params"] for t in TWINS}
+            if config.compare_pytorch
+            else {}
+        )
+        backend = ranks.backend
+    single = reference.single_process(
+        load_factory(config.model),
+        optimizer_recipe(config),
+        config.steps,
+        global_batch=config.global_batch,
+        vocab_size=vocab,
+    )
+    return {
+        "backend": backend,
+        "ours": ours,
+        "pytorch": twins,
+        "single_process": single,
+    }
