@@ -388,3 +388,63 @@ def pp_seed_explorer(
 ) -> PPSeedExplorer:
     """Controls for S, L and the init strategy; press Run to initialise, compare and train."""
     return PPSeedExplorer(stages, layers, strategy, cluster=cluster)
+
+
+class ScalingExplorer:
+    """The HSDP lab's network model (`fsdp_lab.netsim`) under sliders: model size, bandwidth
+    between nodes and inside a node, the shard group S and the overlap. Pure arithmetic, no
+    ranks: the picture redraws as a slider moves, the quoted chart's points stay beside it."""
+
+    def __init__(
+        self, params_b: float = 7.0, inter_node_gbit: float = 100.0, overlap: float = 1.0
+    ) -> None:
+        style = {"description_width": "initial"}
+        self.params_b = W.FloatLogSlider(
+            value=params_b, base=10, min=0, max=3, step=0.05, description="params (B)", style=style
+        )
+        self.inter = W.FloatLogSlider(
+            value=inter_node_gbit, base=10, min=0, max=3.3, step=0.05,
+            description="between nodes (Gbit/s)", style=style,
+        )  # fmt: skip
+        self.intra = W.FloatLogSlider(
+            value=450, base=10, min=1, max=3.3, step=0.05,
+            description="inside a node (GB/s)", style=style,
+        )  # fmt: skip
+        self.shard = W.Dropdown(options=[1, 2, 4, 8], value=8, description="S", style=style)
+        self.overlap = W.FloatSlider(
+            value=overlap, min=0, max=1, step=0.05, description="overlap", style=style
+        )
+        self.controls = [self.params_b, self.inter, self.intra, self.shard, self.overlap]
+        self.output = W.Output()
+        for control in self.controls:
+            control.observe(lambda _: self.show(), names="value")
+        self.widget = W.VBox([W.HBox(self.controls[:3]), W.HBox(self.controls[3:]), self.output])
+
+    def model(self) -> dict[str, Any]:
+        """The network model at the sliders' settings (`hsdp.analysis.network_model`)."""
+        from fsdp_lab.labs.hsdp.analysis import network_model
+
+        return network_model(
+            self.params_b.value,
+            self.inter.value,
+            overlap=self.overlap.value,
+            shard=self.shard.value,
+            intra_gb_s=self.intra.value,
+        )
+
+    def show(self) -> None:
+        from IPython.display import clear_output
+
+        from fsdp_lab.labs.hsdp.report import draw_scaling
+
+        with self.output:
+            clear_output(wait=True)
+            display(draw_scaling(self.model()))
+
+    def _ipython_display_(self) -> None:
+        display(self.widget)
+
+
+def scaling_explorer(params_b: float = 7.0, inter_node_gbit: float = 100.0) -> ScalingExplorer:
+    """Sliders over the HSDP lab's network model; the scaling picture redraws as they move."""
+    return ScalingExplorer(params_b, inter_node_gbit)

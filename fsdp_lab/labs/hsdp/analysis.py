@@ -63,6 +63,46 @@ def capacity(params: float, vram_bytes: float, gpus: int, s: int) -> dict[str, A
     }
 
 
+def network_model(
+    params_b: float,
+    inter_node_gbit: float,
+    gpus_per_node: int = 8,
+    overlap: float = 1.0,
+    shard: int | None = None,
+    intra_gb_s: float = 450.0,
+    nodes: tuple[int, ...] = NODES,
+) -> dict[str, Any]:
+    """`netsim.scaling` for FSDP and HSDP at `nodes`, with the workload and network it used."""
+    workload = netsim.Workload(parameters=params_b * 1e9, overlap=overlap)
+    network = netsim.Network(gpus_per_node=gpus_per_node, intra_bandwidth=intra_gb_s * 1e9)
+    network = netsim.with_bandwidth(network, inter_node_gbit)
+    return {
+        "workload": asdict(workload),
+        "network": asdict(network),
+        "nodes": list(nodes),
+        "shard": shard or gpus_per_node,
+        "scaling": netsim.scaling(workload, network, list(nodes), shard),
+    }
+
+
+def checkpoints(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per system: the rank files written and their bytes (rank 0's listing), whether every
+    rank reloaded the saved values bitwise, and the control (the step after the save moved
+    them)."""
+    out = {}
+    for system, ranks in runs.items():
+        files = ranks[0]["files"]
+        shards = {f: b for f, b in files.items() if f.endswith(".pt")}
+        out[system] = {
+            "rank_files": len(shards),
+            "rank_file_bytes": sum(shards.values()),
+            "files": sorted(files),
+            "bitwise_after_reload": all(r["diff_after_reload"] == 0.0 for r in ranks),
+            "moved_after_save": min(r["moved_after_save"] for r in ranks),
+        }
+    return out
+
+
 def analyse(config: HsdpConfig, measured: dict[str, Any]) -> dict[str, Any]:
     """The runs' raw results -> the lab's result (JSON types only)."""
     mesh, ours, single = config.mesh, measured["ours"], measured["single_process"]
@@ -95,10 +135,6 @@ def analyse(config: HsdpConfig, measured: dict[str, Any]) -> dict[str, Any]:
         if twin in twins
     }
     nodes_gpus = 16 * config.gpus_per_node  # the capacity argument on 16 nodes
-    workload = netsim.Workload(parameters=config.params_b * 1e9, overlap=config.overlap)
-    network = netsim.with_bandwidth(
-        netsim.Network(gpus_per_node=config.gpus_per_node), config.inter_node_gbit
-    )
     hybrid = systems["hybrid"]
     return {
         "config": {**asdict(config), "mesh": list(mesh)},
@@ -115,15 +151,13 @@ def analyse(config: HsdpConfig, measured: dict[str, Any]) -> dict[str, Any]:
         "pytorch_max_abs_diff_vs_single_process": {
             t: max_abs_diff(p, single) for t, p in twins.items()
         },
+        "checkpoint": checkpoints(measured["checkpoint"]),
         "capacity": capacity(
             config.params_b * 1e9, config.vram_gb * 1e9, nodes_gpus, config.gpus_per_node
         ),
-        "network_model": {
-            "workload": asdict(workload),
-            "network": asdict(network),
-            "nodes": list(NODES),
-            "scaling": netsim.scaling(workload, network, list(NODES)),
-        },
+        "network_model": network_model(
+            config.params_b, config.inter_node_gbit, config.gpus_per_node, config.overlap
+        ),
         # Point 5 of the issue (ranks in network namespaces joined by a shaped veth pair) is not
         # built: the key says so rather than carrying a number nobody measured.
         "emulated": {

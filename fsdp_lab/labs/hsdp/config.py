@@ -24,7 +24,7 @@ def default_mesh(world_size: int) -> tuple[int, int]:
 
 def parse_mesh(mesh: object, world_size: int) -> tuple[int, int]:
     """ "R,S", "RxS" or (R, S) -> (R, S), checked against `world_size`."""
-    fix = "mesh=({}, {})".format(*default_mesh(world_size))
+    fix = "mesh='{},{}'".format(*default_mesh(world_size))  # a string: Python and CLI alike
     parts: object = mesh
     if isinstance(mesh, str):
         parts = [p.strip() for p in mesh.replace("x", ",").split(",")]

@@ -6,6 +6,8 @@ state per rank) — then PyTorch's HSDP twins on the same 2-D DeviceMesh, and on
 
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import Any
 
 from fsdp_lab import comm, reference
@@ -14,12 +16,13 @@ from fsdp_lab.labs.hsdp.config import SYSTEMS, HsdpConfig
 from fsdp_lab.labs.shard.measure import (
     build_model,
     optimizer_recipe,
+    sharded_model,
     timed_training,
     tracked_training,
     unit_classes,
 )
 from fsdp_lab.model_spec import check_on_rank0, load_factory
-from fsdp_lab.sharding import sharding_state
+from fsdp_lab.sharding import load_sharded, save_sharded, sharding_state
 from fsdp_lab.sharding.mesh import device_mesh
 
 TWINS = {  # PyTorch's HSDP: (system, option) -> how it is built on the same 2-D mesh
@@ -56,6 +59,27 @@ def twin_worker(config: HsdpConfig, twin: str, vocab: int) -> dict[str, Any]:
     return {"losses": losses, "params": reference.full_parameters(model)}
 
 
+def checkpoint_worker(config: HsdpConfig, system: str, folder: str, vocab: int) -> dict[str, Any]:
+    """Train one step, save a sharded checkpoint (`save_sharded`: under HSDP only the first
+    replica writes), train once more, reload on every rank: back to the saved values bitwise?
+    Rank 0 also lists the files written and their bytes."""
+    model = sharded_model(config, system, True, config.mesh if system != "full" else None)
+    opt = optimizer_recipe(config)(model.parameters())
+    timed_training(config, model, opt, vocab)
+    saved = reference.full_parameters(model)
+    save_sharded(model, folder, opt)
+    files = {
+        os.path.relpath(os.path.join(d, f), folder): os.path.getsize(os.path.join(d, f))
+        for d, _, names in os.walk(folder)
+        for f in names
+    }
+    timed_training(config, model, opt, vocab)
+    moved = reference.max_abs_diff(reference.full_parameters(model), saved)
+    load_sharded(model, folder, opt)
+    back = reference.max_abs_diff(reference.full_parameters(model), saved)
+    return {"files": files, "moved_after_save": moved, "diff_after_reload": back}
+
+
 def measure(config: HsdpConfig, cluster: Cluster | AttachedCluster | None = None) -> dict[str, Any]:
     """Every system's per-rank results on the ranks, then single-process training here."""
     with borrow(cluster, config.world_size, config.backend) as ranks:
@@ -71,6 +95,11 @@ def measure(config: HsdpConfig, cluster: Cluster | AttachedCluster | None = None
             if config.compare_pytorch
             else {}
         )
+        with tempfile.TemporaryDirectory(prefix="fsdp_lab_hsdp_") as tmp:
+            checkpoints = {
+                s: ranks.run(checkpoint_worker, config, s, os.path.join(tmp, s), vocab)
+                for s in ("full", "hybrid")
+            }
         backend = ranks.backend
     single = reference.single_process(
         load_factory(config.model),
@@ -83,5 +112,6 @@ def measure(config: HsdpConfig, cluster: Cluster | AttachedCluster | None = None
         "backend": backend,
         "ours": ours,
         "pytorch": twins,
+        "checkpoint": checkpoints,
         "single_process": single,
     }

@@ -71,11 +71,15 @@ def memory_figure(result: LabResult) -> Any:
 
 
 def scaling_figure(result: LabResult) -> Any:
-    """The network model's per-GPU TFLOPS and inter-node bytes vs nodes, FSDP and HSDP, with
-    the quoted chart's points beside."""
+    """The network model's scaling picture of the run's settings (`draw_scaling`)."""
+    return draw_scaling(result["network_model"])
+
+
+def draw_scaling(model: dict[str, Any]) -> Any:
+    """Per-GPU TFLOPS and inter-node bytes vs nodes, FSDP and HSDP, from one
+    `analysis.network_model`, with the quoted chart's points beside."""
     from matplotlib.figure import Figure
 
-    model = result["network_model"]
     nodes = model["nodes"]
     fig = Figure(figsize=(12, 4.2), layout="constrained")
     tput, nic = fig.subplots(1, 2)
@@ -108,7 +112,7 @@ def scaling_figure(result: LabResult) -> Any:
         xscale="log",
         xlabel="nodes",
         ylabel="TFLOPS per GPU",
-        title=f"{w['parameters'] / 1e9:g}B params, {net['inter_bandwidth'] * 8 / 1e9:g} Gbit/s between nodes, overlap {w['overlap']:g}",
+        title=f"{w['parameters'] / 1e9:g}B params, {net['inter_bandwidth'] * 8 / 1e9:g} Gbit/s between nodes, overlap {w['overlap']:g}, HSDP S = {model['shard']}",
     )
     nic.set(
         xscale="log",
@@ -193,6 +197,18 @@ def scaling_table(result: LabResult) -> str:
     return table(head, rows)
 
 
+def checkpoint_line(result: LabResult) -> str:
+    """One line: rank files and bytes each system's sharded checkpoint wrote; lossless?"""
+    cp = result["checkpoint"]
+    full, hybrid = cp["full"], cp["hybrid"]
+    return (
+        f"- sharded checkpoint: full FSDP wrote {full['rank_files']} rank files "
+        f"({fb(full['rank_file_bytes'])}), HSDP {hybrid['rank_files']} "
+        f"({fb(hybrid['rank_file_bytes'])}: the first replica only); every rank reloaded it "
+        f"bitwise: {full['bitwise_after_reload'] and hybrid['bitwise_after_reload']}"
+    )
+
+
 def summary(result: LabResult) -> str:
     """Markdown: agreement, bytes per group, memory, capacity, the network model, emulation."""
     r = result
@@ -221,6 +237,7 @@ def summary(result: LabResult) -> str:
         "",
         scaling_table(r),
         "",
+        checkpoint_line(r),
         f"- emulated two-node cluster: {r['emulated'].get('skipped', r['emulated'])}",
     ]
     return "\n".join(lines)

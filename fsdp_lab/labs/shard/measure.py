@@ -49,7 +49,7 @@ def unit_classes(model: torch.nn.Module) -> tuple[type, ...]:
     return tuple(blocks)
 
 
-def _sharded(
+def sharded_model(
     cfg: ShardConfig, strategy: str, prefetch: bool = True, mesh: Any = None
 ) -> torch.nn.Module:
     """Ours: `fsdp_lab.shard` with a unit per block (everything else in the root unit)."""
@@ -100,7 +100,7 @@ def tracked_training(
     gradients, optimizer state, gathered buffers), the comm log (the steps' collectives, not the
     wrap's) and the timeline. Returns the model, its optimizer and what was measured."""
     with MemoryTracker(device(), rank=rank()) as mem, comm.CommLog() as log, Timeline(rank()) as tl:
-        model = _sharded(cfg, strategy, prefetch, mesh)
+        model = sharded_model(cfg, strategy, prefetch, mesh)
         opt = make_optimizer(model.parameters())
         at_wrap = len(log.records)  # "none" broadcasts rank 0's values here, as DDP does
         mem.track(model)
@@ -135,7 +135,7 @@ def _ours(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     """`fsdp_lab.shard(strategy=cfg.strategy)`, measured; then trained again, for its step time."""
     _, _, measured = tracked_training(cfg, cfg.strategy, cfg.prefetch, optimizer_recipe(cfg), vocab)
     # Timed without the tracker, whose dispatch mode and marks cost more than a step.
-    timed = _sharded(cfg, cfg.strategy, cfg.prefetch)
+    timed = sharded_model(cfg, cfg.strategy, cfg.prefetch)
     _, step_time = timed_training(cfg, timed, optimizer_recipe(cfg)(timed.parameters()), vocab)
     return {**measured, "step_time_s": step_time}
 
