@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from fsdp_lab.config_checks import check_counts, is_int
+from fsdp_lab.emulate import parse_rate
 from fsdp_lab.labs.shard.config import DEFAULT_MODEL, check_batch_divides
 
 SYSTEMS = ("full", "hybrid", "hybrid_zero2")  # ours, measured on the same ranks
@@ -63,6 +64,11 @@ class HsdpConfig:
     gpus_per_node: GPUs per node in the network model.
     inter_node_gbit: the network model's bandwidth between nodes (Gbit/s per node).
     overlap: the network model's fraction of compute that communication can hide behind.
+    emulate_nodes: 2 puts the ranks of each shard group in their own network namespace, the
+        two joined by a veth pair shaped to `inter_node_bandwidth`, and times full FSDP and HSDP
+        steps there (Linux, root); 0 skips it.
+    inter_node_bandwidth: the emulated link's rate, in tc's spelling ("1gbit", "200mbit").
+    emulate_steps: training steps timed per system on the emulated nodes.
     backend: "auto", "gloo" or "nccl".
     """
 
@@ -79,6 +85,9 @@ class HsdpConfig:
     gpus_per_node: int = 8
     inter_node_gbit: float = 100.0
     overlap: float = 1.0
+    emulate_nodes: int = 0
+    inter_node_bandwidth: str = "1gbit"
+    emulate_steps: int = 4
     backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -107,6 +116,21 @@ class HsdpConfig:
                 f"model={self.model!r}: expected 'module:factory'. Fix: model={DEFAULT_MODEL!r}"
             )
         check_batch_divides(self.global_batch, self.world_size)
+        try:
+            parse_rate(self.inter_node_bandwidth)
+        except ValueError:
+            raise ValueError(
+                f"inter_node_bandwidth={self.inter_node_bandwidth!r}: expected a rate in tc's "
+                "spelling, a number and kbit, mbit or gbit. Fix: inter_node_bandwidth='1gbit'"
+            ) from None
+        check_counts(self, {"emulate_steps": 2})  # the first step is a warm-up, not timed
+        r = self.mesh[0]
+        if self.emulate_nodes not in (0, 2) or (self.emulate_nodes and r != 2):
+            raise ValueError(
+                f"emulate_nodes={self.emulate_nodes!r} with mesh='{r},{self.mesh[1]}': two "
+                "emulated nodes hold the two replicas of a mesh of R = 2. Fix: emulate_nodes=0, "
+                f"or emulate_nodes=2 with mesh='2,{self.world_size // 2}'"
+            )
 
 
 CONFIG = HsdpConfig

@@ -13,6 +13,7 @@ from typing import Any
 from fsdp_lab import comm, reference
 from fsdp_lab.cluster import AttachedCluster, Cluster, borrow
 from fsdp_lab.labs.hsdp.config import SYSTEMS, HsdpConfig
+from fsdp_lab.labs.hsdp.emulated import measure_emulated
 from fsdp_lab.labs.shard.measure import (
     build_model,
     optimizer_recipe,
@@ -101,6 +102,7 @@ def measure(config: HsdpConfig, cluster: Cluster | AttachedCluster | None = None
                 for s in ("full", "hybrid")
             }
         backend = ranks.backend
+    emulated = measure_emulated(config)  # its own processes, in their own namespaces
     single = reference.single_process(
         load_factory(config.model),
         optimizer_recipe(config),
@@ -113,5 +115,6 @@ def measure(config: HsdpConfig, cluster: Cluster | AttachedCluster | None = None
         "ours": ours,
         "pytorch": twins,
         "checkpoint": checkpoints,
+        "emulated": emulated,
         "single_process": single,
     }

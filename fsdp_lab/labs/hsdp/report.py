@@ -209,6 +209,25 @@ def checkpoint_line(result: LabResult) -> str:
     )
 
 
+def emulated_line(result: LabResult) -> str:
+    """The emulated two-node measurement beside the model's prediction, or why it was skipped."""
+    e = result["emulated"]
+    if "skipped" in e:
+        return f"- emulated two-node cluster: skipped — {e['skipped']}"
+    inter, intra = e["link"]["inter"], e["link"]["intra"]
+    steps = "; ".join(
+        f"{s}: measured {e[s]['measured_step_s'] * 1e3:.0f} ms, predicted "
+        f"{e[s]['predicted_step_s'] * 1e3:.0f} ms"
+        for s in ("full", "hybrid")
+    )
+    return (
+        f"- emulated two-node cluster (veth shaped to {e['rate']}; measured "
+        f"{inter['bandwidth'] * 8 / 1e6:.0f} Mbit/s and {inter['latency'] * 1e6:.0f} µs per hop "
+        f"across, {intra['bandwidth'] * 8 / 1e9:.1f} Gbit/s inside; compute "
+        f"{e['compute_s'] * 1e3:.0f} ms/step): {steps}"
+    )
+
+
 def summary(result: LabResult) -> str:
     """Markdown: agreement, bytes per group, memory, capacity, the network model, emulation."""
     r = result
@@ -238,6 +257,6 @@ def summary(result: LabResult) -> str:
         scaling_table(r),
         "",
         checkpoint_line(r),
-        f"- emulated two-node cluster: {r['emulated'].get('skipped', r['emulated'])}",
+        emulated_line(r),
     ]
     return "\n".join(lines)
