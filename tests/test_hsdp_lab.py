@@ -44,6 +44,7 @@ def test_hsdp_agrees_with_one_process_and_pytorch_and_counts_exact_bytes(result)
     assert data["max_abs_diff_vs_single_process"] < 1e-5
     assert set(data["max_abs_diff_vs_pytorch"]) == set(hsdp_measure.TWINS)
     assert all(d < 1e-5 for d in data["max_abs_diff_vs_pytorch"].values())
+    assert data["pytorch_departs"] == []  # on 2x2 every twin trains like one process
     for system, row in data["systems"].items():
         assert row["comm_matches_theory"] is True, system
         assert row["max_abs_diff_vs_single_process"] < 1e-5, system

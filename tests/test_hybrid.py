@@ -222,3 +222,27 @@ def test_the_first_replica_writes_the_checkpoint_and_every_rank_reloads_it(clust
         assert "meta.json" in res["files"]
         assert res["moved"] > 0  # the control: the step after the save changed the weights
         assert res["back"] == 0.0 and res["full"] == 0.0  # bitwise, on every replica
+
+
+def _fsdp1_one_rank_per_node() -> torch.Tensor:
+    model = reference.apply_fsdp1(
+        tiny_gpt(), (Block,), hybrid="HYBRID_SHARD", mesh=device_mesh(2, 1)
+    )
+    reference.train_steps(model, _sgd(model.parameters()), 2, rank=fsdp_lab.rank(), world=2)
+    return reference.full_parameters(model)["blocks.0.mlp.fc.weight"]
+
+
+def _ours_one_rank_per_node() -> torch.Tensor:
+    model = shard(tiny_gpt(), units={Block}, strategy="hybrid", mesh=(2, 1))
+    reference.train_steps(model, _sgd(model.parameters()), 2, rank=fsdp_lab.rank(), world=2)
+    return reference.full_parameters(model)["blocks.0.mlp.fc.weight"]
+
+
+def test_fsdp1_hybrid_shard_with_one_rank_per_node_never_syncs_the_replicas(cluster_of):
+    # What the hsdp lab reports with a †: FSDP1 sees a shard group of one rank, switches
+    # HYBRID_SHARD to NO_SHARD over it ("since the world size is 1") and drops the all-reduce
+    # across replicas, so the two replicas train apart. Ours all-reduces: they stay equal.
+    a, b = cluster_of(2).run(_fsdp1_one_rank_per_node)  # (its warning goes to the ranks' stderr)
+    assert not torch.equal(a, b) and (a - b).abs().max() > 1e-5
+    ours = cluster_of(2).run(_ours_one_rank_per_node)
+    assert torch.equal(ours[0], ours[1])

@@ -18,6 +18,21 @@ from fsdp_lab.labs.shard.analysis import model_state_bytes, same_bytes
 from fsdp_lab.reference import max_abs_diff
 
 
+def _nonzero(by_group: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Groups and ops that moved bytes: one rank (or a one-rank group) sends nothing, and
+    whether it makes a 0-byte call is not what the formulas count."""
+    kept = {g: {op: b for op, b in ops.items() if b} for g, ops in by_group.items()}
+    return {g: ops for g, ops in kept.items() if ops}
+
+
+def _same(
+    measured: dict[str, dict[str, float]], formula_bytes: dict[str, dict[str, float]]
+) -> bool:
+    """Every group's bytes per op equal the formula's (ops and groups of 0 bytes aside)."""
+    m, t = _nonzero(measured), _nonzero(formula_bytes)
+    return set(m) == set(t) and all(same_bytes(m[g], t[g]) for g in t)
+
+
 def formula(
     system: str, units: list[dict[str, Any]], mesh: tuple[int, int], precision: Any
 ) -> dict:
@@ -165,11 +180,7 @@ def analyse(config: HsdpConfig, measured: dict[str, Any]) -> dict[str, Any]:
         systems[system] = {
             "comm_bytes_per_rank": by_group,
             "theory_comm_bytes": f["comm_bytes"],
-            "comm_matches_theory": all(
-                set(g) == set(f["comm_bytes"])
-                and all(same_bytes(g[k], f["comm_bytes"][k]) for k in g)
-                for g in by_group
-            ),
+            "comm_matches_theory": all(_same(g, f["comm_bytes"]) for g in by_group),
             "peak_model_state_bytes_per_rank": [
                 max(model_state_bytes(r["memory_trace"])) for r in runs
             ],
@@ -179,6 +190,7 @@ def analyse(config: HsdpConfig, measured: dict[str, Any]) -> dict[str, Any]:
             "units": runs[0]["units"],
         }
     twins = measured["pytorch"]
+    from_single = {t: max_abs_diff(p, single) for t, p in twins.items()}
     versus = {
         twin: max_abs_diff(ours[ours_system][0]["params"], twins[twin])
         for twin, ours_system in TWINS.items()
@@ -198,9 +210,15 @@ def analyse(config: HsdpConfig, measured: dict[str, Any]) -> dict[str, Any]:
         "max_abs_diff_vs_single_process": hybrid["max_abs_diff_vs_single_process"],
         "max_abs_diff_vs_fsdp2": versus.get("fully_shard"),
         "max_abs_diff_vs_pytorch": versus,
-        "pytorch_max_abs_diff_vs_single_process": {
-            t: max_abs_diff(p, single) for t, p in twins.items()
-        },
+        "pytorch_max_abs_diff_vs_single_process": from_single,
+        # PyTorch's twins that leave single-process training where ours does not (the lab
+        # names them; e.g. FSDP1's HYBRID_SHARD with one rank per node, which becomes NO_SHARD
+        # over that one rank and never all-reduces across the replicas).
+        "pytorch_departs": sorted(
+            t
+            for t, d in from_single.items()
+            if d > 1e3 * max(hybrid["max_abs_diff_vs_single_process"], 1e-7)
+        ),
         "checkpoint": checkpoints(measured["checkpoint"]),
         "capacity": capacity(
             config.params_b * 1e9, config.vram_gb * 1e9, nodes_gpus, config.gpus_per_node

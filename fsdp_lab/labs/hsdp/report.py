@@ -197,6 +197,25 @@ def scaling_table(result: LabResult) -> str:
     return table(head, rows)
 
 
+def departures(result: LabResult) -> list[str]:
+    """A † line for each PyTorch twin that departs from single-process training where ours
+    does not, with what is known of why."""
+    lines = []
+    for twin in result["pytorch_departs"]:
+        why = ""
+        if twin.startswith("fsdp1") and result["mesh"][1] == 1:
+            why = (
+                ": with one rank per shard group FSDP1 switches HYBRID_SHARD to NO_SHARD over "
+                "that one rank (its warning: 'since the world size is 1') and never all-reduces "
+                "across the replicas, so each replica trains on its own slice of the batch"
+            )
+        lines.append(
+            f"- † {twin} departs from single-process training by "
+            f"{result['pytorch_max_abs_diff_vs_single_process'][twin]:.2g}{why}"
+        )
+    return lines
+
+
 def checkpoint_line(result: LabResult) -> str:
     """One line: rank files and bytes each system's sharded checkpoint wrote; lossless?"""
     cp = result["checkpoint"]
@@ -241,6 +260,7 @@ def summary(result: LabResult) -> str:
         f"- max |hybrid - single process| = {r['max_abs_diff_vs_single_process']:.3g}; "
         f"against PyTorch's HSDP on the same mesh: {versus}",
         f"- bytes equal the formulas on every rank: {ok}",
+        *departures(r),
         "",
         bytes_table(r),
         "",
