@@ -29,6 +29,16 @@ if ! command -v dot >/dev/null 2>&1; then
   fi
 fi
 
+# 1b. iproute2's `ip` and `tc` for the HSDP lab's emulated nodes (network namespaces, as root);
+#     without them that one section says why it skips.
+if { ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; } \
+    && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  say "installing iproute2 (ip, tc) with apt-get"
+  apt-get install -y -qq iproute2 >/dev/null 2>&1 \
+    || { apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null; } \
+    || say "could not install iproute2: the emulated-nodes section will skip"
+fi
+
 # 2. torch, chosen for this machine before anything else can ask pip for it.
 if "$PY" -c "import torch" >/dev/null 2>&1; then
   say "keeping installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
