@@ -466,7 +466,7 @@ def test_a_bad_model_fails_before_any_rank_starts(models_env, spec, messages):
 @pytest.mark.parametrize(
     "args",
     [
-        ["hsdp"],
+        ["hsdp", "--mesh", "3,2"],
         ["shrad"],
         ["collectives", "--world-size", "0"],
         ["collectives", "--numel", "0"],

@@ -133,3 +133,28 @@ def test_a_bad_mesh_on_the_command_line_is_spoken_in_flags(argv, line, hint):
     )
     assert proc.returncode == 2, proc.stderr
     assert line in proc.stderr and hint in proc.stderr, proc.stderr
+
+
+def test_memory_and_bytes_on_a_2x3_mesh_follow_the_formulas(cluster_of):
+    """The same checks on 2 nodes of 3 ranks: model state per rank between the formula and the
+    formula plus what notebook 01 explains, bytes per group exactly the formula's."""
+    from fsdp_lab import theory
+    from fsdp_lab.labs.hsdp.analysis import _same, formula
+    from fsdp_lab.labs.shard.analysis import model_state_bytes
+    from fsdp_lab.models import GPTConfig
+
+    config = lab.HsdpConfig(world_size=6, mesh="2,3", steps=2, optimizer="sgd", lr=0.1)
+    peaks = {}
+    for system in lab.config.SYSTEMS:
+        vocab = GPTConfig().vocab_size  # the default model's: token ids are drawn below it
+        runs = cluster_of(6).run(hsdp_measure.ours_worker, config, system, vocab)
+        f = formula(system, runs[0]["units"], (2, 3), theory.FP32_SGD)
+        largest = max(u["padded_numel"] * u["element_size"] for u in runs[0]["units"])
+        shard = sum(u["shard_numel"] * u["element_size"] for u in runs[0]["units"])
+        extra = shard + 1024 if system == "hybrid_zero2" else 2 * largest
+        for run in runs:
+            assert _same(run["comm_bytes_per_step_by_group"], f["comm_bytes"]), system
+            peak = max(model_state_bytes(run["memory_trace"]))
+            assert f["peak"] <= peak <= f["peak"] + extra, system
+        peaks[system] = max(model_state_bytes(runs[0]["memory_trace"]))
+    assert peaks["full"] < peaks["hybrid"] < peaks["hybrid_zero2"]

@@ -18,11 +18,12 @@ from fsdp_lab.labs.shard.measure import (
     build_model,
     optimizer_recipe,
     sharded_model,
+    single_process_reference,
     timed_training,
     tracked_training,
     unit_classes,
 )
-from fsdp_lab.model_spec import check_on_rank0, load_factory
+from fsdp_lab.model_spec import check_on_rank0
 from fsdp_lab.sharding import load_sharded, save_sharded, sharding_state
 from fsdp_lab.sharding.mesh import device_mesh
 
@@ -103,13 +104,7 @@ def measure(config: HsdpConfig, cluster: Cluster | AttachedCluster | None = None
             }
         backend = ranks.backend
     emulated = measure_emulated(config)  # its own processes, in their own namespaces
-    single = reference.single_process(
-        load_factory(config.model),
-        optimizer_recipe(config),
-        config.steps,
-        global_batch=config.global_batch,
-        vocab_size=vocab,
-    )
+    single = single_process_reference(config, vocab)
     return {
         "backend": backend,
         "ours": ours,

@@ -178,6 +178,18 @@ def _ddp_zero_redundancy(cfg: ShardConfig, vocab: int) -> dict[str, torch.Tensor
     return reference.full_parameters(model)
 
 
+def single_process_reference(config: Any, vocab: int) -> dict[str, torch.Tensor]:
+    """The ground truth: the config's model (`model`, `optimizer`, `lr`, `steps`,
+    `global_batch`) trained in this process on the whole batch."""
+    return reference.single_process(
+        load_factory(config.model),
+        optimizer_recipe(config),
+        config.steps,
+        global_batch=config.global_batch,
+        vocab_size=vocab,
+    )
+
+
 def measure(
     config: ShardConfig, cluster: Cluster | AttachedCluster | None = None
 ) -> dict[str, Any]:
@@ -195,13 +207,7 @@ def measure(
         zero_redundancy = ranks.run(_ddp_zero_redundancy, config, vocab) if pytorch_zero1 else None
         n, backend = ranks.world_size, ranks.backend
     # The ground truth, here once the ranks are gone: one process on the whole batch.
-    single = reference.single_process(
-        load_factory(config.model),
-        optimizer_recipe(config),
-        config.steps,
-        global_batch=config.global_batch,
-        vocab_size=vocab,
-    )
+    single = single_process_reference(config, vocab)
     return {
         "world_size": n,
         "backend": backend,
