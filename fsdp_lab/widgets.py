@@ -399,17 +399,19 @@ class ScalingExplorer:
         self, params_b: float = 7.0, inter_node_gbit: float = 100.0, overlap: float = 1.0
     ) -> None:
         style = {"description_width": "initial"}
-        self.params_b = W.FloatLogSlider(
-            value=params_b, base=10, min=0, max=3, step=0.05, description="params (B)", style=style
+
+        def pick(options: list[float], value: float, description: str) -> W.SelectionSlider:
+            # Sizes and links as they are sold: a log slider would show 7.08B for 7B.
+            options = sorted({*options, value})
+            return W.SelectionSlider(
+                options=options, value=value, description=description, style=style
+            )
+
+        self.params_b = pick([1, 3, 7, 13, 34, 70, 175, 405], params_b, "params (B)")
+        self.inter = pick(
+            [10, 25, 100, 200, 400, 800, 1600, 3200], inter_node_gbit, "between nodes (Gbit/s)"
         )
-        self.inter = W.FloatLogSlider(
-            value=inter_node_gbit, base=10, min=0, max=3.3, step=0.05,
-            description="between nodes (Gbit/s)", style=style,
-        )  # fmt: skip
-        self.intra = W.FloatLogSlider(
-            value=450, base=10, min=1, max=3.3, step=0.05,
-            description="inside a node (GB/s)", style=style,
-        )  # fmt: skip
+        self.intra = pick([50, 100, 200, 450, 900], 450, "inside a node (GB/s)")
         self.shard = W.Dropdown(options=[1, 2, 4, 8], value=8, description="S", style=style)
         self.overlap = W.FloatSlider(
             value=overlap, min=0, max=1, step=0.05, description="overlap", style=style

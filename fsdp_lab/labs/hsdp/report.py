@@ -112,7 +112,7 @@ def draw_scaling(model: dict[str, Any]) -> Any:
         xscale="log",
         xlabel="nodes",
         ylabel="TFLOPS per GPU",
-        title=f"{w['parameters'] / 1e9:g}B params, {net['inter_bandwidth'] * 8 / 1e9:g} Gbit/s between nodes, overlap {w['overlap']:g}, HSDP S = {model['shard']}",
+        title=f"{w['parameters'] / 1e9:.3g}B params, {net['inter_bandwidth'] * 8 / 1e9:g} Gbit/s between nodes, overlap {w['overlap']:g}, HSDP S = {model['shard']}",
     )
     nic.set(
         xscale="log",
