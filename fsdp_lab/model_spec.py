@@ -39,6 +39,7 @@ import torch, only when a lab is about to run.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import os
 import sys
@@ -81,8 +82,28 @@ def _not_found(spec: str, module_name: str, exc: ModuleNotFoundError) -> ValueEr
     )
 
 
+MODEL_SEED = 0  # torch's seed before every build of a --model
+
+
+def _seeded(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """`factory`, called after ``torch.manual_seed(MODEL_SEED)``: every rank and the
+    single-process reference build the same weights, also from a factory that does not seed
+    (PyTorch's layers draw their init from the global generator). Without it, each rank of an
+    unseeded factory started from its own weights and the labs compared different models."""
+
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        import torch  # here: the configs import this module and stay torch-free
+
+        torch.manual_seed(MODEL_SEED)
+        return factory(*args, **kwargs)
+
+    return build
+
+
 def load_factory(spec: str) -> Callable[[], Any]:
-    """``"package.module:factory"`` -> the factory function (ValueError naming what failed)."""
+    """``"package.module:factory"`` -> the factory, seeded (`_seeded`), or a ValueError naming
+    what failed."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(
@@ -104,7 +125,7 @@ def load_factory(spec: str) -> Callable[[], Any]:
             f"Fix: `python -c 'import {module_name}'` shows where"
         ) from exc
     try:
-        return getattr(module, attr)
+        return _seeded(getattr(module, attr))
     except AttributeError as exc:
         names = [n for n in dir(module) if not n.startswith("_")]
         close = difflib.get_close_matches(attr, names, n=1)
