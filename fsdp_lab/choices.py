@@ -62,5 +62,8 @@ HYBRID_STRATEGIES: dict[str, Strategy] = {
     ),
 }
 
+# Every strategy `shard` takes, by name: the 1-D ones and the hybrid ones.
+ALL_SHARDING_STRATEGIES: dict[str, Strategy] = {**SHARDING_STRATEGIES, **HYBRID_STRATEGIES}
+
 # How the stages of a pipeline are initialised (`fsdp_lab.pipeline.rng` explains each).
 SEEDING_STRATEGIES = ("seed_checkpoint", "same_seed", "per_stage_seed", "rng_replay")

@@ -115,6 +115,26 @@ def step_bytes(units: list[dict[str, Any]], mesh: tuple[int, int], strategy: str
     return theory.hybrid_step(strategy, units, mesh)["comm_bytes"]
 
 
+def _links(mesh: tuple[int, int], gpus_per_node: int) -> dict[str, tuple[int, int, bool]]:
+    """Per group: (ranks in it, rings through a node, whether those rings cross nodes). A ring
+    leaves each node once, so a node's NICs carry one ring edge per ring: 1 ring for the shard
+    group (spanning nodes only when S > G), S rings — one per shard index — across replicas."""
+    r, s = mesh
+    g = gpus_per_node
+    return {"shard": (s, 1, s > g), "replicate": (r, s, r * s > g)}
+
+
+def node_nic_bytes(
+    moved: dict[str, dict[str, float]], mesh: tuple[int, int], gpus_per_node: int
+) -> float:
+    """Bytes per step through one node's NICs, from one rank's bytes by group (`step_bytes`'s
+    shape; full FSDP is mesh (1, N) with everything in "shard")."""
+    links = _links(mesh, gpus_per_node)
+    return sum(
+        links[group][1] * b for group, ops in moved.items() if links[group][2] for b in ops.values()
+    )
+
+
 def _units(workload: Workload) -> list[dict[str, Any]]:
     """The whole model as one unit, unpadded (padding is a rounding at these sizes)."""
     psi = int(workload.parameters)
@@ -144,14 +164,12 @@ def predict(
     r = gpus // s
     moved = step_bytes(_units(workload), (r, s), "full" if system == "fsdp" else "hybrid")
     nic = network.nics_per_node * network.inter_bandwidth
-    groups = (("shard", s, 1, s > g), ("replicate", r, s, gpus > g))
-    comm_s = nic_bytes = 0.0
-    for group, n, rings, crosses in groups:  # crosses: the group's rings span nodes
+    comm_s = 0.0
+    for group, (n, rings, crosses) in _links((r, s), g).items():
         for op, per_rank in moved[group].items():
             hops = HOPS[op] * (n - 1) * workload.units
             if crosses:
                 comm_s += hops * network.inter_latency + rings * per_rank / nic
-                nic_bytes += rings * per_rank
             else:
                 comm_s += hops * network.intra_latency + per_rank / network.intra_bandwidth
     t_c = workload.compute_s
@@ -162,7 +180,7 @@ def predict(
         "nodes": max(1, gpus // g),
         "mesh": [r, s],
         "bytes_per_rank": moved,
-        "node_nic_bytes": nic_bytes,
+        "node_nic_bytes": node_nic_bytes(moved, (r, s), g),
         "comm_s": comm_s,
         "compute_s": t_c,
         "step_s": step,

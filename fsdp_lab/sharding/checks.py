@@ -10,11 +10,9 @@ from typing import Any
 
 import torch.nn as nn
 
-from fsdp_lab.choices import HYBRID_STRATEGIES, SHARDING_STRATEGIES
+from fsdp_lab.choices import ALL_SHARDING_STRATEGIES as STRATEGIES
 from fsdp_lab.sharding.state import sharded_root, sharding_state
 from fsdp_lab.tying import find_ties, recorded_ties, verify_weight_tying
-
-STRATEGIES = {**SHARDING_STRATEGIES, **HYBRID_STRATEGIES}
 
 
 def check_model(model: nn.Module, strategy: str, backend: str | None = None) -> None:

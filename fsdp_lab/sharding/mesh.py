@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fsdp_lab.choices import HYBRID_STRATEGIES, SHARDING_STRATEGIES
+from fsdp_lab.choices import HYBRID_STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,3 @@ def device_mesh(replicas: int, shard: int) -> Any:
 
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(device_type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
-
-
-ALL_STRATEGIES = {**SHARDING_STRATEGIES, **HYBRID_STRATEGIES}

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_lab import comm
+from fsdp_lab.choices import ALL_SHARDING_STRATEGIES
 from fsdp_lab.sharding import mesh as meshes
 from fsdp_lab.sharding.checks import check_model, check_units
 from fsdp_lab.sharding.flat_param import FlatParameter, SliceValues
@@ -152,7 +153,7 @@ def shard(
     init_fn = param_init_fn or reset_parameters
     if on_meta and not recorded_ties(model):
         record_ties(model)  # identity ties are visible on meta: keep them for verification
-    policy = meshes.ALL_STRATEGIES[strategy]
+    policy = ALL_SHARDING_STRATEGIES[strategy]
     if policy.reshard_after_forward and reshard_after_forward not in (None, True):
         free_after = set() if reshard_after_forward is False else set(reshard_after_forward)
         unknown = free_after - set(plan.units)

@@ -49,15 +49,11 @@ def node_nic_bytes(
     system: str, per_rank: dict[str, dict[str, float]], mesh: tuple[int, int]
 ) -> float:
     """Bytes per step through one node's NIC, a node being one shard group (S ranks), from one
-    rank's measured bytes and the ring rule: a ring leaves each node once, so the NIC carries
-    one ring edge — a rank's bytes — per ring through it: 1 ring over the world for full FSDP
-    (when there is more than one node), S rings across nodes for HSDP's replicate all-reduce."""
+    rank's measured bytes by the network model's ring rule (`netsim.node_nic_bytes`)."""
     r, s = mesh
-    if r == 1:
-        return 0.0
-    if system == "full":
-        return sum(per_rank.get("world", {}).values())
-    return s * sum(per_rank.get("replicate", {}).values())
+    if system == "full":  # one world group: netsim's mesh (1, N), every rank in the "shard"
+        return netsim.node_nic_bytes({"shard": per_rank.get("world", {})}, (1, r * s), s)
+    return netsim.node_nic_bytes(per_rank, mesh, s)
 
 
 def capacity(params: float, vram_bytes: float, gpus: int, s: int) -> dict[str, Any]:
