@@ -6,41 +6,107 @@ lives) and closes them with `close()`, so re-running a notebook cell leaves no r
 
 from __future__ import annotations
 
+import contextlib
+import io
+from collections.abc import Callable
 from typing import Any
 
 import ipywidgets as W
-from IPython.display import display
+from IPython.display import Markdown, display
 
 from fsdp_lab.cluster import Cluster
 
 
+class _Slots:
+    """Output slots under a set of controls, filled by `display_id` updates.
+
+    A measurement is shown as ordinary cell outputs (figures, Markdown), not inside an ipywidgets
+    `Output`: JupyterLab saves ordinary outputs with the notebook, so an export to HTML still
+    shows the last measurement, and a new run replaces the old one in place, below the controls.
+    The controls themselves carry a readable text fallback instead of `VBox(children=...)`.
+    """
+
+    def __init__(self, widget: W.Widget, count: int, describe: Callable[[], str]) -> None:
+        self.widget, self.count, self.describe = widget, count, describe
+        self.handles: list[Any] = []
+        self.outputs: list[Any] = [Markdown("*Press **Run** to measure.*")]
+
+    def fill(self, outputs: list[Any]) -> None:
+        """Remember `outputs` and, where the slots are on screen, replace what they show."""
+        if len(outputs) > self.count:  # the last slot takes the rest, as one Markdown note
+            outputs = [*outputs[: self.count - 1], Markdown("*(more outputs than slots)*")]
+        self.outputs = outputs
+        if self.handles:  # the controls' text names the settings the new outputs were made with
+            self.handles[0].update(self._controls(), raw=True)
+        for i, handle in enumerate(self.handles[1:]):
+            item, kwargs = _shown(outputs[i] if i < len(outputs) else None)
+            handle.update(item, **kwargs)
+
+    def _controls(self) -> dict[str, Any]:
+        bundle = self.widget._repr_mimebundle_()
+        bundle["text/plain"] = self.describe()
+        return bundle
+
+    def display(self) -> None:
+        self.handles = [display(self._controls(), raw=True, display_id=True)]
+        for i in range(self.count):
+            item, kwargs = _shown(self.outputs[i] if i < len(self.outputs) else None)
+            self.handles.append(display(item, display_id=True, **kwargs))
+
+
+def _shown(item: Any) -> tuple[Any, dict[str, bool]]:
+    """What `display`/`update` take to show `item`; None shows nothing (an empty slot)."""
+    return (item, {}) if item is not None else ({"text/plain": ""}, {"raw": True})
+
+
 class _Explorer:
-    """A Run button over a set of controls; subclasses say what a run measures and draws."""
+    """A Run button over a set of controls; subclasses say what a run measures and draws.
+
+    `show()` measures once with the controls' settings (the button calls it too); its figures
+    and tables appear below the controls wherever the explorer is displayed, and each run
+    replaces the previous one. `SLOTS` is the most outputs one run of the explorer draws.
+    """
+
+    SLOTS = 4
 
     def __init__(self, controls: list[W.Widget], backend: str = "auto") -> None:
         self.backend = backend
         self.controls = controls
         self.button = W.Button(description="Run", button_style="primary", icon="play")
-        self.output = W.Output()
         self.button.on_click(lambda _: self.refresh())
         self._clusters: dict[int, Cluster] = {}
-        self.widget = W.VBox([W.HBox([*controls, self.button]), self.output])
+        self.widget = W.HBox([*controls, self.button])
+        self.slots = _Slots(self.widget, self.SLOTS, self._describe)
 
     def cluster(self, n: int) -> Cluster:
         if n not in self._clusters:
             self._clusters[n] = Cluster(n, self.backend, verbose=False)
         return self._clusters[n]
 
-    def refresh(self) -> None:
-        self.button.disabled = True
-        self.output.clear_output(wait=True)
-        with self.output:
-            try:
-                self.show()
-            finally:
-                self.button.disabled = False
+    def _describe(self) -> str:
+        return _settings_text(self)
 
-    def show(self) -> None:  # pragma: no cover - defined by subclasses
+    def show(self) -> None:
+        """Measure once with the current settings and show it below the controls."""
+        captured = io.StringIO()
+        with contextlib.redirect_stdout(captured):  # rank output joins the measurement's slots
+            outputs = self.draw()
+        if captured.getvalue().strip():
+            outputs = [Markdown(f"```\n{captured.getvalue().rstrip()}\n```"), *outputs]
+        self.slots.fill(outputs)
+
+    def refresh(self) -> None:
+        """What the Run button does: `show()`, an error shown in the slots instead of lost."""
+        self.button.disabled, self.button.description = True, "Running…"
+        try:
+            self.show()
+        except Exception as err:  # a button callback has no cell to raise into
+            self.slots.fill([Markdown(f"**The run failed:** `{type(err).__name__}: {err}`")])
+        finally:
+            self.button.disabled, self.button.description = False, "Run"
+
+    def draw(self) -> list[Any]:  # pragma: no cover - defined by subclasses
+        """Run one measurement; return what to show, in order (figures, Markdown)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -49,7 +115,22 @@ class _Explorer:
         self._clusters.clear()
 
     def _ipython_display_(self) -> None:
-        display(self.widget)
+        self.slots.display()
+
+
+def _settings_text(explorer: Any) -> str:
+    """The controls as text: what an HTML export or a plain console shows in their place."""
+
+    def shown(control: W.Widget) -> str:
+        labels = getattr(control, "_options_labels", None)  # a selection's shown text ("4 KiB");
+        if labels and control.index is not None:  # its `label` is '' until the index first moves
+            return str(labels[control.index])
+        return str(control.value)
+
+    settings = ", ".join(f"{c.description} = {shown(c)}" for c in explorer.controls)
+    return (
+        f"[{type(explorer).__name__}: {settings}; open the notebook in JupyterLab to change them]"
+    )
 
 
 class CollectivesExplorer(_Explorer):
@@ -70,7 +151,9 @@ class CollectivesExplorer(_Explorer):
         super().__init__([self.world_size, self.numel], backend)
         self.last_result: Any = None
 
-    def show(self) -> None:
+    SLOTS = 2
+
+    def draw(self) -> list[Any]:
         from fsdp_lab.labs import collectives
         from fsdp_lab.plots import plot_measured_vs_theory, plot_memory_trace
 
@@ -78,14 +161,14 @@ class CollectivesExplorer(_Explorer):
         config = collectives.CollectivesConfig(world_size=n, numel=self.numel.value, repeats=3)
         result = collectives.run(config, cluster=self.cluster(n))
         self.last_result = result
-        display(
+        return [
             plot_measured_vs_theory(
                 result["comm_bytes_per_rank"][0],
                 result["theory_comm_bytes"],
                 title=f"{n} ranks: bytes per rank per call, measured vs (N-1)/N formulas",
-            )
-        )
-        display(plot_memory_trace(result["memory_traces"], title="live bytes on each rank"))
+            ),
+            plot_memory_trace(result["memory_traces"], title="live bytes on each rank"),
+        ]
 
 
 def collectives_explorer(world_size: int = 2, numel: int = 1 << 16) -> CollectivesExplorer:
@@ -113,9 +196,7 @@ class ShardExplorer(_Explorer):
         super().__init__([self.world_size, self.strategy, self.prefetch], backend)
         self.last_result: Any = None
 
-    def show(self) -> None:
-        from IPython.display import Markdown
-
+    def draw(self) -> list[Any]:
         from fsdp_lab.labs import shard
 
         n = self.world_size.value
@@ -130,10 +211,8 @@ class ShardExplorer(_Explorer):
         result = shard.run(config, cluster=self.cluster(n))
         self.last_result = result
         figures = shard.figures(result)
-        display(figures["memory_trace"])
-        display(figures["bytes_vs_theory"])
-        display(Markdown(shard.summary(result)))
-        display(figures["timeline"])
+        summary = Markdown(shard.summary(result))
+        return [figures["memory_trace"], figures["bytes_vs_theory"], summary, figures["timeline"]]
 
 
 def shard_explorer(
@@ -198,9 +277,10 @@ class CheckpointExplorer(_Explorer):
         arg = self.arg.value if name in self._ARG_NAMES else None
         return schedules.Schedule(name, arg)
 
-    def show(self) -> None:
+    SLOTS = 3
+
+    def draw(self) -> list[Any]:
         import torch
-        from IPython.display import Markdown
 
         from fsdp_lab import schedules
         from fsdp_lab.labs.checkpoint.measure import measure_schedules
@@ -223,10 +303,11 @@ class CheckpointExplorer(_Explorer):
             calls = rows[1]["forward_calls"] / rows[0]["forward_calls"]
             lines += ["", f"{chosen}: {ratio:.2f}× the activation bytes for {calls:.2f}× the calls"]
         self.last_rows = rows
-        display(Markdown("\n".join(lines)))
-        for s in runs:
-            trace = _chain_trace(chain, x, s)
-            display(plot_memory_trace(trace, title=f"one forward + backward, {s} (N = {n})"))
+        traces = [(s, _chain_trace(chain, x, s)) for s in runs]
+        return [Markdown("\n".join(lines))] + [
+            plot_memory_trace(trace, title=f"one forward + backward, {s} (N = {n})")
+            for s, trace in traces
+        ]
 
 
 def _mean_square(out: Any) -> Any:
@@ -295,9 +376,9 @@ class MetaInitExplorer(_Explorer):
         super().__init__([self.model_mb, self.world_size], backend)
         self.last_result: dict[str, Any] | None = None
 
-    def show(self) -> None:
-        from IPython.display import Markdown
+    SLOTS = 3
 
+    def draw(self) -> list[Any]:
         from fsdp_lab.labs.meta_init import analysis, measure, report
 
         n, mb = self.world_size.value, self.model_mb.value
@@ -305,9 +386,11 @@ class MetaInitExplorer(_Explorer):
         memory = analysis.materialisation(measure.measure_materialisation(mb, self.seed, cluster))
         row = analysis.agreement_row(measure.measure_size(mb, self.seed, cluster))
         self.last_result = {"materialise": memory, "agreement": row}
-        display(report.rss_figure(memory))
-        display(Markdown(report.memory_table(memory)))
-        display(Markdown(report.agreement_table([row])))
+        return [
+            report.rss_figure(memory),
+            Markdown(report.memory_table(memory)),
+            Markdown(report.agreement_table([row])),
+        ]
 
 
 def meta_init_explorer(model_mb: int = 64, world_size: int = 2) -> MetaInitExplorer:
@@ -353,9 +436,7 @@ class PPSeedExplorer(_Explorer):
             del self._clusters[self._borrowed.world_size]  # not ours to close
         super().close()
 
-    def show(self) -> None:
-        from IPython.display import Markdown
-
+    def draw(self) -> list[Any]:
         from fsdp_lab.diagrams import pipeline_diagram
         from fsdp_lab.labs import pp_seed
         from fsdp_lab.labs.pp_seed import report
@@ -371,16 +452,15 @@ class PPSeedExplorer(_Explorer):
                 backend=self.backend,
             )
         except ValueError as err:  # e.g. more stages than layers: say why, run nothing
-            print(err)
-            return
-        display(pipeline_diagram(config.gpt(), s, strategy=strategy))
+            return [Markdown(f"**Not run:** {err}")]
+        diagram = pipeline_diagram(config.gpt(), s, strategy=strategy)
         result = pp_seed.run(config, cluster=self.cluster(s))
         self.last_result = result
         tables = [report.results_table(result), report.overlap_table(result)]
-        display(Markdown("\n\n".join(tables)))
-        display(report.loss_figure(result))
+        outputs = [diagram, Markdown("\n\n".join(tables)), report.loss_figure(result)]
         if strategy == "same_seed" and s > 1:
-            display(report.same_seed_figure(result))
+            outputs.append(report.same_seed_figure(result))
+        return outputs
 
 
 def pp_seed_explorer(
@@ -417,10 +497,11 @@ class ScalingExplorer:
             value=overlap, min=0, max=1, step=0.05, description="overlap", style=style
         )
         self.controls = [self.params_b, self.inter, self.intra, self.shard, self.overlap]
-        self.output = W.Output()
         for control in self.controls:
             control.observe(lambda _: self.show(), names="value")
-        self.widget = W.VBox([W.HBox(self.controls[:3]), W.HBox(self.controls[3:]), self.output])
+        self.widget = W.VBox([W.HBox(self.controls[:3]), W.HBox(self.controls[3:])])
+        self.slots = _Slots(self.widget, 1, lambda: _settings_text(self))
+        self.show()
 
     def model(self) -> dict[str, Any]:
         """The network model at the sliders' settings (`hsdp.analysis.network_model`)."""
@@ -435,16 +516,13 @@ class ScalingExplorer:
         )
 
     def show(self) -> None:
-        from IPython.display import clear_output
-
+        """Draw the model at the sliders' settings below them (instant: no ranks)."""
         from fsdp_lab.labs.hsdp.report import draw_scaling
 
-        with self.output:
-            clear_output(wait=True)
-            display(draw_scaling(self.model()))
+        self.slots.fill([draw_scaling(self.model())])
 
     def _ipython_display_(self) -> None:
-        display(self.widget)
+        self.slots.display()
 
 
 def scaling_explorer(params_b: float = 7.0, inter_node_gbit: float = 100.0) -> ScalingExplorer:

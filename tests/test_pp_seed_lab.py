@@ -219,7 +219,7 @@ def test_bad_config_names_the_value_the_range_and_the_fix(kwargs, message):
     assert message in str(err.value) and "Fix:" in str(err.value)
 
 
-def test_explorer_runs_on_a_borrowed_cluster_and_leaves_it_open(cluster_of, capsys):
+def test_explorer_runs_on_a_borrowed_cluster_and_leaves_it_open(cluster_of):
     from fsdp_lab.widgets import PPSeedExplorer
 
     cluster = cluster_of(2)
@@ -231,7 +231,7 @@ def test_explorer_runs_on_a_borrowed_cluster_and_leaves_it_open(cluster_of, caps
     explorer.layers.value = 1  # two stages, one layer: refused before any rank is asked
     explorer.last_result = None
     explorer.show()
-    assert "stages=2 is out of range for layers=1" in capsys.readouterr().out
+    assert "stages=2 is out of range for layers=1" in explorer.slots.outputs[0].data
     assert explorer.last_result is None
     explorer.close()
     assert cluster.run(world_size) == [2, 2]  # the borrowed cluster is still open

@@ -1,0 +1,45 @@
+"""Explorers show their measurement as ordinary outputs below their controls, a new run replaces
+the old one in place, and a notebook exported to HTML shows the measurement, not widget reprs."""
+
+from __future__ import annotations
+
+import nbformat
+from nbclient import NotebookClient
+from nbconvert import HTMLExporter
+
+
+def _run(sources: list[str]):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
+    client = NotebookClient(nb, timeout=300, kernel_name="python3")
+    client.widget_registry = {}  # as in test_notebooks: no Output-widget mirroring
+    client.execute()
+    return nb
+
+
+def _kinds(cell) -> list[str]:
+    kinds = []
+    for out in cell.outputs:
+        data = out.get("data", {})
+        kind = "widget" if "application/vnd.jupyter.widget-view+json" in data else None
+        kinds.append(kind or ("png" if "image/png" in data else "other"))
+    return kinds
+
+
+def test_a_slider_move_replaces_the_picture_below_the_controls_and_the_export_reads():
+    setup = "%matplotlib inline\nfrom fsdp_lab import widgets\ne = widgets.scaling_explorer()\ne"
+    nb = _run([setup])
+    first = nb.cells[0].outputs[1]["data"]["image/png"]
+    assert _kinds(nb.cells[0]) == ["widget", "png"]  # the controls, then the picture below
+
+    nb = _run([setup, "e.params_b.value = 70"])  # the observer redraws into the first cell
+    cell, moved = nb.cells[0], nb.cells[1]
+    assert _kinds(cell) == ["widget", "png"]  # replaced, not appended
+    assert cell.outputs[1]["data"]["image/png"] != first
+    assert moved.outputs == []
+
+    assert "params (B) = 70" in cell.outputs[0]["data"]["text/plain"]
+    nb.metadata.pop("widgets", None)  # JupyterLab saves no widget state by default
+    html, _ = HTMLExporter().from_notebook_node(nb)
+    assert "VBox(" not in html and "HBox(" not in html
+    assert "ScalingExplorer: params (B) = 70" in html  # the controls' settings, as text
