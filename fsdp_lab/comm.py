@@ -19,8 +19,10 @@ recorded duration runs from issue to completion — what a prefetching mechanism
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,6 +34,19 @@ from fsdp_lab.trace.timeline import Recorder, active_timeline
 _ACTIVE: contextvars.ContextVar[CommLog | None] = contextvars.ContextVar(
     "fsdp_lab_comm_log", default=None
 )
+_TAG: contextvars.ContextVar[str] = contextvars.ContextVar("fsdp_lab_comm_tag", default="")
+
+
+@contextlib.contextmanager
+def tagged(tag: str) -> Iterator[None]:
+    """Label the collectives issued inside with what they are for (a unit's name): the
+    timeline shows "all-gather blocks.0", not just "all-gather"."""
+    token = _TAG.set(tag)
+    try:
+        yield
+    finally:
+        _TAG.reset(token)
+
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; the old names warn.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -143,6 +158,7 @@ def _run(
         return CommWork(work, lambda: None) if async_op else None
     label, size = _group_label(group)
     moved = bus_bytes(op, payload_bytes, size)
+    tag = _TAG.get()
 
     def finish() -> None:
         end = time.perf_counter()
@@ -161,7 +177,7 @@ def _run(
                 )
             )
         if timeline is not None:
-            timeline.add("comm", op, start, end, int(moved))
+            timeline.add("comm", op, start, end, int(moved), group=label, tag=tag)
 
     if async_op:
         return CommWork(work, finish)

@@ -25,3 +25,26 @@ def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def timeline_sentence(shares: dict[str, float]) -> str:
+    """Markdown: `trace.timeline.time_shares` in words — how a rank's time split between
+    compute, moving bytes and waiting for other ranks, and how much transfer compute hid."""
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.1f} ms"
+
+    inside = shares["waiting"] + shares["transfer"]
+    lead = (
+        "more time inside collectives than computing"
+        if inside > shares["compute"]
+        else "more time computing than inside collectives"
+    )
+    hidden = shares["hidden"] / shares["transfer"] if shares["transfer"] else 0.0
+    return (
+        f"Measured, per rank on average over {ms(shares['span'])}: compute {ms(shares['compute'])}, "
+        f"moving bytes {ms(shares['transfer'])}, waiting inside a collective for the other ranks "
+        f"{ms(shares['waiting'])} — {lead} (the two overlap). Of the transfer time, {hidden:.0%} ran while the same "
+        f"rank computed (hidden behind compute; an asynchronous all-gather's span ends when the "
+        f"rank waits for it, so this is an upper bound)."
+    )

@@ -4,9 +4,10 @@
 ``reset_parameters()`` on tensors that have no storage. Most init fills are free there, but
 ``normal_`` (nn.Embedding's init, GPT-2's ``init_weights``) has no C++ meta kernel: its meta
 kernel is a Python reference (``torch._refs.normal``) wrapped in ``torch._disable_dynamo``,
-whose first call imports ``torch._dynamo`` — about 830 modules (sympy, torch._inductor), 1-2 s
-and 80 MB of resident memory per process (`benchmarks/bench_meta_init.py` measures it). That
-is the whole "first build" cost; the model's own is 0.05 s.
+whose first call imports ``torch._dynamo`` and what it needs (sympy, torch._inductor): a cost
+paid once per process that has nothing to do with the model (``python
+benchmarks/bench_meta_init.py`` measures its time, its memory and the modules it imports on the
+machine it runs on; lab 04 sets a first build in a fresh process beside a second one).
 
 `meta_device()` is ``torch.device("meta")`` plus one `TorchFunctionMode`: on a meta tensor,
 the fills that init code ends in return the tensor untouched. The values do not exist, so
@@ -66,7 +67,7 @@ VALUE_FILLS: frozenset[Callable[..., Any]] = frozenset(
 # nn.init functions that hand themselves to torch-function modes before doing anything: the
 # mode sees them, not the fill inside. kaiming_uniform_ also does, but is left to run: its
 # checks (fan_in of a 1-D tensor) stay, and the uniform_ it ends in imports nothing on meta
-# (its meta kernel is a decomposition loaded with torch: tens of microseconds a call).
+# (its meta kernel is a decomposition that loads with torch).
 INIT_FILLS: frozenset[Callable[..., Any]] = frozenset(
     {nn.init.normal_, nn.init.uniform_, nn.init.constant_}
 )

@@ -1,11 +1,12 @@
 """Build any size on the meta device, then give every rank the same values without talking.
 
-A model built under ``torch.device("meta")`` has every shape and no storage: Llama-3-70B
-(70.55e9 parameters, 282 GB in fp32) builds in 0.05 s and 2 MB, plus, the first time in a
-process, 1-2 s and 80 MB for PyTorch's import of torch._dynamo that ``normal_`` on meta
+A model built under ``torch.device("meta")`` has every shape and no storage: building
+Llama-3-70B's shape costs its module and Parameter objects, not its parameters' bytes — plus,
+the first time in a process, PyTorch's import of torch._dynamo that ``normal_`` on meta
 triggers; `build_on_meta` skips init fills on meta (`fsdp_lab.meta_device`) and so never pays
-it (`benchmarks/bench_meta_init.py` measures both, and accelerate's ``init_empty_weights``). Left
-to do — torchtitan's ``to_empty`` + ``init_weights``, FSDP's ``param_init_fn`` — is to
+it. Lab 04 measures the 70B build in a fresh process (``fsdp-lab meta-init``);
+``python benchmarks/bench_meta_init.py`` sets the plain build, this one and accelerate's
+``init_empty_weights`` side by side. Left to do — torchtitan's ``to_empty`` + ``init_weights``, FSDP's ``param_init_fn`` — is to
 materialise only each rank's shard and initialise it so that all ranks agree.
 
 Ordinary init cannot do that shard by shard: ``manual_seed(s); kaiming_uniform_(w)`` draws
@@ -27,9 +28,11 @@ depend on how [0, numel) is split, on the chunking or on vector widths. ``torch.
 not do: its vectorised body and scalar tail may differ in the last bit. Normal tails end at
 5.8 sigma (24-bit u1).
 
-Speed, 2-core shared CPU, torch 2.13, 1 thread: uniform 120e6, normal 24e6 elements/s
-(PyTorch's sequential uniform_ 550e6): 70e9 parameters take ~10 min on one core, split
-over the ranks. It is elementwise work, so a GPU does it at memory speed.
+Speed: several integer hashes and float64 operations per element, so a CPU core generates
+fewer elements per second than PyTorch's sequential ``uniform_`` does, and the ranks split the
+work. ``python benchmarks/bench_meta_init.py`` measures elements per second (uniform, normal,
+and PyTorch's own fills beside them) on the machine it runs on. Every step is elementwise, so on
+a GPU it runs as plain elementwise kernels.
 """
 
 from __future__ import annotations

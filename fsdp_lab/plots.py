@@ -9,7 +9,8 @@ these functions draw the measurement next to the theory, in the way PyTorch's me
 viewer and profiler traces do for real FSDP runs, reduced to what a lesson needs.
 
 The functions take plain dicts and lists (the exported form of `fsdp_lab.trace` records), so
-they can be used on saved JSON and do not import the rest of the package. Each returns a
+they can be used on saved JSON; from the rest of the package they import only `sizes` and the
+trace's own definitions (which categories are model state, which spans wait). Each returns a
 `matplotlib.figure.Figure` built without pyplot: no global figure state, so a notebook shows a
 figure once (as the cell's value) and re-running a cell does not leak figures.
 """
@@ -29,6 +30,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from fsdp_lab.sizes import byte_unit, format_bytes
+from fsdp_lab.trace.memory import MODEL_STATE
 
 # One colour per memory category, the same in every figure so a reader learns them once.
 CATEGORY_COLORS: dict[str, str] = {
@@ -41,11 +43,6 @@ CATEGORY_COLORS: dict[str, str] = {
 }
 KIND_COLORS: dict[str, str] = {"compute": "#4C72B0", "comm": "#DD8452"}
 _THEORY_COLORS = ["#2F2F2F", "#8C564B", "#17BECF", "#BCBD22", "#E377C2"]
-_MAX_MARKER_LABELS = 30
-_MARKER_LABEL_STYLE = {
-    "rotation": 90, "va": "top", "ha": "right", "fontsize": 7, "color": "#333333",
-    "bbox": {"facecolor": "white", "alpha": 0.6, "edgecolor": "none", "pad": 0.5},
-}  # fmt: skip
 
 
 def _format_value(v: float) -> str:
@@ -63,17 +60,28 @@ def plot_memory_trace(
     *,
     title: str | None = None,
     theory: dict[str, float] | None = None,
+    compare: str = "total",
 ) -> Figure:
     """Stacked memory by category over time, one panel per rank, with markers and the peak.
+
+    Markers are vertical lines numbered in a lane at the top of each panel; the numbers are
+    placed so that none overlaps another (a marker whose number finds no free place keeps its
+    line only) and explained once, in a key under the panels. One number per distinct label,
+    so "all-gather blocks.0" has the same number in every step and on every rank.
 
     Args:
         traces: one exported memory trace (dict) or a list of them, one per rank.
         title: figure title.
         theory: label -> bytes, drawn as dotted horizontal lines beside the measurement.
+        compare: which measured peak the dashed line shows, like with like against `theory`:
+            "total" (everything) or "model_state" (`MODEL_STATE`: parameters, gradients,
+            optimizer state and gathered buffers — no activations, no "other").
     """
     traces = [traces] if isinstance(traces, dict) else list(traces)
     if not traces:
         raise ValueError("plot_memory_trace needs at least one trace")
+    if compare not in ("total", "model_state"):
+        raise ValueError(f"compare={compare!r}: expected 'total' or 'model_state'")
     theory = theory or {}
     # One unit for all panels (the y axis is shared), chosen from the largest thing drawn.
     largest = max(
@@ -82,9 +90,17 @@ def plot_memory_trace(
         + list(theory.values())
     )
     unit, scale = byte_unit(largest)
+    numbers = _marker_numbers(traces)
+    key_rows = math.ceil(len(numbers) / 4)
 
-    fig = Figure(figsize=(11, 1.0 + 2.6 * len(traces)), layout="constrained")
-    axes = fig.subplots(len(traces), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
+    fig = Figure(figsize=(11, 1.0 + 2.6 * len(traces) + 0.16 * key_rows), layout="constrained")
+    grid = fig.add_gridspec(
+        len(traces) + 1, 1, height_ratios=[2.6] * len(traces) + [0.16 * max(key_rows, 1)]
+    )
+    axes = [fig.add_subplot(grid[0, 0])]
+    axes += [
+        fig.add_subplot(grid[r, 0], sharex=axes[0], sharey=axes[0]) for r in range(1, len(traces))
+    ]
     for i, (ax, tr) in enumerate(zip(axes, traces, strict=True)):
         t = np.asarray(tr["t"], dtype=float)
         cats = list(tr["categories"])
@@ -99,62 +115,153 @@ def plot_memory_trace(
             # samples at one instant) has no width in the stack, but it is a real peak.
             total = np.asarray(tr.get("total") or np.sum(ys, axis=0) * scale, dtype=float)
             ax.step(t, total / scale, where="post", color="black", lw=0.5, alpha=0.7)
-        peak = tr.get("peak_bytes", max(tr.get("total") or [0]))
-        ax.axhline(peak / scale, color="black", ls="--", lw=1.0, label=f"peak {format_bytes(peak)}")
+        if compare == "model_state":
+            kept = [np.asarray(tr["bytes"][c], dtype=float) for c in cats if c in MODEL_STATE]
+            peak = float(np.max(np.sum(kept, axis=0))) if kept and len(t) else 0.0
+            what = "measured peak, model state"
+        else:
+            peak = tr.get("peak_bytes", max(tr.get("total") or [0]))
+            what = "measured peak"
+        ax.axhline(
+            peak / scale, color="black", ls="--", lw=1.0, label=f"{what} {format_bytes(peak)}"
+        )
         for j, (name, value) in enumerate(theory.items()):
             color = _THEORY_COLORS[j % len(_THEORY_COLORS)]
             label = f"theory: {name} {format_bytes(value)}"
             ax.axhline(value / scale, color=color, ls=":", lw=1.6, label=label)
-        _draw_markers(ax, tr.get("markers", []))
         source = tr.get("source", "")
         ax.set_title(f"{_rank_title(tr, i)}  ({tr.get('device', '?')}, {source})", fontsize=10)
         ax.set_ylabel(f"memory ({unit})")
-        # Headroom above the peak, where the marker labels hang without covering the stack.
-        ax.set_ylim(0, 1.4 * largest / scale if largest else 1)
+        # Headroom above the peak: the lane where the marker numbers sit.
+        ax.set_ylim(0, 1.45 * largest / scale if largest else 1)
         # The legend goes outside the axes so it never hides the stack.
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    for ax, tr in zip(axes, traces, strict=True):  # after the x range is set by every panel
+        _draw_markers(ax, tr.get("markers", []), numbers)
     axes[-1].set_xlabel("time since start (s)")
+    key_ax = fig.add_subplot(grid[len(traces), 0])
+    key_ax.axis("off")
+    for n, (label, number) in enumerate(numbers.items()):
+        row, col = n % max(key_rows, 1), n // max(key_rows, 1)
+        key_ax.text(
+            col / 4,
+            1 - (row + 0.5) / max(key_rows, 1),
+            f"{number}  {label}",
+            transform=key_ax.transAxes,
+            fontsize=7,
+            va="center",
+            ha="left",
+        )
     if title:
         fig.suptitle(title)
     return fig
 
 
-def _draw_markers(ax: Any, markers: Sequence[dict[str, Any]]) -> None:
-    """Thin vertical lines at marker times; labels thinned to at most ~30 so they stay readable."""
-    step = max(1, math.ceil(len(markers) / _MAX_MARKER_LABELS))
-    for k, m in enumerate(markers):
-        labelled = k % step == 0
-        # Unlabelled lines are fainter: with hundreds of markers they would hide the stack.
-        ax.axvline(m["t"], color="#555555", lw=0.5, alpha=0.6 if labelled else 0.2)
-        if labelled:
-            # x in data coordinates, y in axes coordinates: labels hang from the top edge.
-            label = f" {m['label']}"
-            ax.text(m["t"], 0.98, label, transform=ax.get_xaxis_transform(), **_MARKER_LABEL_STYLE)
+def _marker_numbers(traces: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """One number per distinct marker label, in order of first appearance over the traces."""
+    numbers: dict[str, int] = {}
+    for tr in traces:
+        for m in tr.get("markers", []):
+            numbers.setdefault(m["label"], len(numbers) + 1)
+    return numbers
+
+
+_LANE_ROWS = (0.965, 0.905, 0.845, 0.785)  # axes fractions of the number lane, top down
+
+
+def _draw_markers(ax: Any, markers: Sequence[dict[str, Any]], numbers: dict[str, int]) -> None:
+    """Thin vertical lines at marker times, each numbered in the lane at the top of the panel.
+
+    A number goes in the highest row of the lane where it does not touch the previous number,
+    judged by its width on the figure; with no room in any row it is left out (the line stays,
+    fainter), so numbers never overlap however many markers there are.
+    """
+    if not markers:
+        return
+    x0, x1 = ax.get_xlim()
+    width_in = ax.get_figure().get_size_inches()[0] * 0.78  # the panels' share of the width
+    row_end = [-math.inf] * len(_LANE_ROWS)
+    for m in sorted(markers, key=lambda m: m["t"]):
+        text = str(numbers[m["label"]])
+        pos = (m["t"] - x0) / (x1 - x0) if x1 > x0 else 0.0
+        half = (len(text) * 0.6 * 7 / 72 + 0.06) / width_in / 2  # fontsize 7, some padding
+        row = next((r for r, end in enumerate(row_end) if pos - half > end), None)
+        ax.axvline(m["t"], color="#555555", lw=0.5, alpha=0.6 if row is not None else 0.2)
+        if row is None:
+            continue
+        row_end[row] = pos + half
+        ax.text(
+            m["t"],
+            _LANE_ROWS[row],
+            text,
+            transform=ax.get_xaxis_transform(),
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="#222222",
+            bbox={
+                "facecolor": "white",
+                "edgecolor": "#999999",
+                "lw": 0.4,
+                "pad": 0.8,
+                "boxstyle": "round,pad=0.15",
+            },
+        )
+
+
+_OP_SHORT = {
+    "all_gather_into_tensor": "AG",
+    "reduce_scatter_tensor": "RS",
+    "all_reduce": "AR",
+    "broadcast": "BC",
+    "send": "send",
+    "recv": "recv",
+}
+_WAIT_COLOR = "#F3D9C4"  # a pale comm colour, hatched: inside a collective, not yet moving
 
 
 def plot_timeline(timelines: dict | list[dict], *, title: str | None = None) -> Figure:
     """Gantt chart of compute and communication spans, two lanes per rank so overlap shows.
 
+    Comm spans are split in two: *waiting* (pale, hatched) until the last rank of the group
+    has entered the collective — no byte can move before — and *transfer* (solid) after it
+    (`trace.timeline.waiting_times`). Spans are labelled by op and unit where they are wide
+    enough ("AG blocks.0": the all-gather of unit blocks.0; "fwd blocks.0" its forward).
+    Ranks of one host share one clock; otherwise each is aligned to its own first span.
+
     Args:
         timelines: one exported timeline ``{"rank", "spans"}`` or a list, one per rank.
         title: figure title.
     """
+    from fsdp_lab.trace.timeline import common_clock, waiting_times
+
     timelines = [timelines] if isinstance(timelines, dict) else list(timelines)
     if not timelines:
         raise ValueError("plot_timeline needs at least one timeline")
-    # Ranks have no common clock origin, so each is aligned to its own first span.
-    origins = [min((s["start"] for s in tl["spans"]), default=0.0) for tl in timelines]
+    shared = common_clock(timelines)
+    starts = [
+        (tl["origin"] if shared else 0.0) + min((s["start"] for s in tl["spans"]), default=0.0)
+        for tl in timelines
+    ]
+    t_first = min(starts)
+    # Each rank's offset on the common axis: its own origin (shared clock) or its first span.
+    offsets = [
+        tl["origin"] - t_first if shared else -start
+        for tl, start in zip(timelines, starts, strict=True)
+    ]
+    waits = waiting_times(timelines)
     duration = max(
-        (s["end"] - t0 for tl, t0 in zip(timelines, origins, strict=True) for s in tl["spans"]),
+        (s["end"] + o for tl, o in zip(timelines, offsets, strict=True) for s in tl["spans"]),
         default=0.0,
     )
     unit, scale = ("s", 1.0) if duration >= 1 else ("ms", 1e3) if duration >= 1e-3 else ("µs", 1e6)
+    full = max(duration * scale, 1e-9)
 
-    fig = Figure(figsize=(11, 0.9 + 0.9 * len(timelines)), layout="constrained")
+    fig = Figure(figsize=(11, 1.1 + 0.9 * len(timelines)), layout="constrained")
     ax = fig.subplots()
     lanes = ("compute", "comm")
     ticks, tick_labels = [], []
-    for i, (tl, t0) in enumerate(zip(timelines, origins, strict=True)):
+    for i, (tl, o) in enumerate(zip(timelines, offsets, strict=True)):
         name = _rank_title(tl, i)
         if i:
             ax.axhline(2 * i - 0.5, color="#999999", lw=0.8)  # separates one rank from the next
@@ -162,35 +269,79 @@ def plot_timeline(timelines: dict | list[dict], *, title: str | None = None) -> 
             y = 2 * i + lane_index  # rank i's compute lane sits right above its comm lane
             ticks.append(y)
             tick_labels.append(f"{name} {kind}")
-            spans = [s for s in tl["spans"] if s["kind"] == kind]
-            if not spans:
-                continue
-            ranges = [((s["start"] - t0) * scale, (s["end"] - s["start"]) * scale) for s in spans]
-            ax.broken_barh(
-                ranges, (y - 0.4, 0.8), facecolors=KIND_COLORS[kind], edgecolor="white", lw=0.5
-            )
-            if kind == "comm":
-                _label_wide_spans(ax, spans, ranges, y, duration * scale)
+            phases = _enclosing(tl["spans"], kind)
+            for s, wait, phase in zip(tl["spans"], waits[i], phases, strict=True):
+                if s["kind"] != kind:
+                    continue
+                x0, x1 = (s["start"] + o) * scale, (s["end"] + o) * scale
+                if phase:  # a span holding others ("forward" around each unit's): a thin band
+                    ax.broken_barh(
+                        [(x0, x1 - x0)], (y - 0.48, 0.14), facecolors="#9DB3D6", edgecolor="none"
+                    )
+                    continue
+                xw = x0 + wait * scale
+                if wait > 0:
+                    ax.broken_barh(
+                        [(x0, xw - x0)],
+                        (y - 0.4, 0.8),
+                        facecolors=_WAIT_COLOR,
+                        edgecolor="white",
+                        lw=0.5,
+                        hatch="///",
+                    )
+                ax.broken_barh(
+                    [(xw, x1 - xw)],
+                    (y - 0.4, 0.8),
+                    facecolors=KIND_COLORS[kind],
+                    edgecolor="white",
+                    lw=0.5,
+                )
+                _label_span(ax, _span_label(s), xw, x1 - xw, y, full)
     ax.set_yticks(ticks, tick_labels, fontsize=8)
     ax.set_ylim(len(ticks) - 0.5, -0.5)  # rank 0 on top, like a profiler trace
-    ax.set_xlim(0, max(duration * scale, 1e-9) * 1.01)
-    ax.set_xlabel(f"time since each rank's first span ({unit}; ranks aligned separately)")
+    ax.set_xlim(0, full * 1.01)
+    clock = "one clock for all ranks" if shared else "each rank aligned to its first span"
+    ax.set_xlabel(f"time ({unit}; {clock})")
     ax.grid(axis="x", alpha=0.3)
-    handles = [Patch(color=KIND_COLORS[k], label=k) for k in lanes]
-    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=2, fontsize=8)
+    handles = [
+        Patch(color="#9DB3D6", label="phase (forward, backward)"),
+        Patch(color=KIND_COLORS["compute"], label="compute"),
+        Patch(color=KIND_COLORS["comm"], label="comm: moving bytes"),
+        Patch(facecolor=_WAIT_COLOR, hatch="///", label="comm: waiting for other ranks"),
+    ]
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=4, fontsize=8)
     if title:
         fig.suptitle(title)
     return fig
 
 
-def _label_wide_spans(
-    ax: Any, spans: list[dict], ranges: list[tuple[float, float]], y: float, full: float
-) -> None:
-    """Write the collective's name inside comm spans wide enough to hold it."""
-    for span, (x, width) in zip(spans, ranges, strict=True):
-        # At fontsize 7 on an 11-inch figure a character takes about 0.5% of the axis width.
-        if full > 0 and width / full > 0.005 * len(span["name"]) + 0.005:
-            ax.text(x + width / 2, y, span["name"], ha="center", va="center", fontsize=7)
+def _enclosing(spans: list[dict[str, Any]], kind: str) -> list[bool]:
+    """Per span: whether it is a phase that encloses other spans of its `kind` (the whole
+    forward around each unit's forward). Drawn as a band, it no longer hides what it holds."""
+    own = [(s["start"], s["end"]) for s in spans if s["kind"] == kind]
+    return [
+        s["kind"] == kind
+        and any(
+            s["start"] <= a and b <= s["end"] and (a, b) != (s["start"], s["end"]) for a, b in own
+        )
+        for s in spans
+    ]
+
+
+def _span_label(span: dict[str, Any]) -> str:
+    """ "AG blocks.0" for a comm span with a tag, "fwd blocks.0" for a unit's forward."""
+    if span["kind"] == "comm":
+        return " ".join(
+            x for x in (_OP_SHORT.get(span["name"], span["name"]), span.get("tag")) if x
+        )
+    return span["name"].replace("forward ", "fwd ").replace("backward ", "bwd ")
+
+
+def _label_span(ax: Any, label: str, x: float, width: float, y: float, full: float) -> None:
+    """Write `label` inside a span wide enough to hold it."""
+    # At fontsize 7 on an 11-inch figure a character takes about 0.5% of the axis width.
+    if label and full > 0 and width / full > 0.005 * len(label) + 0.004:
+        ax.text(x + width / 2, y, label, ha="center", va="center", fontsize=7, clip_on=True)
 
 
 def plot_measured_vs_theory(
@@ -320,51 +471,93 @@ def save_figure(fig: Figure, path: str | os.PathLike) -> pathlib.Path:
 def plot_memory_vs_compute(chains: dict[str, dict], *, title: str | None = None) -> Figure:
     """Checkpointing schedules: measured peak bytes vs calls, beside the counted theory.
 
+    Colour is the chain length N, marker shape the schedule: two short legends instead of one
+    entry per (N, schedule). Both axes are log base 2, bytes ticked in round binary units.
+
     Args:
-        chains: the checkpoint lab's ``chains``: per N, ``rows`` (one per schedule, measured)
-            and ``frontier`` (optimal(b) for every budget b, from the dynamic programme).
+        chains: the checkpoint lab's ``chains``: per N, ``rows`` (one per schedule, measured),
+            ``frontier`` (optimal(b) for every budget b) and optionally ``revolve_frontier``
+            (revolve(s) for every s).
     """
-    fig = Figure(figsize=(12, 4.8), layout="constrained")
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    fig = Figure(figsize=(12, 5.2), layout="constrained")
     measured_ax, theory_ax = fig.subplots(1, 2)
-    markers = "os^Dv*P"
-    for color, (n, chain) in zip(_palette(len(chains)), chains.items(), strict=True):
-        for marker, row in zip(markers, chain["rows"], strict=False):
-            measured_ax.scatter(
-                row["forward_calls"],
-                row["peak_activation_bytes"],
-                color=color,
-                marker=marker,
-                label=f"N={n} {row['schedule']}",
+    families = ("store_all", "full_recompute", "every", "segments", "optimal", "revolve")
+    shapes = dict(zip(families, "osD^v*", strict=True))
+    colors = dict(zip(chains, _palette(len(chains)), strict=True))
+    shown: dict[str, str] = {}  # family -> its legend label, e.g. "segments(k)"
+    for n, chain in chains.items():
+        for row in chain["rows"]:
+            family = row["schedule"].split("(")[0]
+            arg = {"every": "C", "segments": "k", "optimal": "b", "revolve": "s"}.get(family)
+            shown[family] = f"{family}({arg})" if arg else family
+            style = {"color": colors[n], "marker": shapes.get(family, "X"), "s": 45}
+            measured_ax.scatter(row["forward_calls"], row["peak_activation_bytes"], **style)
+            theory_ax.scatter(row["forward_calls"], row["stored_activations"], **style)
+        for key, ls in (("frontier", "-"), ("revolve_frontier", "--")):
+            front = sorted(chain.get(key, []), key=lambda f: f["forward_calls"])
+            theory_ax.plot(
+                [f["forward_calls"] for f in front],
+                [f["stored_activations"] for f in front],
+                color=colors[n],
+                lw=1,
+                ls=ls,
             )
-            theory_ax.scatter(
-                row["forward_calls"], row["stored_activations"], color=color, marker=marker
-            )
-        front = sorted(chain["frontier"], key=lambda f: f["forward_calls"])
-        theory_ax.plot(
-            [f["forward_calls"] for f in front],
-            [f["stored_activations"] for f in front],
-            color=color,
-            lw=1,
-            label=f"N={n} optimal(b) frontier (DP)",
-        )
+    all_calls = [r["forward_calls"] for c in chains.values() for r in c["rows"]]
+    all_bytes = [r["peak_activation_bytes"] for c in chains.values() for r in c["rows"]]
+    powers = range(math.floor(math.log2(min(all_calls))), math.ceil(math.log2(max(all_calls))) + 1)
+    for ax in (measured_ax, theory_ax):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator([2.0**p for p in powers]))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.0f}"))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlim(2.0 ** powers[0] / 1.2, 2.0 ** powers[-1] * 1.2)  # both end ticks shown
+        ax.grid(alpha=0.3)
+    # Bytes: log base 2, a tick at every power of two ("128 KiB", "1 MiB"), no odd decimals.
+    low, high = math.floor(math.log2(min(all_bytes))), math.ceil(math.log2(max(all_bytes)))
+    measured_ax.set_yscale("log", base=2)
+    measured_ax.yaxis.set_major_locator(FixedLocator([2.0**p for p in range(low, high + 1)]))
+    measured_ax.yaxis.set_minor_locator(NullLocator())
+    measured_ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _binary_round(v)))
+    measured_ax.set_ylim(2.0**low / 1.1, 2.0**high * 1.1)
     measured_ax.set(
-        xscale="log",
-        xlabel="layer forward calls (measured, hooks)",
-        ylabel="peak activation bytes (measured, tracker)",
-        title="measured",
+        xlabel="layer forward calls (counted by hooks)",
+        ylabel="peak activation bytes (measured by the tracker)",
+        title="measured: memory against compute",
     )
-    measured_ax.yaxis.set_major_formatter(lambda v, _: format_bytes(v))
     theory_ax.set(
-        xscale="log",
         xlabel="layer forward calls",
         ylabel="layer inputs kept at once",
-        title="counted, with the optimal frontier",
+        title="counted, with the optimal frontiers (in kept inputs, not bytes)",
     )
-    measured_ax.legend(fontsize=6, ncol=2)
-    theory_ax.legend(fontsize=7)
+    by_n = [Line2D([], [], color=c, marker="o", ls="", label=f"N = {n}") for n, c in colors.items()]
+    by_schedule = [
+        Line2D([], [], color="#444444", marker=shapes.get(f, "X"), ls="", label=label)
+        for f, label in shown.items()
+    ]
+    lines = [
+        Line2D([], [], color="#444444", lw=1, label="optimal(b), every b: fewest calls"),
+        Line2D([], [], color="#444444", lw=1, ls="--", label="revolve(s), every s"),
+    ]
+    fig.legend(
+        handles=by_n + by_schedule + lines,
+        loc="outside lower center",
+        ncol=5,
+        fontsize=9,
+        frameon=False,
+    )
     if title:
         fig.suptitle(title)
     return fig
+
+
+def _binary_round(v: float) -> str:
+    """A power of two in bytes as a round binary size: 131072 -> "128 KiB" (for the ticks of
+    `plot_memory_vs_compute`)."""
+    unit, scale = byte_unit(v)
+    return f"{v / scale:g} {unit}"
 
 
 def plot_rss_over_time(

@@ -101,6 +101,7 @@ def single_process(
     *,
     global_batch: int = 12,
     vocab_size: int | None = None,
+    seq_len: int = 16,
 ) -> dict[str, torch.Tensor]:
     """`factory()` trained `steps` steps in this process on the whole global batch: the
     reference every distributed run of the same model and data must reproduce.
@@ -109,7 +110,9 @@ def single_process(
     """
     model = factory()
     optimizer = make_optimizer(model.parameters())
-    train_steps(model, optimizer, steps, global_batch=global_batch, vocab_size=vocab_size)
+    train_steps(
+        model, optimizer, steps, global_batch=global_batch, vocab_size=vocab_size, seq_len=seq_len
+    )
     return {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
 
 

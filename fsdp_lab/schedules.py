@@ -10,25 +10,43 @@ through it with `torch.autograd.backward`, and hands the input gradient down.
 
     store_all        plain autograd                    N stored      N calls
     full_recompute   every layer from the input        2 stored      N(N+1)/2 calls
-    every(C)         C evenly spaced checkpoints       C+1 stored    ~N^2/(2C) calls
+    every(C)         C evenly spaced checkpoints (N/C layers apart; "every C layers" would be
+                     every(N/C)), each layer rebuilt from its nearest one
+                                                       C+1 stored    N^2/(2C) + 3N/2 - N/C calls
     segments(k)      Chen et al. 2016, "Training deep nets with sublinear memory cost": rerun
                      each k-layer segment once under grad    ~N/k + k stored    < 2N calls
-    optimal(b)       Griewank & Walther's revolve (ACM TOMS Algorithm 799, 2000): the fewest
-                     calls that keep at most b layer inputs alive, by dynamic programming
+    optimal(b)       the fewest calls that keep at most b layer inputs alive, by dynamic
+                     programming in this module's units (below) — not revolve's
+    revolve(s)       Griewank & Walther's binomial checkpointing (revolve, ACM TOMS Algorithm
+                     799, 2000) in *their* units: s stored states, each layer taped alone
 
 Units: *stored activations* = the most layer inputs alive at once (the chain input counts);
-*calls* = layer forward calls. Both are counted by forward hooks (`LayerInputCounter`) and
-must equal `fsdp_lab.theory.checkpoint_cost(schedule, n)`. Bytes are measured by `MemoryTracker`,
-never derived; timing and measuring a schedule is the lab's (`fsdp_lab.labs.checkpoint.measure`).
+*calls* = layer forward calls; *advances* = the calls made under no_grad. All are counted by
+forward hooks (`LayerInputCounter`) and must equal `fsdp_lab.theory.checkpoint_cost(schedule,
+n)`. Bytes are measured by `MemoryTracker`, never derived; timing and measuring a schedule is
+the lab's (`fsdp_lab.labs.checkpoint.measure`).
+
+[Note: two conventions] Griewank–Walther count *advances* (forward steps that store nothing),
+give every step exactly one taped forward right before its reverse step, and price memory in
+*snapshots*: s stored states, the initial one included, the state being worked on not counted.
+Then the longest chain reversible with s snapshots and no step advanced more than r times is
+l = C(s + r, s), and the fewest advances are t = r·l − C(s + r, s + 1)
+(`theory.revolve_advances`). `optimal(b)` counts differently: a grad-mode forward *doubles as
+the advance* (a tape of m layers from a held input replaces m advances), and a tape of m layers
+costs m slots (autograd keeps the m inputs), the held input included. Its DP searches a larger
+set of plans — every `revolve(s)` plan is one of them, keeping s + 1 inputs in these units (the
+s snapshots and the state being taped) — so optimal(s + 1) never makes more calls than
+revolve(s), and usually fewer.
 
 [Note: the last layer runs once] The output is first computed by the grad-mode run that
 starts the backward sweep, so no schedule forwards the last segment under no_grad just to see
 the loss (`torch.utils.checkpoint.checkpoint_sequential` likewise leaves its last segment
 alone): segments(k) makes 2N - (length of the last segment) calls, not 2N.
 
-[Note: what a slot costs] revolve prices every kept layer input alike. A layer run under grad
-also keeps its internals (ChainLayer: its GELU input), so in *bytes* a "taped" layer costs
-about twice a checkpoint, and optimal(b) can lose to segments(k) at equal bytes.
+[Note: what a slot costs] optimal(b) is optimal in *kept layer inputs*, not in bytes: it
+prices every kept input alike, but a layer run under grad also keeps its internals
+(ChainLayer: its GELU input), so in bytes a layer of a tape costs about twice a checkpoint, and
+optimal(b) can hold more bytes than segments(k) or revolve(s) at equal kept inputs.
 
 [Note: randomness] Recomputing assumes a deterministic layer. Dropout would need the RNG state
 saved with each checkpoint (`preserve_rng_state` in `torch.utils.checkpoint`); not done here.
@@ -36,6 +54,7 @@ saved with each checkpoint (`preserve_rng_state` in `torch.utils.checkpoint`); n
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,13 +65,13 @@ import torch.nn as nn
 
 from fsdp_lab.trace.memory import category
 
-SCHEDULES = ("store_all", "full_recompute", "every", "segments", "optimal")
-_ARG_NAME = {"every": "C", "segments": "k", "optimal": "budget"}
+SCHEDULES = ("store_all", "full_recompute", "every", "segments", "optimal", "revolve")
+_ARG_NAME = {"every": "C", "segments": "k", "optimal": "budget", "revolve": "s"}
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """`name` (one of `SCHEDULES`) and its int argument: C, k or budget (None otherwise)."""
+    """`name` (one of `SCHEDULES`) and its int argument: C, k, budget or s (None otherwise)."""
 
     name: str
     arg: int | None = None
@@ -83,7 +102,15 @@ def segments(k: int) -> Schedule:
 
 
 def optimal(budget: int) -> Schedule:
+    """The fewest calls with at most `budget` layer inputs alive, in this module's units (a
+    grad-mode forward doubles as the advance; a tape of m layers holds m inputs)."""
     return Schedule("optimal", budget)
+
+
+def revolve(snapshots: int) -> Schedule:
+    """Griewank–Walther's binomial schedule: `snapshots` stored states (the chain input one of
+    them), the fewest advances, every layer taped alone just before its backward."""
+    return Schedule("revolve", snapshots)
 
 
 # -- plans: what the executor runs, and what they cost ----------------------------------------
@@ -107,8 +134,9 @@ class Recompute:
 class Sweep:
     """Advance under no_grad keeping the input of every part, then reverse the parts, last first.
 
-    A two-part Sweep is revolve's move: advance j, store a checkpoint, reverse the right part
-    with one slot fewer, free the checkpoint, reverse the left part.
+    A two-part Sweep is the move both optimal plans are built of: advance j, store a
+    checkpoint, reverse the right part with one slot fewer, free the checkpoint, reverse the
+    left part.
     """
 
     lengths: tuple[int, ...]
@@ -150,7 +178,7 @@ def _segment_lengths(n: int, k: int) -> tuple[int, ...]:
     return (k,) * (n // k) + ((n % k,) if n % k else ())
 
 
-def _revolve_table(n: int, budget: int) -> dict[tuple[int, int], tuple[int, int, int]]:
+def _optimal_table(n: int, budget: int) -> dict[tuple[int, int], tuple[int, int, int]]:
     """best[length, s] = (calls, stored, j) to reverse `length` layers whose input is held,
     with at most s layer inputs alive (the held one included); j = 0 means "tape them all".
 
@@ -172,11 +200,38 @@ def _revolve_table(n: int, budget: int) -> dict[tuple[int, int], tuple[int, int,
     return best
 
 
-def _revolve_plan(best: dict[tuple[int, int], tuple[int, int, int]], n: int, s: int) -> Plan:
-    j = best[n, s][2]
+def _binomial_table(n: int, snapshots: int) -> dict[tuple[int, int], tuple[int, int, int, int]]:
+    """best[length, s] = (advances, repetitions, stored, j): Griewank–Walther's recursion, to
+    reverse `length` steps from a state held in one of s snapshots; j = 0: tape the one step.
+
+    G(1, s) = 0 advances: tape the step from the state in hand. Else advance j steps, keep the
+    state reached (one more snapshot, unless only one step is left of it: then it is the state
+    in hand), reverse the right part, free it, reverse the left part with the s snapshots:
+    G(l, s) = min over j of [j + G(l - j, s - 1) + G(j, s)]. The left part's steps are advanced
+    once more (repetitions + 1). Ties: fewer repetitions, then less memory — so the plan also
+    shows the binomial law's r (Griewank 1992: the advance-optimal plans reach it).
+    """
+    best: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+    for s in range(1, snapshots + 1):
+        best[1, s] = (0, 0, 1, 0)
+        for length in range(2, n + 1):
+            options = []
+            for j in range(1, length) if s > 1 else [length - 1]:  # 1 snapshot: one step right
+                left = best[j, s]
+                right = best[length - j, s - 1] if length - j > 1 else best[1, s]
+                reps = max(left[1] + 1, right[1])
+                options.append((j + left[0] + right[0], reps, max(left[2], 1 + right[2]), j))
+            best[length, s] = min(options)
+    return best
+
+
+def _split_plan(best: dict[tuple[int, int], Any], n: int, s: int) -> Plan:
+    """The plan a DP table chose: a tape (j = 0) or a two-part Sweep, recursively."""
+    j = best[n, s][-1]
     if j == 0:
         return Tape(n)
-    return Sweep((j, n - j), (_revolve_plan(best, j, s), _revolve_plan(best, n - j, s - 1)))
+    right = Tape(1) if n - j == 1 else _split_plan(best, n - j, s - 1)
+    return Sweep((j, n - j), (_split_plan(best, j, s), right))
 
 
 def make_plan(schedule: Schedule, n: int) -> Plan:
@@ -193,13 +248,22 @@ def make_plan(schedule: Schedule, n: int) -> Plan:
     if name == "segments":
         lengths = _segment_lengths(n, arg)
         return Sweep(lengths, tuple(Tape(length) for length in lengths))
-    return _revolve_plan(_revolve_table(n, arg), n, arg)
+    if name == "revolve":
+        return _split_plan(_binomial_table(n, arg), n, arg)
+    return _split_plan(_optimal_table(n, arg), n, arg)
 
 
-def revolve_cost(n: int, budget: int) -> tuple[int, int]:
-    """(layer forward calls, most stored inputs) of revolve's optimal plan for `budget`."""
-    calls, stored, _ = _revolve_table(n, budget)[n, budget]
+def optimal_cost(n: int, budget: int) -> tuple[int, int]:
+    """(layer forward calls, most stored inputs) of `optimal(budget)`'s plan, from its DP."""
+    calls, stored, _ = _optimal_table(n, budget)[n, budget]
     return calls, stored
+
+
+def revolve_cost(n: int, snapshots: int) -> tuple[int, int, int]:
+    """(advances, most advances of one layer, most stored inputs) of `revolve(snapshots)`'s
+    plan, from Griewank–Walther's recursion (the binomial closed form is `theory`'s)."""
+    advances, repetitions, stored, _ = _binomial_table(n, snapshots)[n, snapshots]
+    return advances, repetitions, stored
 
 
 # -- the executor ------------------------------------------------------------------------------
@@ -297,7 +361,8 @@ def run_chain(
 
 
 class LayerInputCounter:
-    """Forward hooks on every layer: how many calls, and the most layer inputs alive at once.
+    """Forward hooks on every layer: how many calls (and how many of them under no_grad, the
+    *advances*, per layer), and the most layer inputs alive at once.
 
     Alive: a storage that was some layer's input and still exists (held as a checkpoint or
     saved by autograd); one weakref per storage tells. A layer's output is no input yet, so
@@ -307,18 +372,34 @@ class LayerInputCounter:
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         self.layers = list(layers)
         self.forward_calls = self.stored_activations = 0
+        self.advances_per_layer = [0] * len(self.layers)  # no_grad calls of layer i
         self._inputs: dict[int, weakref.ref] = {}
         self._handles: list[Any] = []
 
-    def _pre_forward(self, module: nn.Module, args: tuple) -> None:
+    @property
+    def advances(self) -> int:
+        """Calls that stored nothing for backward (under no_grad): Griewank–Walther's t."""
+        return sum(self.advances_per_layer)
+
+    @property
+    def repetitions(self) -> int:
+        """The most advances of any one layer: Griewank–Walther's r."""
+        return max(self.advances_per_layer, default=0)
+
+    def _pre_forward(self, i: int, module: nn.Module, args: tuple) -> None:
         self.forward_calls += 1
+        if not torch.is_grad_enabled():
+            self.advances_per_layer[i] += 1
         storage = args[0].untyped_storage()  # PyTorch keeps one Python object per storage
         self._inputs = {key: ref for key, ref in self._inputs.items() if ref() is not None}
         self._inputs[id(storage)] = weakref.ref(storage)
         self.stored_activations = max(self.stored_activations, len(self._inputs))
 
     def __enter__(self) -> LayerInputCounter:
-        self._handles = [m.register_forward_pre_hook(self._pre_forward) for m in self.layers]
+        self._handles = [
+            m.register_forward_pre_hook(functools.partial(self._pre_forward, i))
+            for i, m in enumerate(self.layers)
+        ]
         return self
 
     def __exit__(self, *exc: object) -> None:

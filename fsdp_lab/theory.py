@@ -20,8 +20,9 @@ and variance). ``zero_table(7.5e9, 64, MIXED_ADAM)`` is the paper's Table 1 row:
 
 Collective bytes per rank and call, for the ring algorithms gloo and NCCL use: all-gather and
 reduce-scatter move (N−1)/N of the whole tensor, all-reduce twice that, broadcast the tensor
-once. FSDP per step: all-gather (N−1)/N·Ψ·b in forward and again in backward (ZeRO-3),
-reduce-scatter (N−1)/N·Ψ·b; DDP all-reduce 2(N−1)/N·Ψ·b.
+once. FSDP per step: all-gather (N−1)/N·Ψ·b in forward and again in backward (ZeRO-3) for
+every unit freed after forward (all but the root, which stays gathered by default, as in
+FSDP2), reduce-scatter (N−1)/N·Ψ·b; DDP all-reduce 2(N−1)/N·Ψ·b.
 """
 
 from __future__ import annotations
@@ -159,24 +160,30 @@ def sharding_step(
 
     Args:
         units: per wrap unit, "numel", "padded_numel" (rounded up to a multiple of N) and
-            "element_size" (b), as `fsdp_lab.shard` reports them.
+            "element_size" (b), as `fsdp_lab.shard` reports them; under "full" also
+            "reshard_after_forward" (default True): a unit freed after forward is gathered
+            again for backward, one kept (the root, by default) is not.
     """
     n, b = world_size, units[0]["element_size"]
     psi = sum(u["numel"] for u in units)
     psi_padded = sum(u["padded_numel"] for u in units)
+    regathered = [u for u in units if u.get("reshard_after_forward", True)]
     largest = max(u["padded_numel"] for u in units) * b
     f = (n - 1) / n
     if strategy == "none":
         comm_bytes = {"all_reduce": 2 * f * psi * b}
         unpadded = dict(comm_bytes)
     else:
-        gathers = 2 if strategy == "full" else 1  # ZeRO-3 gathers again for backward
+        # ZeRO-3 gathers again for backward what it freed after forward
+        again = regathered if strategy == "full" else []
+        gathered = psi_padded + sum(u["padded_numel"] for u in again)
+        gathered_unpadded = psi + sum(u["numel"] for u in again)
         comm_bytes = {
-            "all_gather_into_tensor": gathers * f * psi_padded * b,
+            "all_gather_into_tensor": f * gathered * b,
             "reduce_scatter_tensor": f * psi_padded * b,
         }
         unpadded = {
-            "all_gather_into_tensor": gathers * f * psi * b,
+            "all_gather_into_tensor": f * gathered_unpadded * b,
             "reduce_scatter_tensor": f * psi * b,
         }
     peak = model_state_bytes(psi, n, strategy, precision)
@@ -258,12 +265,15 @@ def sharded_optimizer_step(
 
 def checkpoint_cost(schedule: Any, n: int) -> Any:
     """Predicted (stored layer inputs, layer forward calls) of a `schedules.Schedule` on a
-    chain of `n` layers: closed forms, and the revolve dynamic programme for ``optimal``.
+    chain of `n` layers: closed forms; `optimal` from its dynamic programme (no closed form).
 
         store_all       N stored, N calls
         full_recompute  2 stored, N(N+1)/2 calls (layer i: i no-grad calls, 1 with grad)
         every(C)        C+1 stored; the sweep to the last checkpoint, then each part recomputed
         segments(k)     ⌈N/k⌉ + k − 1 (or −2) stored; N + (⌈N/k⌉ − 1)·k calls
+        optimal(b)      at most b stored; the fewest calls for that, in kept inputs (not bytes)
+        revolve(s)      s + 1 stored (s snapshots and the state being taped), N taped calls +
+                        Griewank–Walther's t(N, s) advances (`revolve_advances`)
     """
     from fsdp_lab import schedules  # torch: the schedules module runs chains
 
@@ -281,8 +291,39 @@ def checkpoint_cost(schedule: Any, n: int) -> Any:
     if name == "segments":  # checkpoints freed as their segment is done; one rerun each
         n_seg = -(-n // arg)
         return cost(n_seg + arg - (2 if n % arg else 1), n + (n_seg - 1) * arg)
-    calls, stored = schedules.revolve_cost(n, arg)
+    if name == "revolve":  # every layer taped once, after its advances
+        return cost(min(n, arg + 1), n + revolve_advances(n, arg))
+    calls, stored = schedules.optimal_cost(n, arg)
     return cost(stored, calls)
+
+
+def binomial_reach(snapshots: int, repetitions: int) -> int:
+    """Griewank's binomial law: the longest chain reversible with s snapshots (the input's
+    included) when no step is advanced more than r times, l = C(s + r, s)."""
+    from math import comb
+
+    _check_count("snapshots", snapshots)
+    _check_count("repetitions", repetitions, 0)
+    return comb(snapshots + repetitions, snapshots)
+
+
+def revolve_repetitions(steps: int, snapshots: int) -> int:
+    """The fewest advances r of the most-advanced step: the least r with C(s + r, s) >= l."""
+    _check_count("steps", steps)
+    r = 0
+    while binomial_reach(snapshots, r) < steps:
+        r += 1
+    return r
+
+
+def revolve_advances(steps: int, snapshots: int) -> int:
+    """Griewank–Walther's fewest advances (forward steps that tape nothing) to reverse `steps`
+    steps with `snapshots` snapshots: t = r·l − C(s + r, s + 1), r = `revolve_repetitions`
+    (Griewank 1992; Griewank & Walther 2000, "Algorithm 799: revolve", ACM TOMS 26(1))."""
+    from math import comb
+
+    r = revolve_repetitions(steps, snapshots)
+    return r * steps - comb(snapshots + r, snapshots + 1)
 
 
 def checkpoint_all_gathers(units: int, spans_two_units: bool, world_size: int) -> int:
@@ -329,3 +370,33 @@ def materialise_peak_bytes(
         "meta_param_init_fn": shards + largest_unit_bytes,
         "meta_shard_init": shards,
     }
+
+
+# -- the map of parallelisms --------------------------------------------------------------------
+
+
+def tensor_parallel_step_bytes(layers: int, tokens: int, dim: int, n: int, b: int = 4) -> float:
+    """Megatron-style tensor parallelism (Shoeybi et al. 2019), per step, summed over the n
+    ranks: each transformer layer all-reduces its (tokens, dim) output twice in forward (after
+    attention, after the MLP) and twice in backward — 4·L all-reduces of tokens·dim·b bytes,
+    2(n−1)/n of that per rank each. Embedding, head and norms left out."""
+    return n * 4 * layers * collective_bytes("all_reduce", tokens * dim * b, n)
+
+
+def context_parallel_step_bytes(
+    layers: int, tokens: int, dim: int, psi: int, n: int, b: int = 4
+) -> float:
+    """Ring attention (Liu et al. 2023; PyTorch's context_parallel), per step, summed over the
+    n ranks: in each layer's forward every rank passes its K and V blocks (tokens/n · dim each)
+    around the ring, n−1 hops; backward passes K and V again and dK, dV back — three times the
+    forward's 2(n−1)/n·tokens·dim·b per rank and layer. The weights are replicated, so the
+    gradients are all-reduced as in DDP. (K, V heads = all heads: no grouped-query saving.)"""
+    kv = 2 * (n - 1) / n * tokens * dim * b
+    return n * (3 * layers * kv + collective_bytes("all_reduce", psi * b, n))
+
+
+def pipeline_step_bytes(stages: int, tokens: int, dim: int, b: int = 4) -> float:
+    """GPipe, per step, summed over the ranks: each of the S−1 stage boundaries carries every
+    micro-batch's activations forward and their gradients back — 2(S−1)·tokens·dim·b, whatever
+    the number of micro-batches (`fsdp_lab.pipeline.schedule`)."""
+    return 2 * (stages - 1) * tokens * dim * b

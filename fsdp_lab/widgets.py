@@ -225,13 +225,14 @@ def shard_explorer(
 class CheckpointExplorer(_Explorer):
     """Chain length, schedule and its argument for lab 02; measures it beside store-all.
 
-    A run builds a `Chain` of N layers, measures the chosen schedule and store-all with the
-    lab's `measure_schedules` (peak activation bytes, layer calls and kept inputs beside
-    `theory.checkpoint_cost`, gradients compared), then draws one forward+backward of each under a
-    `MemoryTracker`, with a marker at every layer call. No ranks: everything runs here.
+    A run builds a `Chain` of N layers and measures the chosen schedule and store-all with the
+    lab's `measure_schedules`: kept inputs and calls beside `theory.checkpoint_cost`, the
+    median time of repeated runs, gradients compared, and one forward + backward of each under
+    a `MemoryTracker` with a marker at every layer call. The table's peaks and the figures come
+    from that same recording, so they agree. No ranks: everything runs here.
     """
 
-    _ARG_NAMES = {"every": "C", "segments": "k", "optimal": "budget"}
+    _ARG_NAMES = {"every": "C", "segments": "k", "optimal": "budget", "revolve": "s"}
 
     def __init__(
         self,
@@ -258,7 +259,7 @@ class CheckpointExplorer(_Explorer):
         self.last_rows: list[dict[str, Any]] = []
 
     def _update_arg(self, reset: bool) -> None:
-        """Name and range of the argument: k or C in 1..N, budget in min_budget(N)..N."""
+        """Name and range of the argument: k, C or s in 1..N, budget in min_budget(N)..N."""
         from fsdp_lab import schedules
 
         n, name = self.n.value, self.schedule.value
@@ -284,7 +285,7 @@ class CheckpointExplorer(_Explorer):
 
         from fsdp_lab import schedules
         from fsdp_lab.labs.checkpoint.measure import measure_schedules
-        from fsdp_lab.labs.checkpoint.report import schedule_table
+        from fsdp_lab.labs.checkpoint.report import explorer_note, schedule_table
         from fsdp_lab.models import Chain
         from fsdp_lab.plots import plot_memory_trace
 
@@ -292,57 +293,21 @@ class CheckpointExplorer(_Explorer):
         torch.manual_seed(0)
         chain, x = Chain(n, self.dim), torch.randn(self.batch, self.dim)  # x: (B, dim)
         runs = [schedules.store_all] + ([chosen] if chosen != schedules.store_all else [])
-        rows = measure_schedules(chain, x, runs)  # gradients compared with store_all's
-        lines = [
+        # Gradients compared with store_all's; every run's recording kept for its figure.
+        rows = measure_schedules(chain, x, runs, traced=[str(s) for s in runs])
+        traces = [r.pop("trace") for r in rows]
+        self.last_rows = rows
+        text = [
             f"**N = {n}** layers, dim {self.dim}, batch {self.batch}",
             "",
             schedule_table(rows, against=" vs store_all"),
+            "",
+            explorer_note(rows),
         ]
-        if len(rows) == 2:
-            ratio = rows[1]["peak_activation_bytes"] / rows[0]["peak_activation_bytes"]
-            calls = rows[1]["forward_calls"] / rows[0]["forward_calls"]
-            lines += ["", f"{chosen}: {ratio:.2f}× the activation bytes for {calls:.2f}× the calls"]
-        self.last_rows = rows
-        traces = [(s, _chain_trace(chain, x, s)) for s in runs]
-        return [Markdown("\n".join(lines))] + [
-            plot_memory_trace(trace, title=f"one forward + backward, {s} (N = {n})")
-            for s, trace in traces
+        return [Markdown("\n".join(text))] + [
+            plot_memory_trace(trace, title=f"one forward + backward, {r['schedule']} (N = {n})")
+            for r, trace in zip(rows, traces, strict=True)
         ]
-
-
-def _mean_square(out: Any) -> Any:
-    return out.pow(2).mean()
-
-
-def _chain_trace(chain: Any, x: Any, schedule: Any, repeats: int = 3) -> dict[str, Any]:
-    """One forward+backward of `schedule` under a MemoryTracker, a marker at each layer call:
-    "L3" for a call under grad (its internals kept for backward), "adv L3" under no_grad.
-
-    The time axis is wall-clock, so a run stalled by a busy CPU is stretched: the shortest of
-    `repeats` recordings is kept (the bytes are the same in every one).
-    """
-    import torch
-
-    from fsdp_lab import schedules
-    from fsdp_lab.trace import MemoryTracker
-
-    traces = []
-    for _ in range(max(repeats, 1)):
-        for p in chain.parameters():
-            p.grad = None
-        with MemoryTracker() as mem:
-
-            def mark(i: int, mem: MemoryTracker = mem) -> Any:
-                return lambda *_: mem.mark(f"L{i}" if torch.is_grad_enabled() else f"adv L{i}")
-
-            handles = [m.register_forward_pre_hook(mark(i)) for i, m in enumerate(chain.layers)]
-            try:
-                schedules.run_chain(chain.layers, x, schedule, loss_fn=_mean_square)
-            finally:
-                for handle in handles:
-                    handle.remove()
-        traces.append(mem.trace())
-    return min(traces, key=lambda trace: trace["t"][-1])
 
 
 def checkpoint_explorer(
@@ -358,25 +323,48 @@ class MetaInitExplorer(_Explorer):
     A run builds the lab's Llama of the chosen size on every rank three ways (ordinary, meta +
     unit-by-unit init, meta + `DeterministicInit` slices) under an `RssSampler` and a
     `MemoryTracker`, then shards it with `sync_module_states` and with `DeterministicInit`,
-    each checked bitwise against one process. The ordinary build needs about
+    each checked bitwise against one process; what the numbers say is written from them
+    (`report.memory_text`, `report.agreement_time_text`). The ordinary build needs about
     (ranks + 1) x size of host memory; the lab refuses a size that would not fit.
+
+    Args:
+        model_mb: the starting size, one of `SIZES` (MiB of fp32 parameters).
+        world_size: the starting number of ranks (1-4).
+        seed: the init seed.
+        backend: the ranks' backend for clusters the explorer starts.
+        cluster: ranks to reuse when the chosen world size is theirs (the notebook's, so that a
+            run does not start new processes); the explorer never closes them.
     """
 
     SIZES = (("16 MiB", 16), ("64 MiB", 64), ("256 MiB", 256), ("512 MiB", 512), ("1 GiB", 1024))
+    SLOTS = 3
 
     def __init__(
-        self, model_mb: int = 64, world_size: int = 2, seed: int = 0, backend: str = "auto"
+        self,
+        model_mb: int = 64,
+        world_size: int = 2,
+        seed: int = 0,
+        backend: str = "auto",
+        cluster: Cluster | None = None,
     ) -> None:
         sizes = dict(self.SIZES).values()
         if model_mb not in sizes:
-            raise ValueError(f"model_mb={model_mb!r}: the explorer offers {list(sizes)} (MiB)")
+            raise ValueError(
+                f"model_mb={model_mb!r}: the explorer offers {list(sizes)} (MiB). "
+                f"Fix: model_mb={min(sizes, key=lambda s: abs(s - model_mb))}"
+            )
         self.model_mb = W.SelectionSlider(options=self.SIZES, value=model_mb, description="model")
         self.world_size = W.IntSlider(value=world_size, min=1, max=4, description="ranks")
         self.seed = seed
+        self.shared = cluster
         super().__init__([self.model_mb, self.world_size], backend)
         self.last_result: dict[str, Any] | None = None
 
-    SLOTS = 3
+    def cluster(self, n: int) -> Cluster:
+        """The shared ranks if they are `n`, else the explorer's own (started once, then kept)."""
+        if self.shared is not None and self.shared.world_size == n:
+            return self.shared
+        return super().cluster(n)
 
     def draw(self) -> list[Any]:
         from fsdp_lab.labs.meta_init import analysis, measure, report
@@ -388,14 +376,17 @@ class MetaInitExplorer(_Explorer):
         self.last_result = {"materialise": memory, "agreement": row}
         return [
             report.rss_figure(memory),
-            Markdown(report.memory_table(memory)),
-            Markdown(report.agreement_table([row])),
+            Markdown(report.memory_table(memory) + "\n\n" + report.memory_text(memory)),
+            Markdown(report.agreement_table([row]) + "\n\n" + report.agreement_time_text([row])),
         ]
 
 
-def meta_init_explorer(model_mb: int = 64, world_size: int = 2) -> MetaInitExplorer:
-    """Controls for model size and ranks; press Run to build, shard and compare the ranks."""
-    return MetaInitExplorer(model_mb, world_size)
+def meta_init_explorer(
+    model_mb: int = 64, world_size: int = 2, cluster: Cluster | None = None
+) -> MetaInitExplorer:
+    """Controls for model size and ranks; press Run to build, shard and compare the ranks.
+    `cluster`: the notebook's ranks, reused for their world size."""
+    return MetaInitExplorer(model_mb, world_size, cluster=cluster)
 
 
 class PPSeedExplorer(_Explorer):
@@ -407,6 +398,8 @@ class PPSeedExplorer(_Explorer):
     steps beside single-process training, and shows the table rows and the loss curves.
     `cluster`: a live `Cluster` to use when S equals its size (the explorer leaves it open).
     """
+
+    SLOTS = 5  # rank output, the diagram, the tables, the loss curves, the same-seed draws
 
     def __init__(
         self,
@@ -439,7 +432,7 @@ class PPSeedExplorer(_Explorer):
     def draw(self) -> list[Any]:
         from fsdp_lab.diagrams import pipeline_diagram
         from fsdp_lab.labs import pp_seed
-        from fsdp_lab.labs.pp_seed import report
+        from fsdp_lab.labs.pp_seed import pictures, report, tables
 
         s, strategy = self.stages.value, self.strategy.value
         try:
@@ -456,10 +449,11 @@ class PPSeedExplorer(_Explorer):
         diagram = pipeline_diagram(config.gpt(), s, strategy=strategy)
         result = pp_seed.run(config, cluster=self.cluster(s))
         self.last_result = result
-        tables = [report.results_table(result), report.overlap_table(result)]
-        outputs = [diagram, Markdown("\n\n".join(tables)), report.loss_figure(result)]
+        text = [tables.results_table(result), report.exactness_sentence(result)]
+        text += [tables.overlap_table(result), report.loss_sentence(result)]
+        outputs = [diagram, Markdown("\n\n".join(text)), pictures.loss_figure(result)]
         if strategy == "same_seed" and s > 1:
-            outputs.append(report.same_seed_figure(result))
+            outputs.append(pictures.same_seed_figure(result))
         return outputs
 
 

@@ -26,3 +26,18 @@ def cluster_of():
     yield get
     for c in clusters.values():
         c.close()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Print how long each notebook took top to bottom (tests/test_notebooks.py records it):
+    the issue's budget is under 60 s each on 2 idle cores."""
+    times: dict[str, float] = {}  # every phase's report carries the property: keep one
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for key, value in getattr(report, "user_properties", []):
+                if key == "notebook_seconds":
+                    times[value[0]] = value[1]
+    if times:
+        terminalreporter.write_sep("-", "notebook run times (top to bottom)")
+        for name, seconds in sorted(times.items()):
+            terminalreporter.write_line(f"{name}: {seconds:.0f} s")

@@ -8,12 +8,18 @@ import pytest
 
 import fsdp_lab
 from fsdp_lab.labs.tying.audit import STAGES, SYSTEMS, _agree, audit_worker
-from fsdp_lab.labs.tying.report import audit_table
+from fsdp_lab.labs.tying.tables import audit_table
+from fsdp_lab.models import tiny_gpt
 
 
 @pytest.fixture(scope="module")
-def audit_rows(cluster_of):
+def audited(cluster_of):
     return cluster_of(2).run(audit_worker)
+
+
+@pytest.fixture(scope="module")
+def audit_rows(audited):
+    return [per_rank["rows"] for per_rank in audited]
 
 
 def test_one_row_per_system_on_every_rank_and_ranks_agree(audit_rows):
@@ -21,6 +27,17 @@ def test_one_row_per_system_on_every_rank_and_ranks_agree(audit_rows):
     for rows in audit_rows:
         assert [row["system"] for row in rows] == list(SYSTEMS)
     assert audit_rows[0] == audit_rows[1]
+
+
+def test_the_audit_says_which_model_it_ran_on(audited):
+    # Without a workload: TinyGPT as its factory builds it, read off the model built.
+    model = tiny_gpt()
+    assert audited[0]["model"] == audited[1]["model"]
+    built = audited[0]["model"]
+    assert built["model"] == "fsdp_lab.models:tiny_gpt"
+    assert [built["vocab"], built["dim"]] == list(model.tok_emb.weight.shape)
+    assert built["layers"] == len(model.blocks)
+    assert built["parameters"] == sum(p.numel() for p in model.parameters())
 
 
 def test_fsdp_lab_refuses_at_wrap_naming_the_tie(audit_rows):

@@ -13,6 +13,7 @@ from fsdp_lab.labs.checkpoint.analysis import (
     analyse,
     disagreements,
     frontier,
+    revolve_frontier,
 )
 from fsdp_lab.labs.checkpoint.config import MODES
 from fsdp_lab.labs.checkpoint.report import figures, summary
@@ -26,23 +27,49 @@ SCHEDULES = [
     schedules.every(2),
     schedules.segments(2),
     schedules.optimal(3),
+    schedules.revolve(2),
 ]
 
 
 def _row(schedule: schedules.Schedule) -> dict:
     """A row as measure_schedule makes it, counted exactly as the theory says."""
     cost = theory.checkpoint_cost(schedule, N)
-    return {
+    row = {
         "schedule": str(schedule),
         "n": N,
         "stored_activations": cost.stored_activations,
         "forward_calls": cost.forward_calls,
+        "advances": cost.forward_calls - N,
+        "repetitions": 1,
         "theory_stored_activations": cost.stored_activations,
         "theory_forward_calls": cost.forward_calls,
         "time_s": 1e-3 * cost.forward_calls,
+        "time_min_s": 0.9e-3 * cost.forward_calls,
+        "time_max_s": 1.1e-3 * cost.forward_calls,
+        "repeats": 5,
         "peak_activation_bytes": 1024 * cost.stored_activations,
+        "peak_total_bytes": 1024 * cost.stored_activations + 512,
         "max_abs_grad_diff": 0.0,
     }
+    if schedule.name == "revolve":
+        row["repetitions"] = row["theory_repetitions"] = theory.revolve_repetitions(N, 2)
+    return row
+
+
+def _binomial_row(s: int, r: int) -> dict:
+    def counts(steps: int) -> dict:
+        advances, reps = theory.revolve_advances(steps, s), theory.revolve_repetitions(steps, s)
+        return {
+            "steps": steps,
+            "advances": advances,
+            "repetitions": reps,
+            "stored_activations": min(steps, s + 1),
+            "theory_advances": advances,
+            "theory_repetitions": reps,
+        }
+
+    steps = theory.binomial_reach(s, r)
+    return {"snapshots": s, "repetitions": r, "at": counts(steps), "past": counts(steps + 1)}
 
 
 def _trace() -> dict:
@@ -69,6 +96,7 @@ def measured(sharding: bool = True) -> dict:
             }
         },
         "memory_traces": {"store_all": _trace(), "segments(2)": _trace()},
+        "binomial_law": [_binomial_row(s, r) for s in (1, 2) for r in (1, 2)],
         "with_sharding": {
             m: {
                 "units": 4,
@@ -89,11 +117,25 @@ CONFIG = CheckpointConfig(layers=(N,), world_size=2)
 
 def test_counts_equal_to_theory_give_no_disagreement_and_the_cli_keys():
     result = analyse(CONFIG, measured())
-    assert set(result) == {"config", "chains", "schedules", "with_sharding", "memory_traces"}
+    assert set(result) == {
+        "config",
+        "chains",
+        "schedules",
+        "with_sharding",
+        "memory_traces",
+        "binomial_law",
+    }
     assert disagreements(result) == []
-    assert summary(LabResult("checkpoint", result)).endswith("every count equals its theory")
+    assert summary(LabResult("checkpoint", result)).endswith("Every count equals its theory.")
     table = result["schedules"]["4"]
-    assert list(table) == ["store_all", "full_recompute", "every(2)", "segments(2)", "optimal(3)"]
+    assert list(table) == [
+        "store_all",
+        "full_recompute",
+        "every(2)",
+        "segments(2)",
+        "optimal(3)",
+        "revolve(2)",
+    ]
     assert all(set(columns) == set(COLUMNS) for columns in table.values())
     assert table["full_recompute"]["forward_calls"] == 10  # N(N+1)/2
     assert result["chains"]["4"]["versus_torch"]["peak_ratio_ours_to_torch"] == 1.5
@@ -107,7 +149,18 @@ def test_a_miscounted_schedule_is_named(field):
     (line,) = disagreements(result)
     assert line.startswith("N=4 segments(2):")
     text = summary(LabResult("checkpoint", result))
-    assert "differs from the theory:" in text and "- N=4 segments(2)" in text
+    assert "differ from their theory:" in text and "- N=4 segments(2)" in text
+
+
+def test_a_revolve_that_breaks_the_binomial_law_is_named():
+    data = measured()
+    data["binomial_law"][3]["past"]["repetitions"] = 2  # s=2, r=2: 7 layers with r, not r + 1
+    data["chains"]["4"]["rows"][5]["repetitions"] += 1  # revolve(2) on N=4 advanced too often
+    lines = disagreements(analyse(CONFIG, data))
+    assert lines == [
+        "N=4 revolve(2): a layer advanced 3 times, binomial law 2",
+        "revolve(2) on 7 layers: (advances, repetitions) (11, 2), binomial law (11, 3)",
+    ]
 
 
 def test_the_extra_all_gather_of_a_checkpoint_across_units_is_the_theory():
@@ -128,7 +181,7 @@ def test_the_extra_all_gather_of_a_checkpoint_across_units_is_the_theory():
     ]
 
 
-def test_the_frontier_runs_from_two_slots_to_store_all():
+def test_the_frontiers_run_from_the_fewest_slots_to_store_all():
     front = frontier(8)
     assert [f["budget"] for f in front] == list(range(2, 9))
     assert all(f["stored_activations"] <= f["budget"] for f in front)
@@ -136,11 +189,19 @@ def test_the_frontier_runs_from_two_slots_to_store_all():
     assert calls == sorted(calls, reverse=True)  # more memory never costs calls
     assert calls[0] == 8 * 9 // 2 - 1 and calls[-1] == 8  # full recompute minus one; store-all
     assert analyse(CONFIG, measured())["chains"]["4"]["frontier"] == frontier(4)
+    theirs = revolve_frontier(8)
+    assert [f["snapshots"] for f in theirs] == list(range(1, 9))
+    assert [f["stored_activations"] for f in theirs] == [2, 3, 4, 5, 6, 7, 8, 8]
+    # At equal kept inputs, Griewank–Walther's plan is one optimal(b) could choose: never fewer.
+    ours = {f["stored_activations"]: f["forward_calls"] for f in front}
+    assert all(f["forward_calls"] >= ours[f["stored_activations"]] for f in theirs)
+    assert theirs[0]["forward_calls"] == 8 * 9 // 2  # one snapshot: full recompute
 
 
 def test_without_ranks_the_report_has_no_sharded_part_and_the_same_figure_stems():
     result = LabResult("checkpoint", analyse(CONFIG, measured(sharding=False)))
     assert result["with_sharding"] is None
     text = summary(result)
-    assert "ZeRO-3" not in text and "| segments(2) | 3.00 KiB | 6 (6) | 3 (3) |" in text
+    assert "ZeRO-3" not in text
+    assert "| segments(2) | 3 (3) | 6 (6) | 3.00 KiB | 3.50 KiB | 6.0 [5.4–6.6] | 0.0e+00 |" in text
     assert set(figures(result)) == {"memory_vs_compute", "trace_store_all", "trace_segments_2"}

@@ -12,7 +12,14 @@ def test_lab_measures_every_schedule_and_matches_torch(cluster_of):
     result = lab.run(config, cluster=cluster_of(2))
     for n, chain in result["chains"].items():
         rows = {r["schedule"].split("(")[0]: r for r in chain["rows"]}
-        assert set(rows) == {"store_all", "full_recompute", "every", "segments", "optimal"}
+        assert set(rows) == {
+            "store_all",
+            "full_recompute",
+            "every",
+            "segments",
+            "optimal",
+            "revolve",
+        }
         for r in chain["rows"]:
             assert r["max_abs_grad_diff"] == 0.0, r  # recomputation is bitwise the same
             assert r["forward_calls"] == r["theory_forward_calls"]
@@ -28,6 +35,13 @@ def test_lab_measures_every_schedule_and_matches_torch(cluster_of):
             rows["segments"]["peak_activation_bytes"]
             > rows["full_recompute"]["peak_activation_bytes"]
         )
+        # revolve(b - 1) keeps as many inputs as optimal(b), and follows the binomial law.
+        theirs = rows["revolve"]
+        assert theirs["stored_activations"] == rows["optimal"]["stored_activations"]
+        assert theirs["repetitions"] == theirs["theory_repetitions"]
+        assert theirs["forward_calls"] == n + theirs["advances"]
+        # Timing: a median inside the range of its repeats (no wall time asserted).
+        assert all(r["time_min_s"] <= r["time_s"] <= r["time_max_s"] for r in chain["rows"])
         # The optimal schedule is on the frontier: no other schedule with at most its memory
         # (in kept layer inputs) makes fewer calls.
         best = rows["optimal"]
@@ -58,6 +72,17 @@ def test_lab_measures_every_schedule_and_matches_torch(cluster_of):
         "time_s",
         "max_abs_grad_diff",
     }
+    # The recorded runs drawn over time are the table's: their peaks are the rows' peaks.
+    first = {r["schedule"]: r for r in result["chains"]["8"]["rows"]}
+    assert set(result["memory_traces"]) == {"store_all", "segments(3)"}
+    for name, trace in result["memory_traces"].items():
+        assert max(trace["bytes"]["activations"]) == first[name]["peak_activation_bytes"]
+        assert trace["peak_bytes"] == first[name]["peak_total_bytes"]
+        assert {m["label"] for m in trace["markers"]} >= {"L0", "L7"}
+    assert all(
+        row["at"]["repetitions"] == row["repetitions"] < row["past"]["repetitions"]
+        for row in result["binomial_law"]
+    )
     assert "memory_vs_compute" in lab.figures(result)
     assert "| store_all |" in lab.summary(result)
 
@@ -68,6 +93,11 @@ def test_lab_measures_every_schedule_and_matches_torch(cluster_of):
         ({"layers": (8,), "every": 0}, "every=0 is out of range: allowed 1..8", "every=1"),
         ({"layers": (8, 16), "segment": 9}, "segment=9 is out of range: allowed 1..8", "segment=8"),
         ({"layers": (8,), "budget": 1}, "budget=1 is out of range: allowed 2..8", "budget=2"),
+        (
+            {"layers": (8,), "snapshots": 9},
+            "snapshots=9 is out of range: allowed 1..8",
+            "snapshots=8",
+        ),
         ({"layers": (8,), "every": 2.5}, "every=2.5 is out of range", "every=3"),
         ({"layers": (0, 4)}, "layers=(0, 4): expected chain lengths", "layers=(4,)"),
     ],
@@ -86,4 +116,4 @@ def test_one_rank_gathers_nothing_and_the_theory_says_so(cluster_of):
     for mode, s in result["with_sharding"].items():
         assert s["all_gather_calls_per_step"] == s["theory_all_gather_calls_per_step"] == 0, mode
         assert s["max_abs_param_diff_vs_plain"] == 0.0
-    assert "differs from the theory" not in lab.summary(result)
+    assert "differ from their theory" not in lab.summary(result)

@@ -177,9 +177,15 @@ def test_checkpoint_json_has_per_schedule_figures():
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     per_schedule = result["schedules"]["8"]
-    assert {"store_all", "full_recompute", "every(2)", "segments(3)", "optimal(4)"} == set(
-        per_schedule
-    )
+    expected = {
+        "store_all",
+        "full_recompute",
+        "every(2)",
+        "segments(3)",
+        "optimal(4)",
+        "revolve(3)",
+    }
+    assert expected == set(per_schedule)
     for row in per_schedule.values():
         assert set(row) == {"peak_activation_bytes", "forward_calls", "time_s", "max_abs_grad_diff"}
         assert row["max_abs_grad_diff"] == 0.0

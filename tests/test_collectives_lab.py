@@ -33,3 +33,60 @@ def test_collectives_lab_measures_what_the_formulas_say(cluster_of, n):
         assert trace["bytes"]["comm_buffers"][-1] == 0  # and saw them freed
     figures = collectives.figures(result)
     assert {"bytes_vs_theory", "memory_trace", "timeline"} <= set(figures)
+
+
+def test_the_map_of_parallelisms_measures_what_is_built_and_marks_the_rest_theory(cluster_of):
+    from fsdp_lab.labs.collectives import parallelism
+
+    result = parallelism.run(cluster_of(2))
+    rows = {r["strategy"]: r for r in result["rows"]}
+    for name in ("data (DDP)", "data, sharded (FSDP)", "pipeline (GPipe)"):
+        assert rows[name]["measured_bytes"] > 0
+        assert rows[name]["measured_bytes"] == pytest.approx(rows[name]["formula_bytes"], rel=1e-12)
+    # FSDP sends more than DDP (one more all-gather of all but the root), the pipeline far less.
+    assert rows["data, sharded (FSDP)"]["measured_bytes"] > rows["data (DDP)"]["measured_bytes"]
+    assert rows["pipeline (GPipe)"]["measured_bytes"] < rows["data (DDP)"]["measured_bytes"] / 10
+    assert (
+        rows["hybrid (HSDP)"]["measured_bytes"] is None and "N = 2" in rows["hybrid (HSDP)"]["note"]
+    )
+    for name in ("tensor (Megatron)", "context (ring attention)"):
+        assert rows[name]["measured_bytes"] is None and "theory only" in rows[name]["note"]
+        assert rows[name]["formula_bytes"] > 0
+    text = parallelism.table_of(result)
+    assert text.count("theory only") == 2 and "N = 2 ranks" in text
+
+
+def test_the_all_reduce_sentence_compares_bytes_per_byte_of_input():
+    from fsdp_lab.labs.collectives import report
+
+    # 4 ranks, a 1 KiB shard: reduce-scatter of the 4 KiB vector moves 3 KiB, all-reduce of the
+    # shard 1.5 KiB — a shorter bar, but 2x the bytes per byte reduced.
+    result = {
+        "world_size": 4,
+        "shard_bytes": 1024,
+        "comm_bytes_per_rank": [{"reduce_scatter_tensor": 3072.0, "all_reduce": 1536.0}],
+    }
+    text = report.all_reduce_sentence(result)
+    assert "**2×** the reduce-scatter's bytes" in text and "its bar is shorter" in text
+    # 2 ranks: the two bars are equal (1 KiB each); the sentence follows the numbers.
+    result = {
+        "world_size": 2,
+        "shard_bytes": 1024,
+        "comm_bytes_per_rank": [{"reduce_scatter_tensor": 1024.0, "all_reduce": 1024.0}],
+    }
+    assert "its bar is not shorter" in report.all_reduce_sentence(result)
+
+
+def test_the_waiting_sentence_splits_the_longest_span_from_the_timelines():
+    from fsdp_lab.labs.collectives import report
+
+    def tl(rank, origin, start, end):
+        span = {"kind": "comm", "name": "broadcast", "start": start, "end": end, "group": "w"}
+        return {"rank": rank, "origin": origin, "host": "h", "spans": [span]}
+
+    early = {"timelines": [tl(0, 0.0, 0.0, 2.0), tl(1, 1.5, 0.0, 0.5)]}  # rank 0 waits 1.5 s
+    text = report.waiting_sentence(early)
+    assert "**2000.0 ms inside `broadcast` on rank 0**, was 1500.0 ms of waiting" in text
+    assert "mostly waiting" in text
+    together = {"timelines": [tl(0, 0.0, 0.0, 2.0), tl(1, 0.25, 0.0, 1.75)]}
+    assert "mostly moving bytes" in report.waiting_sentence(together)

@@ -107,3 +107,62 @@ def test_without_a_log_nothing_is_recorded_and_values_are_right(cluster_of):
 def test_bus_bytes_rejects_unknown_ops():
     with pytest.raises(ValueError, match="unknown collective 'all_to_all'"):
         comm.bus_bytes("all_to_all", 8, 2)
+
+
+def _timeline(rank: int, origin: float, spans: list, host: str = "h") -> dict:
+    keys = ("kind", "name", "start", "end", "group")
+    return {
+        "rank": rank,
+        "origin": origin,
+        "host": host,
+        "spans": [dict(zip(keys, s, strict=True)) for s in spans],
+    }
+
+
+def test_the_part_of_a_collective_before_the_last_rank_entered_is_waiting():
+    from fsdp_lab.trace.timeline import time_shares, waiting_times
+
+    # rank 0 enters the broadcast at 1.0 (its origin 0), rank 1 only at 3.0 (origin 2, start
+    # 1.0): rank 0 waited 2 s of its 2.5 s. Rank 0 issues its all-reduce at 4.0 while computing;
+    # rank 1 joins at 4.5, so 0.125 s of rank 0's transfer (4.5-4.625) hides behind compute.
+    r0 = _timeline(
+        0,
+        0.0,
+        [
+            ("comm", "broadcast", 1.0, 3.5, "world"),
+            ("compute", "fwd", 3.5, 4.625, ""),
+            ("comm", "all_reduce", 4.0, 4.75, "world"),
+        ],
+    )
+    r1 = _timeline(
+        1,
+        2.0,
+        [
+            ("comm", "broadcast", 1.0, 1.5, "world"),
+            ("compute", "fwd", 1.5, 2.5, ""),
+            ("comm", "all_reduce", 2.5, 2.75, "world"),
+        ],
+    )
+    assert waiting_times([r0, r1]) == [[2.0, 0.0, 0.5], [0.0, 0.0, 0.0]]
+    shares = time_shares([r0, r1])
+    # rank 0: 3.75 s from first to last span, waiting 2.5, moving 0.5 + 0.25
+    assert shares == {
+        "span": (3.75 + 1.75) / 2,
+        "compute": (1.125 + 1.0) / 2,
+        "waiting": 2.5 / 2,
+        "transfer": (0.75 + 0.75) / 2,
+        "hidden": 0.125 / 2,
+    }
+    # Two hosts share no clock: nothing can be called waiting.
+    r1_elsewhere = {**r1, "host": "other"}
+    assert waiting_times([r0, r1_elsewhere]) == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def test_the_timeline_sentence_says_which_took_longer_from_the_numbers():
+    from fsdp_lab.markdown import timeline_sentence
+
+    comm_heavy = {"span": 1.0, "compute": 0.3, "waiting": 0.25, "transfer": 0.5, "hidden": 0.25}
+    text = timeline_sentence(comm_heavy)
+    assert "more time inside collectives than computing" in text and "50% ran while" in text
+    compute_heavy = {**comm_heavy, "compute": 0.9}
+    assert "more time computing than inside collectives" in timeline_sentence(compute_heavy)

@@ -340,3 +340,14 @@ def test_pipeline_diagram_renders(tmp_path):
     titles = re.findall(r'<g id="clust\d+" class="cluster">\s*<title>([^<]+)</title>', d.svg())
     assert titles == ["cluster_stage_0", "cluster_stage_1", "cluster_stage_2"]
     assert d.save(tmp_path / "pipe").suffix == ".svg"
+
+
+def test_the_parallelism_map_marks_what_is_not_built_and_fits_a_notebook():
+    from fsdp_lab.diagrams import parallelism_diagram
+
+    dot = parallelism_diagram(4, layers=6).source
+    assert dot.count("theory only: not built here") == 2  # context and tensor
+    assert "size=9.5" in dot and "layers 0..1" in dot and "layers 4..4" in dot
+    assert dot.count("rank 3") == 4  # one box per rank and strategy
+    with pytest.raises(ValueError, match="n=0"):
+        parallelism_diagram(0)

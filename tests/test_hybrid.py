@@ -48,7 +48,12 @@ def _train(system: str, mesh: tuple[int, int]) -> dict:
     units = None
     if system in ("hybrid", "hybrid_zero2", "full"):
         units = [
-            {"numel": u.flat.numel, "padded_numel": u.flat.padded_numel, "element_size": 4}
+            {
+                "numel": u.flat.numel,
+                "padded_numel": u.flat.padded_numel,
+                "element_size": 4,
+                "reshard_after_forward": u.reshard_after_forward,  # the root stays gathered
+            }
             for u in sharding_state(model).units
         ]
     return {"params": reference.full_parameters(model), "bytes": moved, "units": units}

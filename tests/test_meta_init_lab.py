@@ -1,7 +1,9 @@
 """Lab 04: Llama-3-70B built on meta with little memory; the host-memory picture (ordinary spike,
 meta flat) measured on the ranks; a rank's peak during `shard` is its share plus one unit, never
 the model; buffers and ties come back; both ways of making the ranks agree are bitwise equal to
-one process (N = 1..4), the broadcast moving exactly the model once and the slices nothing."""
+one process (N = 1..4), the broadcast moving exactly the model once and the slices nothing; a
+model with its init on the root, through the course-note recipe and through `shard`; the
+report's sentences follow this run's numbers."""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ from matplotlib.figure import Figure
 
 from fsdp_lab import models
 from fsdp_lab.labs import meta_init as lab
-from fsdp_lab.labs.meta_init import analysis, measure
+from fsdp_lab.labs.meta_init import analysis, measure, report
 from fsdp_lab.labs.meta_init.config import APPROACHES, CONTROL, MODES
 from fsdp_lab.labs.meta_init.one_process import kaiming_on_a_shard_differs
 from fsdp_lab.models import Llama, LlamaConfig
 from fsdp_lab.models.llama import MIN_LAYERS
 from fsdp_lab.sharding.flat_param import FILL_CHUNK
+from fsdp_lab.sizes import format_bytes as fb
 
 CONFIG = lab.MetaInitConfig(world_size=2, model_mb=128, sizes_mb=(8, 16), seed=3)
 KEYS = (
@@ -27,6 +30,7 @@ KEYS = (
     "peak_bytes_per_rank",
     "full_model_bytes",
     "approaches",
+    "parent_init",
 )
 PADDING = 64 * 1024  # bytes: each unit's shard is padded to a multiple of N, buffers aside
 
@@ -155,7 +159,42 @@ def test_figures_and_summary(result):
     assert len(figs["rss_over_time"].axes) == 2  # one panel per rank
     text = lab.summary(result)
     assert "| sync_module_states |" in text and "| deterministic |" in text
-    assert "70.55e9 parameters" in text
+    assert f"| parameters (a tied one once) | {result['parameters_70b']:,} |" in text
+
+
+def test_the_sentences_follow_this_run_s_own_numbers(result):
+    """On a real run: the time sentence names the approach this run measured faster, and the
+    control's count is this run's."""
+    text = report.agreement_text(result)
+    for row in result["agreement"]["rows"]:
+        line = next(
+            x for x in text.splitlines() if x.startswith(f"- {fb(row['parameter_bytes'])}:")
+        )
+        sync, det = row["sync_module_states"]["time_s"], row["deterministic"]["time_s"]
+        if abs(sync - det) <= report.SAME * max(sync, det):
+            assert "about the same time" in line
+        else:
+            faster = "`DeterministicInit`" if det < sync else "`sync_module_states`"
+            assert line.split(": ", 1)[1].startswith(f"{faster} was "), line
+    control = result["agreement"]["control"]
+    differ = len(control["mismatched_parameters"])
+    assert f"{differ} of {control['parameter_names']} parameters differ" in text
+    with torch.device("meta"):
+        names = list(Llama(models.lab_llama(CONFIG.sizes_mb[0])).named_parameters())
+    assert control["parameter_names"] == len(names)
+
+
+def test_init_on_the_root_the_recipe_fails_shard_and_torchtitan_do_not(result):
+    """TinyGPT keeps its init in init_weights() on the root: the course-note recipe (reset only
+    modules that own parameters) gives other values on every rank; `shard`'s order and
+    torchtitan's init_weights() under full_init give bitwise one process's."""
+    p = result["parent_init"]
+    assert p["param_init_fn"]["bitwise_equal_to_one_process"] is True
+    assert p["torchtitan"]["bitwise_equal_to_one_process"] is True
+    recipe = p["owners_only"]
+    assert recipe["ranks_that_differ"] == [0, 1] and recipe["mismatched"]
+    assert "tok_emb.weight" in recipe["mismatched"]  # N(0, 0.02) by init_weights, N(0, 1) by reset
+    assert "The recipe's claim fails here: on every rank" in report.parent_init_text(result)
 
 
 @pytest.mark.parametrize("n", [1, 3, 4])  # 2 ranks: the lab result above

@@ -288,3 +288,42 @@ def test_seed_checkpoint_never_leaves_a_rank_waiting(tmp_path):
             assert cluster.run(_seed_checkpoint_of, "fine", str(tmp_path)) == ["initialised"] * 2
         except RankError as err:  # what main did: a rank stuck until the timeout
             pytest.fail(f"a rank was left waiting: {err}")
+
+
+def _init_in_group(strategy: str, members: list[int], checkpoint_dir: str) -> dict | None:
+    """One pipeline of len(members) stages on the ranks `members` (their own process group):
+    the other ranks take no part. Returns the stage's values and what it sent, or None."""
+    import torch.distributed as dist
+
+    group = dist.new_group(members)  # every rank creates it, members or not
+    try:
+        if fsdp_lab.rank() not in members:
+            return None
+        place = members.index(fsdp_lab.rank())
+        info = stage_info(place, len(members), len(members), CONFIG.n_layers)
+        torch.manual_seed(999 + fsdp_lab.rank())
+        model, report = _counted_init(
+            strategy, CONFIG, info, SEED, checkpoint_dir=checkpoint_dir, group=group
+        )
+        return {"params": model.state_dict(), **report}
+    finally:
+        comm.all_reduce(torch.zeros(1))  # members and onlookers leave together
+        dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_pipeline_on_some_of_the_ranks_seeds_within_its_group(cluster_of, tmp_path, strategy):
+    # Ranks 1 and 3 of 4 run a 2-stage pipeline; 0 and 2 only watch. The group's rank 0 (world
+    # rank 1) writes the checkpoint / draws the seeds / seeds the stream, and sends to world 3.
+    out = cluster_of(4).run(_init_in_group, strategy, [1, 3], str(tmp_path))
+    assert out[0] is None and out[2] is None
+    stages = [out[1], out[3]]
+    ref = _reference()
+    joined = stages[0]["params"] | stages[1]["params"]
+    assert set(joined) == set(ref)
+    exact = all(torch.equal(joined[k], ref[k]) for k in ref)
+    assert exact is (strategy in ("seed_checkpoint", "rng_replay")), strategy
+    state = torch.get_rng_state().numel()
+    sent = {"seed_checkpoint": [8, 8], "same_seed": [0, 0], "per_stage_seed": [16, 16]}
+    sent["rng_replay"] = [state, 0]
+    assert [s["bytes_moved"] for s in stages] == sent[strategy]

@@ -67,38 +67,71 @@ def test_memory_trace_stack_reaches_totals_with_markers_and_peak():
     traces = [make_trace(0), make_trace(1, scale=2)]
     fig = plot_memory_trace(traces, title="two ranks", theory={"budget": 10 * MiB})
     assert isinstance(fig, Figure)
-    assert len(fig.axes) == 2
-    for ax, tr in zip(fig.axes, traces, strict=True):
+    panels, key = fig.axes[:2], fig.axes[2]
+    assert len(fig.axes) == 3  # a panel per rank, then the marker key
+    assert {t.get_text() for t in key.texts} == {"1  mark 0", "2  mark 1"}
+    for ax, tr in zip(panels, traces, strict=True):
         # The top of the stack is the measured total (in MiB, the unit chosen for 16 MiB).
         tops = [p.vertices[:, 1].max() for c in ax.collections for p in c.get_paths()]
         assert max(tops) == pytest.approx(max(tr["total"]) / MiB)
         assert "MiB" in ax.get_ylabel()
-        texts = {t.get_text().strip() for t in ax.texts}
-        assert {"mark 0", "mark 1"} <= texts
+        assert {t.get_text() for t in ax.texts} == {"1", "2"}  # numbered, explained in the key
         dashed = [ln for ln in ax.lines if ln.get_linestyle() == "--"]
         assert [ln.get_ydata()[0] for ln in dashed] == [pytest.approx(tr["peak_bytes"] / MiB)]
         dotted = [ln for ln in ax.lines if ln.get_linestyle() == ":"]
         assert [ln.get_ydata()[0] for ln in dotted] == [pytest.approx(10.0)]
         legend = [t.get_text() for t in ax.get_legend().get_texts()]
-        assert f"peak {format_bytes(tr['peak_bytes'])}" in legend
+        assert f"measured peak {format_bytes(tr['peak_bytes'])}" in legend
         # Categories that never hold bytes stay out of the legend.
         assert "parameters" in legend and "optimizer_state" not in legend
     # Shared y axis: rank 1's 16 MiB peak sets the scale for rank 0 as well.
-    assert fig.axes[0].get_ylim() == fig.axes[1].get_ylim()
+    assert panels[0].get_ylim() == panels[1].get_ylim()
 
 
-def test_memory_trace_single_dict_small_units_and_thinned_markers():
-    tr = make_trace(0, n_markers=100)
+def test_a_model_state_formula_is_set_beside_the_model_state_peak_not_the_total():
+    tr = make_trace(0)  # model state peaks at 8 MiB (parameters + gradients), total at 9 MiB
+    fig = plot_memory_trace(tr, theory={"formula": 8 * MiB}, compare="model_state")
+    dashed = [ln for ln in fig.axes[0].lines if ln.get_linestyle() == "--"]
+    assert [ln.get_ydata()[0] for ln in dashed] == [pytest.approx(8.0)]
+    with pytest.raises(ValueError, match="compare='bytes'"):
+        plot_memory_trace(tr, compare="bytes")
+
+
+def _boxes(fig, ax):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)  # the constrained layout places the panels: boxes as they will be drawn
+    return [t.get_window_extent(renderer) for t in ax.texts]
+
+
+def test_marker_numbers_never_overlap_however_many_markers():
+    tr = make_trace(0, n_markers=200)
     for c in CATS:
         tr["bytes"][c] = [v // 1024 for v in tr["bytes"][c]]  # KiB-sized now
     tr["total"] = [v // 1024 for v in tr["total"]]
     tr["peak_bytes"] //= 1024
     fig = plot_memory_trace(tr)
-    (ax,) = fig.axes
+    ax, key = fig.axes
     assert "KiB" in ax.get_ylabel()
     vertical = [ln for ln in ax.lines if ln.get_xdata()[0] == ln.get_xdata()[1]]
-    assert len(vertical) == 100  # every marker keeps its line...
-    assert 0 < len(ax.texts) <= 30  # ...but only some keep a label
+    assert len(vertical) == 200  # every marker keeps its line...
+    boxes = _boxes(fig, ax)
+    assert 10 < len(boxes) < 200  # ...the numbers that fit are drawn
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b)
+    assert len(key.texts) == 200  # and every label is explained
+
+
+def test_repeated_labels_share_a_number_across_steps_and_ranks():
+    a, b = make_trace(0, n_markers=3), make_trace(1, n_markers=3)
+    b["markers"] = [
+        {**m, "label": "mark 2" if k == 0 else m["label"]} for k, m in enumerate(b["markers"])
+    ]
+    fig = plot_memory_trace([a, b])
+    assert [t.get_text() for t in fig.axes[2].texts] == ["1  mark 0", "2  mark 1", "3  mark 2"]
+    assert sorted(t.get_text() for t in fig.axes[1].texts) == ["2", "3", "3"]
 
 
 def timelines() -> list[dict]:
@@ -140,7 +173,7 @@ def test_timeline_one_bar_per_span_in_separate_lanes():
         lanes[kind] |= {round(float(p.vertices[:, 1].mean()), 3) for p in c.get_paths()}
     assert len(lanes["comm"]) == 2 and len(lanes["compute"]) == 2
     assert lanes["comm"].isdisjoint(lanes["compute"])
-    # Both ranks start at x = 0 (aligned separately), and the axis is in ms for a 0.81 s run.
+    # Both ranks start at x = 0 (aligned separately), and the axis is in ms for a run under 1 s.
     starts = sorted(round(float(p.vertices[:, 0].min()), 6) for p in bars)
     assert starts[:2] == [0.0, 0.0]
     assert "ms" in ax.get_xlabel() and "aligned" in ax.get_xlabel()
@@ -229,3 +262,46 @@ def test_rss_over_time_needs_a_curve():
         plot_rss_over_time({})
     with pytest.raises(ValueError, match="at least one curve"):
         plot_rss_over_time({"ordinary": []})
+
+
+def test_timeline_draws_waiting_apart_and_a_phase_as_a_band_over_what_it_holds():
+    def span(kind, name, start, end, group=""):
+        return {
+            "kind": kind,
+            "name": name,
+            "start": start,
+            "end": end,
+            "bytes": 0,
+            "group": group,
+            "tag": "blocks.0" if kind == "comm" else "",
+        }
+
+    r0 = {
+        "rank": 0,
+        "origin": 0.0,
+        "host": "h",
+        "spans": [
+            span("compute", "forward", 0.0, 1.0),
+            span("compute", "forward blocks.0", 0.2, 0.6),
+            span("comm", "all_gather_into_tensor", 0.1, 0.9, "world"),
+        ],
+    }
+    r1 = {
+        "rank": 1,
+        "origin": 0.5,
+        "host": "h",
+        "spans": [span("comm", "all_gather_into_tensor", 0.0, 0.4, "world")],
+    }
+    fig = plot_timeline([r0, r1])
+    (ax,) = fig.axes
+    heights = sorted(
+        round(float(np.ptp(p.vertices[:, 1])), 2) for c in ax.collections for p in c.get_paths()
+    )
+    # rank 0: the phase as a band, its unit's forward, 0.4 s waiting + 0.4 s moving; rank 1: moving
+    assert heights == [0.14, 0.8, 0.8, 0.8, 0.8]
+    hatched = [c for c in ax.collections if c.get_hatch()]
+    assert len(hatched) == 1  # rank 0 waited from 0.1 s to 0.5 s, when rank 1 called it
+    assert np.ptp(hatched[0].get_paths()[0].vertices[:, 0]) == pytest.approx(0.4)
+    assert "one clock" in ax.get_xlabel()
+    labels = {t.get_text() for t in ax.texts}
+    assert "AG blocks.0" in labels and "fwd blocks.0" in labels

@@ -4,13 +4,15 @@ unsplit init), and every verdict, sum, mean and table is checked against it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from matplotlib.figure import Figure
 
 from fsdp_lab.diagrams import Diagram
 from fsdp_lab.labs.contract import LabResult
-from fsdp_lab.labs.pp_seed import PPSeedConfig, analysis, report
+from fsdp_lab.labs.pp_seed import PPSeedConfig, analysis, report, tables
 from fsdp_lab.pipeline import PipeGPT, stage_info
 from fsdp_lab.pipeline.rng import init_stage, record_init_order
 from fsdp_lab.sizes import format_bytes
@@ -38,11 +40,16 @@ def _same_seed_stages(config: PPSeedConfig) -> list[dict[str, torch.Tensor]]:
     return stages
 
 
-def _cost(rank: int, stage: int) -> dict[str, float]:
-    # Made-up but distinct per rank, so that a max, a sum or a per-rank list can be told apart.
+def _cost(rank: int, stage: int) -> dict[str, Any]:
+    # Made-up but distinct per rank and per repeat, so that a max, a median, a sum or a
+    # per-rank list can be told apart: two repeats, t and 3t, median 2t; CPU t/2 each time.
     sent = float(STATE_BYTES) if stage == 0 else 0.0  # rng_replay: stage 0 hands on, once
+    t = 0.1 * (rank + 1)
     return {
-        "init_time_s": 0.1 * (rank + 1),
+        "init_time_s": 2 * t,
+        "init_time_s_runs": [t, 3 * t],
+        "cpu_time_s": t / 2,
+        "cpu_time_s_runs": [t / 2, t / 2],
         "peak_bytes": 1000 + rank,
         "bytes_moved": sent,
         "messages": 1,
@@ -61,9 +68,10 @@ def _measured(config: PPSeedConfig, world_size: int, losses: dict[str, list[list
             row[s] = {"init": _cost(r, stage), "params": params[s], "losses": losses[s][dp_rank]}
         row["growth"] = [{s: _cost(r, stage) for s in STRATEGIES} for _ in config.grow_dims]
         row["generator_state_bytes"] = STATE_BYTES
+        row["first_call_s"] = dict.fromkeys(STRATEGIES, 0.5)
         row["baseline"] = {"params": ref, "losses": BASELINE} if r == 0 else None
         per_rank.append(row)
-    return {"world_size": world_size, "backend": "gloo", "per_rank": per_rank}
+    return {"world_size": world_size, "backend": "gloo", "cores": 2, "per_rank": per_rank}
 
 
 BASELINE = [4.0, 3.5, 3.0]
@@ -79,7 +87,11 @@ def test_the_json_has_the_labs_keys(result):
     assert set(result.data) == {
         "config", "world_size", "stages", "dp", "backend", "model", "full_model_bytes",
         "generator_state_bytes", "handoffs", "layers_per_stage", "strategies", "baseline", "growth",
+        "growth_timing", "cores", "repeats", "scaling", "convergence", "first_call",
     }  # fmt: skip
+    # The first calls (0.5 s, made up) against the measured median of 0.4 s.
+    assert result["first_call"]["rng_replay"]["ratio"] == pytest.approx(0.5 / 0.4)
+    assert result["scaling"] is None and result["convergence"] is None  # not asked for
     assert result["layers_per_stage"] == [[0, 1], [2, 3]] and result["handoffs"] == 1
     full = sum(v.numel() * 4 for v in _reference(CONFIG).values())
     assert result["full_model_bytes"] == full and result["config"]["dp"] == 1
@@ -99,7 +111,11 @@ def test_replay_equals_the_unsplit_init_and_same_seed_does_not(result):
 
 def test_costs_are_the_slowest_rank_and_the_sum_of_bytes(result):
     row = result["strategies"]["rng_replay"]
-    assert row["init_time_s"] == pytest.approx(0.2) and row["init_time_s_per_rank"] == [0.1, 0.2]
+    # Each repeat's pipeline time is its slowest rank's (0.2, then 0.6); the median is kept.
+    assert row["init_time_s_runs"] == pytest.approx([0.2, 0.6])
+    assert row["init_time_s"] == pytest.approx(0.4)
+    assert row["init_time_s_per_rank"] == pytest.approx([0.2, 0.4])
+    assert row["cpu_time_s_per_rank"] == pytest.approx([0.05, 0.1])
     assert row["peak_bytes_per_rank"] == [1000, 1001] and row["messages"] == 2
     assert row["bytes_moved"] == STATE_BYTES and row["bytes_moved_per_rank"] == [STATE_BYTES, 0]
     assert all(type(b) is int for b in [row["bytes_moved"], *row["bytes_moved_per_rank"]])
@@ -121,7 +137,10 @@ def test_growth_rows_count_the_whole_model_and_keep_three_costs(result):
             n = sum(p.numel() for p in PipeGPT(CONFIG.gpt(dim)).parameters())
         assert (row["dim"], row["parameters"], row["full_model_bytes"]) == (dim, n, 4 * n)
         for s in STRATEGIES:
-            assert set(row[s]) == {"peak_bytes_per_rank", "init_time_s_per_rank", "bytes_moved"}
+            assert set(row[s]) == {
+                "peak_bytes_per_rank", "init_time_s", "init_time_s_runs", "init_time_s_per_rank",
+                "cpu_time_s_per_rank", "cpu_time_s_runs", "bytes_moved",
+            }  # fmt: skip
             assert row[s]["peak_bytes_per_rank"] == [1000, 1001]
 
 
@@ -195,11 +214,12 @@ def test_with_three_or_more_stages_later_first_layers_are_identical():
 
 def test_tables_and_summary_say_what_was_measured(result):
     text = report.summary(result)
-    assert "S = 2 stages x dp = 1 on 2 ranks (gloo); layers per stage [[0, 1], [2, 3]]" in text
-    assert f"generator state {STATE_BYTES} B, 1 handoff(s) per pipeline" in text
-    assert "| (d) rng_replay | yes | 0 | 1000 B | 1001 B | 200.0 ms | 5,056 B | 2 |" in text
+    assert "S = 2 stages x dp = 1 pipeline(s) on 2 ranks (gloo); layers per stage 0-1, 2-3" in text
+    assert f"generator state {STATE_BYTES:,} B; 1 change(s) of owner" in text
+    assert "median of 3 repeat(s)" in text
+    assert "| (d) rng_replay | yes | 0 | 1000 B | 1001 B | 400.0 ms | 5,056 B | 2 |" in text
     assert "| (b) same_seed | no |" in text
-    overlap = report.overlap_table(result).splitlines()[-2]  # (b): rows follow the strategies
+    overlap = tables.overlap_table(result).splitlines()[-2]  # (b): rows follow the strategies
     cells = [c.strip() for c in overlap.split("|")[1:-1]]
     # corr 1-2 needs 3 stages; no identical first layers with 2; the shared prefix; every value
     # of stage 1 repeats stage 0's; not distinct; no replicas at dp = 1.
@@ -207,13 +227,14 @@ def test_tables_and_summary_say_what_was_measured(result):
         "-", "none", f"{STAGE1_DRAWS:,}", "1.00e+00", "False", "-"
     ]  # fmt: skip
     full = format_bytes(result["growth"][0]["full_model_bytes"])
-    assert f"| 32 | {full} | 1000 B / 1001 B, 200.0 ms | 1000 B / 1001 B, 200.0 ms |" in text
+    assert f"| 32 | {full} | 1000 B / 1001 B, 400.0 ms | 1000 B / 1001 B, 400.0 ms |" in text
 
 
 def test_figures_by_stem(result):
     figs = report.figures(result)
     assert set(figs) == {
-        "pipeline_same_seed", "pipeline_rng_replay", "loss_curves", "growth", "same_seed_draws"
+        "pipeline_same_seed", "pipeline_rng_replay", "loss_curves", "growth", "growth_time",
+        "same_seed_draws",
     }  # fmt: skip
     for name, fig in figs.items():
         assert isinstance(fig, Diagram if name.startswith("pipeline_") else Figure), name

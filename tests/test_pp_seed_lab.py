@@ -5,16 +5,18 @@ not the unsplit init; bytes and memory are what each strategy must cost; pp x dp
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 from matplotlib.figure import Figure
 
-from fsdp_lab import reference, world_size
+from fsdp_lab import rank, reference, world_size
 from fsdp_lab.diagrams import Diagram
 from fsdp_lab.labs import pp_seed as lab
-from fsdp_lab.pipeline import PipeGPT
-from fsdp_lab.pipeline.rng import STRATEGIES
+from fsdp_lab.labs.pp_seed import convergence
+from fsdp_lab.pipeline import PipeGPT, stage_info
+from fsdp_lab.pipeline.rng import STRATEGIES, init_stage
 
 CONFIG = lab.PPSeedConfig(stages=2, layers=4, steps=8, grow_dims=(32, 64))
 EXACT = ("seed_checkpoint", "rng_replay")  # (a), (d): the unsplit init, bitwise
@@ -40,6 +42,17 @@ def mesh(cluster_of):
 def four_stages(cluster_of):
     config = lab.PPSeedConfig(stages=4, layers=4, steps=2, strategies=OTHER, grow_dims=())
     return lab.run(config, cluster=cluster_of(4))
+
+
+@pytest.fixture(scope="module")
+def scaled(cluster_of):
+    """Init timed on 1 and 2 ranks (a fresh 1-rank cluster, the lab's own 2), and the
+    convergence trainings spread over the 2 ranks."""
+    config = lab.PPSeedConfig(
+        stages=2, layers=4, steps=2, strategies=("rng_replay",), grow_dims=(), repeats=2,
+        scale_ranks=(1, 2), scale_dim=32, convergence_seeds=2, convergence_steps=4,
+    )  # fmt: skip
+    return lab.run(config, cluster=cluster_of(2))
 
 
 def _full_bytes(config: lab.PPSeedConfig, dim: int | None = None) -> int:
@@ -160,13 +173,15 @@ def test_pp_by_dp_replicas_agree_and_stages_differ(mesh):
 
 def test_figures_and_summary(result):
     figs = lab.figures(result)
-    assert {f"pipeline_{s}" for s in STRATEGIES} | {"loss_curves", "growth"} <= set(figs)
+    assert {f"pipeline_{s}" for s in STRATEGIES} | {"loss_curves", "growth", "growth_time"} <= set(
+        figs
+    )
     assert "same_seed_draws" in figs
     for name, fig in figs.items():
         assert isinstance(fig, Diagram if name.startswith("pipeline_") else Figure), name
     text = lab.summary(result)
     assert "| (d) rng_replay | yes | 0 |" in text and "| (b) same_seed | no |" in text
-    assert f"generator state {STATE_BYTES} B, 1 handoff(s)" in text
+    assert f"generator state {STATE_BYTES:,} B; 1 change(s) of owner" in text
 
 
 def test_layout_defaults():
@@ -211,6 +226,16 @@ def test_layout_defaults():
             {"vocab": 1},
             "vocab=1 is out of range: allowed an int >= 2 (vocabulary size). Fix: vocab=64",
         ),
+        ({"repeats": 0}, "repeats=0 is out of range: allowed an int >= 1"),
+        (
+            {"scale_ranks": (1, 9), "layers": 4},
+            "scale_ranks=(1, 9): 9 is out of range: allowed distinct ints in 1..4 (one pipeline "
+            "stage per rank, at least one layer each), or none. Fix: scale_ranks=(1, 2, 3, 4)",
+        ),
+        ({"scale_ranks": (2, 2)}, "scale_ranks=(2, 2): a count appears twice"),
+        ({"scale_dim": 30}, "scale_dim=30 is out of range: allowed an int divisible by heads=4"),
+        ({"scale_strategies": ("replay",)}, "scale_strategies=('replay',): strategy 'replay'"),
+        ({"convergence_seeds": -1}, "convergence_seeds=-1 is out of range: allowed an int >= 0"),
     ],
 )
 def test_bad_config_names_the_value_the_range_and_the_fix(kwargs, message):
@@ -235,3 +260,68 @@ def test_explorer_runs_on_a_borrowed_cluster_and_leaves_it_open(cluster_of):
     assert explorer.last_result is None
     explorer.close()
     assert cluster.run(world_size) == [2, 2]  # the borrowed cluster is still open
+
+
+def test_init_timed_on_one_and_two_ranks_costs_what_each_strategy_must(scaled):
+    scaling = scaled["scaling"]
+    assert scaling["strategies"] == ["seed_checkpoint", "per_stage_seed", "rng_replay"]
+    one, two = scaling["rows"]
+    assert (one["ranks"], two["ranks"]) == (1, 2) and scaling["dim"] == 32
+    whole = _full_bytes(lab.PPSeedConfig(stages=2, layers=4), 32)
+    assert scaling["full_model_bytes"] == whole
+    for row in (one, two):
+        for s in scaling["strategies"]:
+            costs = row[s]
+            assert len(costs["cpu_time_s_per_rank"]) == row["ranks"], s
+            assert len(costs["init_time_s_runs"]) == 2 and costs["init_time_s"] > 0, s  # repeats
+    # One stage: nothing to hand on; two: one generator state. The seeds: S int64 per rank.
+    assert one["rng_replay"]["bytes_moved"] == 0 and two["rng_replay"]["bytes_moved"] == STATE_BYTES
+    assert two["per_stage_seed"]["bytes_moved_per_rank"] == [2 * 8, 2 * 8]
+    # The seed checkpoint: rank 0 builds the whole model however many ranks there are.
+    assert one["seed_checkpoint"]["peak_bytes_per_rank"][0] >= whole
+    ckpt = two["seed_checkpoint"]["peak_bytes_per_rank"]
+    assert ckpt[0] >= whole > ckpt[1]
+    assert set(scaling["trends"]) == set(scaling["strategies"])
+    assert "on 1 and on 2 ranks" in lab.summary(scaled) or scaled["cores"] < 2
+
+
+def test_convergence_trains_both_inits_at_every_seed(scaled):
+    conv = scaled["convergence"]
+    assert conv["seeds"] == [0, 1] and conv["steps"] == 4
+    for init in ("unsplit", "same_seed"):
+        assert [len(c) for c in conv["curves"][init]] == [4, 4], init
+        for curve in conv["curves"][init]:
+            assert abs(curve[0] - math.log(64)) < 0.1  # an untrained model guesses
+    # The same data and the same stage 0: the two inits start from nearly the same loss, but
+    # not the same one (later stages differ).
+    assert conv["curves"]["unsplit"][0] != conv["curves"]["same_seed"][0]
+    assert "2 seeds, 4 steps each" in lab.summary(scaled)
+
+
+def test_the_same_seed_model_is_what_the_ranks_build(cluster_of):
+    config = lab.PPSeedConfig(stages=2, layers=4)
+
+    def same_seed_stage() -> dict:
+        info = stage_info(rank(), 2, 2, 4)
+        return init_stage("same_seed", config.gpt(), info, 0).state_dict()
+
+    joined = convergence.initial_model(config, "same_seed", 0).state_dict()
+    stages = cluster_of(2).run(same_seed_stage)
+    assert set().union(*stages) == set(joined)
+    for stage in stages:
+        for name, value in stage.items():
+            assert torch.equal(value, joined[name]), name
+
+
+def test_scaling_beyond_the_labs_ranks_starts_a_cluster_of_that_size(cluster_of):
+    config = lab.PPSeedConfig(
+        stages=1, layers=2, steps=1, strategies=("rng_replay",), grow_dims=(), repeats=1,
+        scale_ranks=(1, 2), scale_dim=32, scale_strategies=("rng_replay",),
+    )  # fmt: skip
+    result = lab.run(config, cluster=cluster_of(1))
+    one, two = result["scaling"]["rows"]
+    assert (
+        len(one["rng_replay"]["cpu_time_s_per_rank"]) == 1 and one["rng_replay"]["bytes_moved"] == 0
+    )
+    assert len(two["rng_replay"]["cpu_time_s_per_rank"]) == 2
+    assert two["rng_replay"]["bytes_moved"] == STATE_BYTES  # a real second rank, handed the state

@@ -1,4 +1,7 @@
-"""Checkpointing schedules: plain autograd's gradients, and measured costs equal to the theory."""
+"""Checkpointing schedules: plain autograd's gradients, and measured costs equal to the theory;
+Griewank–Walther's revolve(s) and its binomial law, counted by hooks."""
+
+from math import comb
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from fsdp_lab.schedules import (
     full_recompute,
     min_budget,
     optimal,
+    revolve,
     run_chain,
     segments,
     store_all,
@@ -44,6 +48,7 @@ def all_schedules(n: int) -> list[Schedule]:
         *(every(c) for c in range(1, n + 1)),
         *(segments(k) for k in range(1, n + 1)),
         *(optimal(b) for b in range(min_budget(n), n + 1)),
+        *(revolve(s) for s in range(1, n + 1)),
     ]
 
 
@@ -174,7 +179,7 @@ def test_optimal_lies_on_the_frontier(n):
         assert costs[optimal(7)].forward_calls < costs[segments(4)].forward_calls
 
 
-def test_revolve_table_agrees_with_exhaustive_search():
+def test_optimal_table_agrees_with_exhaustive_search():
     def achievable(n: int) -> set[tuple[int, int]]:
         """(calls, stored) of every plan: tape, full recompute, or advance-split-recurse."""
         out = {(n, n), (n * (n + 1) // 2, min(n, 2))}
@@ -194,18 +199,20 @@ def test_revolve_table_agrees_with_exhaustive_search():
 def test_bad_inputs_raise_with_the_value_and_the_allowed_range():
     chain, x = chain_and_input(16)
     g = torch.ones(BATCH, DIM)
-    for make, bad in [(every, 0), (segments, 0), (optimal, 0), (every, -3), (segments, 2.5)]:
+    bads = [(every, 0), (segments, 0), (optimal, 0), (revolve, 0), (every, -3), (segments, 2.5)]
+    for make, bad in bads:
         with pytest.raises(ValueError, match=rf"={bad!r}\): expected an int >= 1"):
             make(bad)
     cases = [(every(17), "1..16"), (segments(17), "1..16"), (optimal(17), "2..16")]
+    cases.append((revolve(17), "1..16"))
     for schedule, allowed in [*cases, (optimal(1), "2..16")]:
         with pytest.raises(ValueError, match=rf"{schedule.arg}\) is out of range .*{allowed}"):
             run_chain(chain.layers, x, schedule, grad_output=g)
         with pytest.raises(ValueError, match=allowed):
             theory(schedule, 16)
     assert theory(optimal(1), 1) == ScheduleCost(1, 1)  # one layer needs no second slot
-    with pytest.raises(ValueError, match=r"'revolve'.*store_all, full_recompute, every"):
-        Schedule("revolve", 3)
+    with pytest.raises(ValueError, match=r"'binomial'.*store_all, full_recompute, .*revolve"):
+        Schedule("binomial", 3)
     with pytest.raises(ValueError, match="takes no argument"):
         Schedule("store_all", 3)
     with pytest.raises(ValueError, match="exactly one"):
@@ -219,8 +226,67 @@ class ReturnsTuple(nn.Module):
         return (x,)
 
 
-@pytest.mark.parametrize("schedule", [store_all, segments(2), optimal(2), full_recompute])
+@pytest.mark.parametrize(
+    "schedule", [store_all, segments(2), optimal(2), full_recompute, revolve(1), revolve(2)]
+)
 def test_a_layer_returning_no_tensor_is_named(schedule):
     layers = [ChainLayer(DIM), ChainLayer(DIM), ReturnsTuple(), ChainLayer(DIM)]
     with pytest.raises(TypeError, match="layer 2 returned a tuple"):
         run_chain(layers, torch.randn(BATCH, DIM), schedule, grad_output=torch.ones(BATCH, DIM))
+
+
+# -- Griewank–Walther's convention ----------------------------------------------------------------
+
+
+def counted(n: int, schedule: Schedule) -> LayerInputCounter:
+    chain, x = chain_and_input(n)
+    with LayerInputCounter(chain.layers) as counter:
+        run_chain(chain.layers, x, schedule, grad_output=torch.ones(BATCH, DIM))
+    return counter
+
+
+@pytest.mark.parametrize("s", [1, 2, 3])
+@pytest.mark.parametrize("r", [1, 2, 3])
+def test_revolve_follows_the_binomial_law(s, r):
+    # Griewank's law: with s snapshots, l = C(s + r, s) is the longest chain in which no layer
+    # is advanced more than r times, and the fewest advances are r·l − C(s + r, s + 1).
+    steps = comb(s + r, s)
+    at, past = counted(steps, revolve(s)), counted(steps + 1, revolve(s))
+    assert at.repetitions == r and past.repetitions == r + 1
+    assert at.advances == r * steps - comb(s + r, s + 1)
+    assert at.forward_calls == steps + at.advances  # every layer taped exactly once
+    assert at.stored_activations == min(steps, s + 1)  # the snapshots and the taped state
+
+
+def test_revolve_with_one_snapshot_is_full_recompute_and_with_n_minus_one_a_single_sweep():
+    n = 8
+    one = counted(n, revolve(1))
+    assert (one.forward_calls, one.stored_activations) == (n * (n + 1) // 2, 2)
+    assert one.advances_per_layer == [n - 1 - i for i in range(n)]  # layer i: once per later one
+    sweep = counted(n, revolve(n - 1))  # every state kept: each layer advanced once, bar the last
+    assert sweep.advances_per_layer == [1] * (n - 1) + [0]
+
+
+@pytest.mark.parametrize("n", [8, 16])
+def test_at_equal_kept_inputs_optimal_makes_no_more_calls_than_revolve_but_holds_more_bytes(n):
+    # The two conventions: optimal(b) lets a grad-mode tape double as the advance, so it never
+    # needs more calls than revolve(b - 1), which keeps as many inputs. In bytes the order
+    # turns: optimal's tapes keep every taped layer's GELU input too, revolve tapes one layer.
+    chain, x = chain_and_input(n)
+    g = torch.ones(BATCH, DIM)
+    for b in range(3, n):
+        ours, theirs = measured(chain, x, optimal(b)), measured(chain, x, revolve(b - 1))
+        assert ours.stored_activations == theirs.stored_activations == b
+        assert ours.forward_calls <= theirs.forward_calls, b
+
+    def peak(schedule: Schedule) -> int:
+        with MemoryTracker() as mem:
+            run_chain(chain.layers, x, schedule, grad_output=g)
+        return max(mem.trace()["bytes"]["activations"])
+
+    b = n // 2
+    assert (
+        measured(chain, x, optimal(b)).forward_calls
+        < measured(chain, x, revolve(b - 1)).forward_calls
+    )
+    assert peak(optimal(b)) > peak(revolve(b - 1))

@@ -210,3 +210,35 @@ def test_peak_table_reads_the_model_state_peak_not_the_activation_peak():
     assert header.count("|") == rule.count("|") == row.count("|")
     # t=2: 100 + 400 + 200 + 0 = 700 beats t=1: 100 + 0 + 200 + 300 = 600
     assert row == "| demo | 600 B | 700 B | 100 B | 400 B | 200 B | 0 B | free x |"
+
+
+def _root_run(kept: bool, optimizer_state: int = 60) -> LabResult:
+    """A run whose root unit (10 elements) stays gathered after forward, or is freed too."""
+    measured = _measured()
+    units = [
+        {**UNITS[0], "reshard_after_forward": not kept},
+        {**UNITS[1], "reshard_after_forward": True},
+    ]
+    gathered = 0.5 * (18 + (8 if kept else 18)) * 4  # forward: all; backward: what was freed
+    for r, o in enumerate(measured["ours"]):
+        o["units"] = units
+        o["comm_bytes_per_step"] = {
+            "all_gather_into_tensor": gathered,
+            "reduce_scatter_tensor": 36.0,
+        }
+        o["calls_per_step"] = {"all_gather_into_tensor": 3.0 if kept else 4.0}
+        o["memory_trace"] = _trace(r, optimizer_state)
+    return LabResult("shard", analyse(CONFIG, measured))
+
+
+def test_keeping_the_root_is_compared_from_the_measurement_both_ways():
+    kept, freed = _root_run(True), _root_run(False)
+    assert kept["comm_matches_theory"] and freed["comm_matches_theory"]  # theory follows the flag
+    text = report.root_kept_report(kept, freed)
+    assert "**20 B more all-gather per step** (1 more call)" in text
+    assert "of the root unit is 20 B — exactly that." in text
+    assert "did **not** lower the peak" in text
+    assert "the last block, `blocks.0`, was freed after forward" in text
+
+    lower = report.root_kept_report(kept, _root_run(False, optimizer_state=20))
+    assert "It lowered the peak model state by 40 B." in lower and "did **not**" not in lower

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import types
 
 import pytest
@@ -117,3 +118,20 @@ def test_one_rank_has_nothing_to_shard():
         walkthrough.run(types.SimpleNamespace(world_size=1))
     with pytest.raises(ValueError, match="numel_per_param"):
         walkthrough.run(types.SimpleNamespace(world_size=2), numel_per_param=(3, 0))
+
+
+def test_the_owner_broadcasts_claim_is_refuted_point_by_point_from_the_measurement(walk):
+    """The course-note picture (one owner broadcasts, receives every gradient) is checked
+    against what the ranks measured, and the verdict flips when a measurement says otherwise."""
+    text = report.owner_claim_report(walk)
+    assert "`all_gather_into_tensor`, `reduce_scatter_tensor`" in text
+    assert "- ✗" not in text and text.count("- ✓") == 5 and "wrong on every point" in text
+    n = walk["world_size"]
+    assert f"each of the {n} ranks held a different" in text
+
+    broken = copy.deepcopy(walk)  # a rank that kept its gathered unit and a broadcast
+    broken["stages"]["free"]["unsharded_storage_bytes"][1] = 64
+    broken["stages"]["gather"]["collectives"][0] = ["broadcast"]
+    text = report.owner_claim_report(broken)
+    assert text.count("- ✗") == 2 and "wrong on every point" not in text
+    assert "storage after `free`, per rank" in text and "broadcast" in text

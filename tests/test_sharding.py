@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fsdp_lab
-from fsdp_lab import comm, reference
+from fsdp_lab import comm, reference, theory
 from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.sharding import MixedPrecision, shard, sharding_state
 from fsdp_lab.trace import MemoryTracker, Timeline
@@ -76,13 +76,14 @@ def _unit_numels(n: int) -> list[int]:
     return [total - 4 * block] + [block] * 4
 
 
-def _bytes_per_step(strategy: str, prefetch: bool, mp: bool) -> dict:
+def _bytes_per_step(strategy: str, prefetch: bool, mp: bool, reshard=None) -> dict:
     model = shard(
         tiny_gpt(),
         units={Block},
         strategy=strategy,
         prefetch=prefetch,
         mixed_precision=MixedPrecision(torch.bfloat16, torch.float32) if mp else None,
+        reshard_after_forward=reshard,
     )
     opt = _sgd(model.parameters())
     reference.train_steps(model, opt, 1, rank=fsdp_lab.rank(), world=fsdp_lab.world_size())
@@ -105,24 +106,49 @@ def test_bytes_per_collective_are_exactly_the_ring_formulas(cluster_of, n, strat
                     "all_reduce": pytest.approx(2 * f * psi * 4, rel=1e-12)
                 }
                 continue
-            gathers = 2 if strategy == "full" else 1  # ZeRO-3 gathers again for backward
+            # ZeRO-3 gathers again for backward every unit but the root, which stays gathered
+            root = math.ceil(numels[0] / n) * n
+            gathered = 2 * padded - root if strategy == "full" else padded
             assert measured["bytes"] == {  # equal up to the float rounding of (N-1)/N
-                "all_gather_into_tensor": pytest.approx(gathers * f * padded * 4, rel=1e-12),
+                "all_gather_into_tensor": pytest.approx(f * gathered * 4, rel=1e-12),
                 "reduce_scatter_tensor": pytest.approx(f * padded * 4, rel=1e-12),
             }
             assert measured["calls"] == {
-                "all_gather_into_tensor": gathers * 5,
+                "all_gather_into_tensor": 9 if strategy == "full" else 5,
                 "reduce_scatter_tensor": 5,
             }
     if n == 2:  # no padding at N=2 for this model: the textbook Ψ formula holds exactly
         assert padded == psi
 
 
+def test_the_root_stays_gathered_after_forward_unless_asked_and_the_theory_follows(cluster_of):
+    """FSDP2's and FSDP1's choice, our default: the root unit is not freed after forward (its
+    backward comes next), which saves one all-gather of the root per step. Freeing it too
+    (`reshard_after_forward` naming every unit, the root is '') costs exactly that gather."""
+    n, numels = 2, _unit_numels(2)
+    every = ["", *(f"blocks.{i}" for i in range(4))]
+    for kept, freed in zip(
+        cluster_of(n).run(_bytes_per_step, "full", True, False),
+        cluster_of(n).run(_bytes_per_step, "full", True, False, every),
+        strict=True,
+    ):
+        extra = freed["bytes"]["all_gather_into_tensor"] - kept["bytes"]["all_gather_into_tensor"]
+        assert extra == 0.5 * numels[0] * 4  # (N-1)/N of the root, once per step
+        assert (
+            freed["calls"]["all_gather_into_tensor"] == kept["calls"]["all_gather_into_tensor"] + 1
+        )
+        units = [{"numel": u, "padded_numel": u, "element_size": 4} for u in numels]
+        theory_kept = [{**u, "reshard_after_forward": i > 0} for i, u in enumerate(units)]
+        assert theory.sharding_step("full", theory_kept, n)["comm_bytes"] == kept["bytes"]
+        assert theory.sharding_step("full", units, n)["comm_bytes"] == freed["bytes"]
+
+
 def test_mixed_precision_gathers_half_the_bytes_and_still_trains(cluster_of):
     n = 2
     padded = sum(math.ceil(u / n) * n for u in _unit_numels(n))
     for measured in cluster_of(n).run(_bytes_per_step, "full", True, True):
-        assert measured["bytes"]["all_gather_into_tensor"] == 2 * 0.5 * padded * 2  # bf16
+        root = _unit_numels(n)[0]  # not gathered again for backward
+        assert measured["bytes"]["all_gather_into_tensor"] == 0.5 * (2 * padded - root) * 2  # bf16
         assert measured["bytes"]["reduce_scatter_tensor"] == 0.5 * padded * 4  # fp32 reduce
 
     def bf16_params():
@@ -333,8 +359,9 @@ def test_a_unit_with_several_outputs_is_gathered_once_per_pass(cluster_of):
         single(x).pow(2).mean().backward()
         opt.step()
     for res in cluster_of(2).run(_two_output_unit):
-        # Per step: root and inner gathered for forward and again for backward, once each.
-        assert res["calls"] == {"all_gather_into_tensor": 3 * 4, "reduce_scatter_tensor": 3 * 2}
+        # Per step: root gathered for forward (kept for backward); inner for forward and
+        # again for backward, once each.
+        assert res["calls"] == {"all_gather_into_tensor": 3 * 3, "reduce_scatter_tensor": 3 * 2}
         for name, p in single.named_parameters():
             torch.testing.assert_close(res["params"][name], p.detach(), rtol=1e-5, atol=1e-6)
 
@@ -377,3 +404,22 @@ def test_a_freed_unit_shows_its_slices_or_stand_ins_not_dangling_views(cluster_o
     assert sum(s[1][0] for s in slices) == 128 * 32
     # The flat view: shape-only stand-ins on meta.
     assert cluster_of(2).run(_attribute_after_free, False) == [("meta", (128, 32), True, False)] * 2
+
+
+def _tags_of_one_step() -> list[tuple[str, str]]:
+    model = shard(tiny_gpt(), units={Block}, strategy="full")
+    with Timeline() as tl:
+        reference.train_steps(
+            model, _sgd(model.parameters()), 1, rank=fsdp_lab.rank(), world=fsdp_lab.world_size()
+        )
+    return [(s["name"], s["tag"]) for s in tl.to_dict()["spans"] if s["kind"] == "comm"]
+
+
+def test_every_message_of_a_step_is_tagged_with_its_unit(cluster_of):
+    for spans in cluster_of(2).run(_tags_of_one_step):
+        gathered = [tag for name, tag in spans if name == "all_gather_into_tensor"]
+        reduced = [tag for name, tag in spans if name == "reduce_scatter_tensor"]
+        blocks = [f"blocks.{i}" for i in range(4)]
+        # forward: root then the blocks; backward: the blocks again, last first (root kept)
+        assert gathered == ["root", *blocks, *reversed(blocks)]
+        assert sorted(reduced) == sorted(["root", *blocks])

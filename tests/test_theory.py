@@ -92,6 +92,33 @@ def test_checkpoint_cost_closed_forms():
         theory.checkpoint_cost(schedules.every(17), n)
 
 
+def test_binomial_law_by_hand_and_against_revolves_recursion():
+    from math import comb
+
+    from fsdp_lab import schedules
+
+    # One snapshot: rebuild every state from the input, l(l-1)/2 advances, r = l - 1.
+    assert [theory.revolve_advances(steps, 1) for steps in (1, 2, 3, 4)] == [0, 1, 3, 6]
+    assert [theory.revolve_repetitions(steps, 1) for steps in (1, 2, 3, 4)] == [0, 1, 2, 3]
+    # Two snapshots, four steps: advance 2, keep x2, advance 1; then from x0 advance 1: 4.
+    assert (theory.revolve_advances(4, 2), theory.revolve_repetitions(4, 2)) == (4, 2)
+    assert theory.binomial_reach(3, 2) == comb(5, 3) == 10
+    for s in range(1, 5):
+        for steps in range(1, 30):
+            r = theory.revolve_repetitions(steps, s)
+            assert comb(s + r - 1, s) < steps <= comb(s + r, s) or steps == 1
+            # The closed form and Griewank–Walther's recursion (schedules.py) agree.
+            advances, repetitions, stored = schedules.revolve_cost(steps, s)
+            assert (advances, repetitions) == (theory.revolve_advances(steps, s), r), (steps, s)
+            cost = theory.checkpoint_cost(schedules.revolve(s), steps) if s <= steps else None
+            if cost is not None:
+                assert cost == schedules.ScheduleCost(stored, steps + advances)
+    with pytest.raises(ValueError, match="snapshots=0"):
+        theory.binomial_reach(0, 3)
+    with pytest.raises(ValueError, match="steps=0"):
+        theory.revolve_advances(0, 2)
+
+
 def test_rng_replay_sends_one_generator_state_per_handoff_per_pipeline():
     # S = 3 stages in init order: tok_emb ... (stage 0) -> layers (stage 1) -> ... head (stage 2):
     # 2 handoffs; a CPU generator state is 5056 bytes; 2 pipelines replay side by side.
@@ -110,3 +137,13 @@ def test_materialise_peak_bytes_by_way_of_building():
     assert peak == {"ordinary": 1000, "meta_param_init_fn": 320, "meta_shard_init": 200}
     one = theory.materialise_peak_bytes(800, 120, 1)  # one rank keeps the whole model anyway
     assert one["meta_shard_init"] == 800 and one["ordinary"] == 1600
+
+
+def test_the_parallelism_formulas_by_hand():
+    # 2 layers, 8 tokens of width 4, fp32, 2 ranks: one all-reduce of 128 B moves 128 B per rank.
+    assert theory.tensor_parallel_step_bytes(2, 8, 4, 2) == 2 * 4 * 2 * 128
+    # K and V: 2 * (1/2) * 128 = 128 B per rank and layer forward, x3 with backward; plus the
+    # gradient all-reduce of 10 parameters (40 B -> 40 B per rank).
+    assert theory.context_parallel_step_bytes(2, 8, 4, 10, 2) == 2 * (3 * 2 * 128 + 40)
+    # 3 boundaries, each carrying 8 x 4 x 4 B forward and back.
+    assert theory.pipeline_step_bytes(4, 8, 4) == 2 * 3 * 128

@@ -15,6 +15,7 @@ from matplotlib.figure import Figure
 
 from fsdp_lab.diagrams import Diagram
 from fsdp_lab.labs import tying as lab
+from fsdp_lab.labs.tying import report
 from fsdp_lab.labs.tying.audit import SYSTEMS as AUDIT_SYSTEMS
 from fsdp_lab.labs.tying.config import LAB_MODEL, SPIKE_SYSTEMS, WRAPPINGS
 from fsdp_lab.labs.tying.measure import preflight
@@ -53,12 +54,12 @@ def test_result_is_json_with_the_issue_keys(result):
 
 
 def test_ties_of_the_lab_model_and_of_a_given_model(result):
-    (tie,) = result["ties"][LAB_MODEL]
+    (tie,) = result["ties"][LAB_MODEL]  # TinyGPT at the config's sizes
     assert tie["names"] == ["tok_emb.weight", "head.weight"]
     assert tie["modules"] == ["tok_emb", "head"]
     assert tie["module_types"] == ["Embedding", "Linear"]
-    assert tie["kind"] == "identity" and tie["shape"] == [64, 32]
-    assert tie["bytes"] == 64 * 32 * 4
+    assert tie["kind"] == "identity" and tie["shape"] == [CONFIG.vocab, CONFIG.dim]
+    assert tie["bytes"] == TIED_BYTES
     (tie,) = result["ties"][MODEL]
     assert tie["names"] == ["tok_embeddings.weight", "output.weight"]
     assert tie["modules"] == ["tok_embeddings", "output"] and tie["kind"] == "identity"
@@ -80,6 +81,53 @@ def test_the_plans_of_a_given_model_come_from_its_tie_and_its_blocks(result):
         "split_tie": ["head"],
     }
     assert tie_plans(tied_llama()) == result["tie_plans"]
+
+
+def test_each_section_says_which_model_it_ran_on(result):
+    # The given model's own sizes where it ran (a factory takes no sizes), the config's
+    # TinyGPT everywhere else; read off the models the sections built.
+    llama = tied_llama()
+    sections = result["sections"]
+    for key in ("verification", "audit"):
+        s = sections[key]
+        assert s["model"] == MODEL
+        assert [s["vocab"], s["dim"]] == list(llama.tok_embeddings.weight.shape)
+        assert s["layers"] == len(llama.layers)
+        assert s["parameters"] == sum(p.numel() for p in llama.parameters())
+        assert (s["batch_per_rank"], s["seq_len"]) == (2, 16)
+    assert sections["verification"]["steps"] == CONFIG.steps
+    for key in ("plans", "to_empty", "spike"):
+        s = sections[key]
+        assert s["model"] == LAB_MODEL
+        assert (s["vocab"], s["dim"], s["layers"]) == (CONFIG.vocab, CONFIG.dim, CONFIG.layers)
+        assert s["tied_bytes"] == TIED_BYTES
+    assert (sections["spike"]["batch_per_rank"], sections["spike"]["seq_len"]) == (2, 16)
+    assert sections["spike"]["steps"] == CONFIG.spike_steps
+
+
+def test_the_spike_sentences_follow_this_runs_numbers(result):
+    spike = result["spike"]
+    for system in SPIKE_SYSTEMS:
+        root, joint = (spike[system][w]["peak_bytes"][0] for w in WRAPPINGS)
+        text = report.spike_paragraph(spike, system)
+        if root == joint:
+            assert "The peaks are equal" in text and "differ" not in text
+        else:
+            higher = "root" if root > joint else "joint"
+            assert f"The peaks differ: the {higher} unit's is higher by" in text
+        # Our shard, told to: every unit but the root freed after forward; FSDP2 decides so at
+        # its first forward (read from its private param groups: a new torch may move them).
+        said = report.freed_sentence(spike, system)
+        if spike[system]["root_unit"]["freed_after_forward"] is None:
+            assert system == "fsdp2" and "could not be read on this torch" in said
+        else:
+            assert "after forward it freed every unit but the root unit" in said, said
+    ours = report.spike_paragraph(spike, "fsdp_lab")
+    assert "A plateau, not a spike" in ours  # measured: the root unit holds it throughout
+    assert spike["fsdp_lab"]["root_unit"]["freed_after_forward"] == {
+        **{f"blocks.{i}": True for i in range(CONFIG.layers)},
+        "root": False,
+    }
 
 
 def test_a_model_without_a_tie_is_refused_before_any_rank_starts():

@@ -12,7 +12,8 @@ that use it, so the learner sees *why* a wrap plan is valid or not before anythi
 
 One module per picture: `cluster` (the processes of a Cluster), `wrap` (wrap units and tied
 weights), `pipeline` (a pipeline's stages and how its initialisation travels), `mesh` (a
-hybrid-sharding mesh and the link each collective uses); `base.Diagram`
+hybrid-sharding mesh and the link each collective uses), `parallelism` (data, context,
+pipeline and tensor parallelism side by side); `base.Diagram`
 is what they return. Drawing needs graphviz's `dot` program, which is
 an OS package, not a pip package. Without it a `Diagram` still works: Jupyter shows the DOT source with a one-line note instead of failing, so a
 missing system package never breaks a lesson.
@@ -21,6 +22,7 @@ missing system package never breaks a lesson.
 from fsdp_lab.diagrams.base import MISSING_DOT_MESSAGE, Diagram, _explain_missing_dot_once, has_dot
 from fsdp_lab.diagrams.cluster import cluster_diagram
 from fsdp_lab.diagrams.mesh import mesh_diagram
+from fsdp_lab.diagrams.parallelism import parallelism_diagram
 from fsdp_lab.diagrams.pipeline import pipeline_diagram
 from fsdp_lab.diagrams.wrap import wrap_diagram
 
@@ -31,6 +33,7 @@ __all__ = [
     "cluster_diagram",
     "has_dot",
     "mesh_diagram",
+    "parallelism_diagram",
     "pipeline_diagram",
     "wrap_diagram",
 ]

@@ -42,7 +42,14 @@ class _Shared:
 
 
 def wrap_diagram(
-    model: nn.Module, units: Units = None, title: str | None = None, *, max_depth: int = 2
+    model: nn.Module,
+    units: Units = None,
+    title: str | None = None,
+    *,
+    max_depth: int = 2,
+    rankdir: str = "TB",
+    collapse_repeats: bool = False,
+    max_width_in: float | None = None,
 ) -> Diagram:
     """The wrap-boundary picture: module tree, one box per wrap unit, tied parameters between.
 
@@ -65,15 +72,31 @@ def wrap_diagram(
         max_depth: modules deeper than this are folded into their shown ancestor (their
             parameters counted there), except unit roots and users of tied parameters, which
             are always shown. 0 shows only the model (and those).
+        rankdir: "TB" (the module tree grows downwards: sibling units side by side) or "LR"
+            (rightwards: sibling units stacked, narrow enough for a notebook column).
+        collapse_repeats: draw a run of 4+ alike units (siblings ``blocks.0``, ``blocks.1``,
+            ... of one type and size, none holding a tie) as its first, one dashed box for the
+            middle ones, and its last: the picture of 32 blocks is the picture of 4.
+        max_width_in: scale the drawing down (never up) to at most this many inches wide.
     """
     if max_depth < 0:
         raise ValueError(f"max_depth must be >= 0, got {max_depth}")
+    if rankdir not in ("TB", "LR"):
+        raise ValueError(f"rankdir={rankdir!r}: expected 'TB' or 'LR'")
+    if max_width_in is not None and not max_width_in > 0:
+        raise ValueError(f"max_width_in={max_width_in!r}: expected a number of inches > 0")
     roots = _roots_of(model, units)  # raises PlanError for a non-plan, e.g. an unknown name
     unit_names = [ROOT, *(unit_name(g) for g in roots)]
     modules = dict(model.named_modules(remove_duplicate=False))
     owned = ownership(model, units)  # conflicts included: nothing is refused here
     shared = _shared_params(model, owned, roots)
+    sizes = _unit_sizes(model, owned, unit_names)
+    runs = _alike_runs(modules, roots, shared, sizes) if collapse_repeats else []
+    hidden = {u for run in runs for u in run[1:-1]}  # drawn as one dashed box per run
+    unit_names = [u for u in unit_names if u not in hidden]
     shown = _shown_modules(modules, roots, shared, max_depth)
+    node_sizes, folded = _node_sizes(modules, shown)  # before hiding: nothing folds upwards
+    shown = {m for m in shown if unit_of_module(m, roots) not in hidden}
     in_conflict = {u for s in shared if s.conflict for u in s.units}
     verdict = _verdict(model, units, shared)
 
@@ -81,8 +104,10 @@ def wrap_diagram(
     invalid = verdict.startswith("INVALID")
     g = graphviz.Digraph(
         "fsdp_lab_wrap",
-        graph_attr={"rankdir": "TB", "label": label, "labelloc": "t", "fontname": "Helvetica"},
+        graph_attr={"rankdir": rankdir, "label": label, "labelloc": "t", "fontname": "Helvetica"},
     )
+    if max_width_in is not None:  # graphviz scales down to fit the box; the height is free
+        g.attr("graph", size=f"{max_width_in:g},100")
     g.attr("graph", fontcolor="#C00000" if invalid else "black", nodesep="0.25")
     g.attr("node", shape="box", style="rounded,filled", fillcolor="white", fontname="Helvetica")
     g.attr("node", fontsize="10")
@@ -90,8 +115,6 @@ def wrap_diagram(
 
     # Units are disjoint sets of modules, so their boxes are siblings, never nested: the root
     # unit holds only what no other unit claimed.
-    sizes = _unit_sizes(model, owned, unit_names)
-    node_sizes, folded = _node_sizes(modules, shown)
     for unit in unit_names:
         name = "root unit" if unit == ROOT else f"unit {unit!r}"
         with g.subgraph(name="cluster_root_unit" if unit == ROOT else f"cluster_unit_{unit}") as c:
@@ -110,13 +133,19 @@ def wrap_diagram(
             for s in shared:
                 if not s.conflict and s.units[0] == unit:
                     c.node(s.node, s.label, shape="ellipse", fillcolor="#FCE8B2")
+        for run in runs:  # declared right after its first unit: drawn in its place
+            if run[0] == unit:
+                _draw_collapsed(g, run, sizes[unit])
     for s in shared:
         if s.conflict:  # outside every box: no single unit can hold it
             g.node(s.node, s.label, shape="ellipse", fillcolor="#F4CCCC", color="#C00000")
 
+    collapsed_at = {run[1]: run for run in runs}  # where each run's middle starts
     for m in modules:  # module order, so the same model always gives the same source
         if m in shown and m != ROOT:
             g.edge(_module_id(m.rpartition(".")[0]), _module_id(m))
+        if m in collapsed_at:  # the dashed box sits between the run's first and last
+            g.edge(_module_id(m.rpartition(".")[0]), _collapsed_id(collapsed_at[m]), style="dashed")
     for s in shared:
         # One edge per using module (a module may hold one parameter under two names).
         for m, unit in dict.fromkeys(zip(s.owners, s.units, strict=True)):
@@ -172,6 +201,51 @@ def _verdict(model: nn.Module, units: Units, shared: list[_Shared]) -> str:
         problem = str(err).split(" Fix:")[0]
         return "INVALID: " + "\\n".join(textwrap.wrap(problem, 80))
     return "valid: every tie inside one unit" if shared else "valid: no tied parameters"
+
+
+def _alike_runs(
+    modules: dict[str, nn.Module],
+    roots: list[tuple[str, ...]],
+    shared: list[_Shared],
+    sizes: dict[str, int],
+) -> list[list[str]]:
+    """Runs of 4+ consecutive sibling units ``X.i`` of one module type and size, none of whose
+    modules uses a tied parameter (those must stay drawn: their edges are the lesson)."""
+    tie_users = {m for s in shared for m in s.owners}
+    runs: list[list[str]] = []
+    for (name,) in (g for g in roots if len(g) == 1):
+        parent, _, index = name.rpartition(".")
+        uses_tie = any(u == name or u.startswith(name + ".") for u in tie_users)
+        if not index.isdigit() or uses_tie:
+            continue
+        last = runs[-1][-1] if runs else None
+        alike = last is not None and (
+            last.rpartition(".")[0] == parent
+            and int(last.rpartition(".")[2]) + 1 == int(index)
+            and type(modules[last]) is type(modules[name])
+            and sizes[last] == sizes[name]
+        )
+        if alike:
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+    return [run for run in runs if len(run) >= 4]
+
+
+def _collapsed_id(run: list[str]) -> str:
+    return f"{run[1]} ... {run[-2]}"
+
+
+def _draw_collapsed(g: graphviz.Digraph, run: list[str], size: int) -> None:
+    """One dashed box for the middle of `run`: which units it stands for, and their size."""
+    middle = run[1:-1]
+    with g.subgraph(name=f"cluster_alike_{run[1]}") as c:
+        c.attr(label="", style="rounded,dashed,filled", fillcolor="#E3ECF7", color="#4C72B0")
+        label = (
+            f"units {middle[0]!r} … {middle[-1]!r}\\n{len(middle)} more like {run[0]!r},"
+            f"\\n{size:,} params each"
+        )
+        c.node(_collapsed_id(run), label, shape="plaintext", style="")
 
 
 def _shown_modules(

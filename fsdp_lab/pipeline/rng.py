@@ -36,9 +36,11 @@ the seed checkpoint) it reports through the broadcast the others wait on: they r
 instead of waiting for a message that will not come.
 
 Where the real thing goes further: torchtitan's seed checkpoint (``--checkpoint.create_seed_
-checkpoint``) is approach (a); on CUDA, DTensor's random ops give each shard an offset into a
-counter-based (Philox) stream, which is approach (d) without messages — `fsdp_lab.meta_init`
-builds the same idea by hand. Tensor-parallel shards of one layer need per-shard offsets too.
+checkpoint``) is approach (a), and its pipeline stages otherwise get a seed each, approach (c);
+on CUDA, DTensor's random ops give each shard an offset into a counter-based (Philox) stream —
+no messages, replicas alike, shards distinct, though (pytorch/pytorch#168058) not the values one
+device would draw. `fsdp_lab.meta_init` builds the counter idea by hand, exactly. Tensor-
+parallel shards of one layer need per-shard offsets too.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_lab import comm
@@ -91,6 +94,7 @@ def seed_checkpoint(
     *,
     stages: Stages = None,
     init: InitFn | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """(a) Rank 0 initialises the whole model and saves it; each stage loads its own keys."""
     if checkpoint_dir is None or not Path(checkpoint_dir).is_dir():
@@ -116,7 +120,8 @@ def seed_checkpoint(
         except Exception as exc:  # the others wait in the broadcast below: tell them
             failed = exc
             size.fill_(-1)
-    comm.broadcast(size, src=0)  # "the checkpoint is there" (and how big), a counted message
+    # "the checkpoint is there" (and how big), a counted message
+    comm.broadcast(size, src=world_rank(group, 0), group=group)
     if failed is not None:
         raise failed
     if int(size) < 0:
@@ -144,6 +149,7 @@ def same_seed(
     *,
     stages: Stages = None,
     init: InitFn | None = None,
+    group: dist.ProcessGroup | None = None,  # it sends nothing: accepted like the others
 ) -> nn.Module:
     """(b) The bug: every stage seeds the same and initialises its own modules."""
     whole, plan, init_fn = prepare(model, info, layers_per_stage, stages, init)
@@ -162,6 +168,7 @@ def per_stage_seed(
     *,
     stages: Stages = None,
     init: InitFn | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """(c) Rank 0 draws one seed per stage and broadcasts them; each stage uses its own."""
     whole, plan, init_fn = prepare(model, info, layers_per_stage, stages, init)
@@ -169,7 +176,7 @@ def per_stage_seed(
     if info.rank == 0:
         g = torch.Generator().manual_seed(seed)
         seeds.copy_(torch.randint(0, 2**62, (info.stages,), generator=g))
-    comm.broadcast(seeds, src=0)
+    comm.broadcast(seeds, src=world_rank(group, 0), group=group)
     spec = own_stage(whole, plan, info, device)
     torch.manual_seed(int(seeds[info.stage]))
     run_init(whole, plan, init_fn)
@@ -185,13 +192,14 @@ def rng_replay(
     *,
     stages: Stages = None,
     init: InitFn | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """(d) Run the init in its order everywhere; the generator state travels to each next owner."""
     whole, plan, init_fn = prepare(model, info, layers_per_stage, stages, init)
     spec = own_stage(whole, plan, info, device)
 
     def rank_of(stage: int) -> int:  # the same pipeline (dp replica), another stage
-        return info.dp_rank * info.stages + stage
+        return world_rank(group, info.dp_rank * info.stages + stage)
 
     holder: int | None = None  # the stage whose generator the init is drawing from
 
@@ -236,6 +244,7 @@ def init_stage(
     *,
     stages: Stages = None,
     init: InitFn | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """This rank's stage, initialised with `strategy` (one of the four above).
 
@@ -251,10 +260,13 @@ def init_stage(
         stages: the module names of each stage, or a `StagePlan` (default: the default split
             into ``info.stages`` stages; see `fsdp_lab.pipeline.split`).
         init: the model's init as a function of the whole model (default: `model_init`).
+        group: the ranks the pipeline(s) run on, `info` being this rank's place among them
+            (default: every rank). The broadcasts of (a) and (c) go over it, and (d)'s
+            handoffs to its ranks; the ranks outside it take no part.
     """
     if strategy not in INIT:
         raise ValueError(f"strategy={strategy!r} is unknown: allowed {list(STRATEGIES)}")
-    kwargs: dict[str, Any] = {"stages": stages, "init": init}
+    kwargs: dict[str, Any] = {"stages": stages, "init": init, "group": group}
     if strategy == "seed_checkpoint":
         kwargs["checkpoint_dir"] = checkpoint_dir
     return INIT[strategy](model, info, seed, layers_per_stage, device, **kwargs)
@@ -267,6 +279,11 @@ def stage_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, buffer in model.named_buffers():
         tensors.setdefault(name, buffer)
     return tensors
+
+
+def world_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    """The world rank of `group`'s rank `group_rank` (the world's: itself)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
 # -- generator state, CPU or CUDA ---------------------------------------------------------------

@@ -83,6 +83,30 @@ def _target_device(device: torch.device | str | None) -> torch.device:
     return concrete_device(device)
 
 
+def _freed_after_forward(
+    units: list[str], policy: Any, asked: bool | Iterable[str] | None
+) -> set[str]:
+    """The units freed after forward. [Note: the root stays gathered] The root unit is the
+    first to be gathered in forward and, holding the loss-side modules (a GPT's head), the
+    first needed in backward: freeing it between the two passes and gathering it again costs
+    one all-gather of the root per step and saves its bytes only for the instant between
+    forward and backward. FSDP2 (`FSDPState._lazy_init`: the root's post-forward mesh is
+    None) and FSDP1 (`_post_forward_reshard` skips the root) both keep it; so do we by
+    default. notebooks/01_sharding.ipynb measures both choices."""
+    if not policy.reshard_after_forward or asked is False:
+        return set()
+    if asked is None or asked is True:
+        return set(units[1:])  # units[0] is the root
+    free_after = set(asked)
+    unknown = free_after - set(units)
+    if unknown:
+        raise ValueError(
+            f"reshard_after_forward names unknown units {sorted(unknown)}: expected some of "
+            f"{units} (the root is ''). Fix: use the names `build_plan` gives, or True/False"
+        )
+    return free_after
+
+
 def shard(
     model: nn.Module,
     units: Units = None,
@@ -111,8 +135,11 @@ def shard(
         mesh: None (all ranks), a 1-D DeviceMesh or a ProcessGroup spanning every rank; for
             the hybrid strategies (R, S) — R replicas of S-rank shard groups, R·S ranks — or a
             2-D (replicate, shard) DeviceMesh. See [Note: the 2-D mesh] in `sharding.mesh`.
-        reshard_after_forward: "full" only — True (default), False, or the unit names to free
-            after forward (e.g. keep the last unit, whose backward comes right next).
+        reshard_after_forward: "full"/"hybrid" only — which units are freed after forward and
+            gathered again for backward. None or True (default): every unit but the root, as
+            FSDP2 and FSDP1 do — the root's backward comes right after the forward, so freeing
+            it would only buy one all-gather more per step; see [Note: the root stays
+            gathered]. False: none. Or the unit names to free (the root's name, "", included).
         device: a meta model only: where its shards go (default: this rank's GPU under NCCL,
             else CPU).
         param_init_fn: a meta model only: called on every module, children before parents
@@ -154,13 +181,7 @@ def shard(
     if on_meta and not recorded_ties(model):
         record_ties(model)  # identity ties are visible on meta: keep them for verification
     policy = ALL_SHARDING_STRATEGIES[strategy]
-    if policy.reshard_after_forward and reshard_after_forward not in (None, True):
-        free_after = set() if reshard_after_forward is False else set(reshard_after_forward)
-        unknown = free_after - set(plan.units)
-        if unknown:
-            raise ValueError(f"reshard_after_forward names unknown units {sorted(unknown)}")
-    else:
-        free_after = set(plan.units) if policy.reshard_after_forward else set()
+    free_after = _freed_after_forward(plan.units, policy, reshard_after_forward)
 
     state = ShardingState(groups=groups, prefetch=prefetch, strategy=strategy)
     sync_group = groups.sync_group

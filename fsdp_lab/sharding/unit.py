@@ -144,9 +144,10 @@ class ShardedUnit:
                 flat.unsharded.data.copy_(inp)
                 return
             self._gather_input = inp
-            self._gather = comm.all_gather_into_tensor(
-                flat.unsharded.data, inp, group=self.state.group, async_op=True
-            )
+            with comm.tagged(self.label):
+                self._gather = comm.all_gather_into_tensor(
+                    flat.unsharded.data, inp, group=self.state.group, async_op=True
+                )
         if not async_op:
             self.wait_unshard()
 
@@ -316,7 +317,7 @@ class ShardedUnit:
         full_grad = flat.unsharded.grad
         if full_grad is None or flat.padded_numel == 0:
             return
-        with torch.no_grad():
+        with torch.no_grad(), comm.tagged(self.label):
             if flat.aliased:  # DDP (or S = 1): all-reduce the parameter's gradient in place
                 if groups.world > 1 or groups.replicate_group is None:  # S = 1: nothing to add
                     comm.all_reduce(full_grad, group=self.state.group)

@@ -51,6 +51,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "other")
+# What ZeRO's model-state formulas count: not activations, not "other" (setup copies, scratch).
+MODEL_STATE = ("parameters", "gradients", "optimizer_state", "comm_buffers")
 _INDEX = {name: i for i, name in enumerate(CATEGORIES)}
 _OTHER = _INDEX["other"]
 

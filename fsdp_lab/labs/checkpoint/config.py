@@ -16,9 +16,14 @@ MODES = ("plain", "unit_wraps_checkpoint", "checkpoint_spans_two_units")
 class CheckpointConfig:
     """Args:
     layers: chain lengths N to measure.
-    every: C for `every(C)` (default: round(√N)).
+    every: C for `every(C)`: C evenly spaced checkpoints, N/C layers apart (default: round(√N)).
     segment: k for `segments(k)` (default: round(√N)).
-    budget: stored layer inputs for `optimal(budget)` (default: what segments(k) keeps).
+    budget: most layer inputs alive for `optimal(budget)`, in this lab's units — a grad-mode
+        forward doubles as the advance, a tape of m layers holds m inputs; not revolve's
+        (default: what segments(k) keeps).
+    snapshots: s for `revolve(s)`, Griewank–Walther's binomial checkpointing in their units:
+        s stored states, the chain input included, each layer taped alone (default:
+        budget - 1, so that it keeps as many layer inputs as optimal(budget)).
     dim: layer width.
     batch: rows of the batch (B).
     world_size: ranks for the with-sharding part (0 skips it).
@@ -29,6 +34,7 @@ class CheckpointConfig:
     every: int | None = field(default=None, metadata={"metavar": "C"})
     segment: int | None = field(default=None, metadata={"metavar": "K"})
     budget: int | None = None
+    snapshots: int | None = None
     dim: int = 128
     batch: int = 64
     world_size: int = 2
@@ -44,7 +50,8 @@ class CheckpointConfig:
                 f"layers={self.layers!r}: expected chain lengths, ints >= 1. Fix: layers={fix!r}"
             )
         top = min(self.layers)  # every argument must fit the shortest chain
-        for name, low in (("every", 1), ("segment", 1), ("budget", min_budget(top))):
+        bounds = (("every", 1), ("segment", 1), ("budget", min_budget(top)), ("snapshots", 1))
+        for name, low in bounds:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and low <= value <= top):
                 near = min(max(value, low), top) if isinstance(value, int) else round(top**0.5)

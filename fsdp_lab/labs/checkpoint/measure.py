@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
+import torch.nn as nn
 import torch.utils.checkpoint as torch_checkpoint
 
 from fsdp_lab import comm, reference, schedules, theory
@@ -47,61 +49,139 @@ def _chain(config: CheckpointConfig, n: int) -> tuple[Chain, torch.Tensor]:
 
 
 def measure_schedules(
-    chain: Chain, x: torch.Tensor, runs: Sequence[schedules.Schedule], repeats: int = 3
+    chain: Chain,
+    x: torch.Tensor,
+    runs: Sequence[schedules.Schedule],
+    repeats: int = 5,
+    traced: Collection[str] = (),
 ) -> list[dict[str, Any]]:
     """Each schedule of `runs` on `chain` and the batch `x` (B, dim): one table row each.
 
-    A row holds the layer calls and the most layer inputs alive (forward hooks) beside
-    `theory.checkpoint_cost`'s; `time_s`, the fastest of `repeats` runs (on a busy CPU,
-    contention adds noise, never speed); the peak activation bytes of one more run under a
-    `MemoryTracker` (it slows every op: timing is done without it); and the largest gradient
-    difference from the first schedule's (store_all: plain autograd).
+    Per schedule, in this order:
+    1. one run under forward hooks: the layer calls, the advances (no_grad calls) of each layer
+       and the most layer inputs alive, beside `theory.checkpoint_cost`'s. It also warms up
+       (the first backward of a process starts autograd's machinery: store_all, run first,
+       used to look slower than the schedules that recompute);
+    2. `repeats` timed runs, neither hooks nor tracker (both slow every call): `time_s` is
+       their median, `time_min_s`/`time_max_s` their spread, all measured wall-clock;
+    3. one run under a `MemoryTracker`, a marker at every layer call ("L3" under grad, "adv
+       L3" under no_grad): the peak activation bytes and the peak of everything it tracked
+       (activations + gradients: the dashed "peak" line of `plots.plot_memory_trace`), from
+       the one recording that `trace` keeps for the schedules named in `traced`;
+    4. the largest gradient difference from the first schedule's (store_all: plain autograd).
+    Intra-op threads are set to 1: on layers this small, threads only add contention noise.
     """
     layers, rows, base = list(chain.layers), [], {}
-    for schedule in runs:
-        times = []
-        for _ in range(repeats):
+    with intra_op_threads(1):
+        for schedule in runs:
             chain.zero_grad(set_to_none=True)  # .grad accumulates: each run's are its own
             with schedules.LayerInputCounter(layers) as counter:
+                schedules.run_chain(layers, x, schedule, loss_fn=_loss)
+            times = []
+            for _ in range(max(repeats, 1)):
+                chain.zero_grad(set_to_none=True)
                 t0 = time.perf_counter()
                 schedules.run_chain(layers, x, schedule, loss_fn=_loss)
                 times.append(time.perf_counter() - t0)
-        chain.zero_grad(set_to_none=True)
-        with MemoryTracker() as mem:
-            schedules.run_chain(layers, x, schedule, loss_fn=_loss)
-            activations = mem.trace()["bytes"]["activations"]  # a sample at every alloc and free
-        grads = {name: p.grad for name, p in chain.named_parameters()}
-        base = base or grads  # the first schedule's: store_all, plain autograd
-        predicted = theory.checkpoint_cost(schedule, len(layers))
-        rows.append(
-            {
+            chain.zero_grad(set_to_none=True)
+            trace = _marked_trace(layers, x, schedule)
+            grads = {name: p.grad for name, p in chain.named_parameters()}
+            base = base or grads  # the first schedule's: store_all, plain autograd
+            predicted = theory.checkpoint_cost(schedule, len(layers))
+            row = {
                 "schedule": str(schedule),
                 "n": len(layers),
                 "stored_activations": counter.stored_activations,
                 "forward_calls": counter.forward_calls,
+                "advances": counter.advances,
+                "repetitions": counter.repetitions,
                 "theory_stored_activations": predicted.stored_activations,
                 "theory_forward_calls": predicted.forward_calls,
-                "time_s": min(times),
-                "peak_activation_bytes": max(activations),
+                "time_s": statistics.median(times),
+                "time_min_s": min(times),
+                "time_max_s": max(times),
+                "repeats": len(times),
+                "peak_activation_bytes": max(trace["bytes"]["activations"]),
+                "peak_total_bytes": trace["peak_bytes"],
                 "max_abs_grad_diff": reference.max_abs_diff(grads, base),
             }
-        )
+            if schedule.name == "revolve":  # Griewank–Walther's own counts, closed form
+                row["theory_repetitions"] = theory.revolve_repetitions(len(layers), schedule.arg)
+            if str(schedule) in traced:
+                row["trace"] = trace
+            rows.append(row)
     return rows
 
 
+def _marked_trace(layers: list[nn.Module], x: torch.Tensor, schedule: schedules.Schedule) -> dict:
+    """One forward + backward under a MemoryTracker, a marker at each layer call: "L3" for a
+    call under grad (its internals kept for backward), "adv L3" for one under no_grad."""
+    with MemoryTracker() as mem:
+
+        def mark(i: int) -> Any:
+            return lambda *_: mem.mark(f"L{i}" if torch.is_grad_enabled() else f"adv L{i}")
+
+        handles = [m.register_forward_pre_hook(mark(i)) for i, m in enumerate(layers)]
+        try:
+            schedules.run_chain(layers, x, schedule, loss_fn=_loss)
+        finally:
+            for handle in handles:
+                handle.remove()
+    return mem.trace()
+
+
 def schedules_for(config: CheckpointConfig, n: int) -> list[schedules.Schedule]:
-    """The five schedules for a chain of `n`: C = k = round(√N) unless given, and `optimal`
-    keeps as many layer inputs as `segments(k)`, so the two compete at equal slots."""
+    """The six schedules for a chain of `n`: C = k = round(√N) unless given; `optimal` keeps as
+    many layer inputs as `segments(k)`, and `revolve` takes one snapshot fewer than optimal's
+    budget, so that the three compete at equal kept inputs (s snapshots + the taped state)."""
     root = _root(n)
     k = config.segment or root
     budget = config.budget or theory.checkpoint_cost(schedules.segments(k), n).stored_activations
+    budget = max(schedules.min_budget(n), min(budget, n))
+    snapshots = config.snapshots or max(1, budget - 1)
     return [
         schedules.store_all,
         schedules.full_recompute,
         schedules.every(config.every or root),
         schedules.segments(k),
-        schedules.optimal(max(schedules.min_budget(n), min(budget, n))),
+        schedules.optimal(budget),
+        schedules.revolve(min(snapshots, n)),
     ]
+
+
+def binomial_law(max_snapshots: int = 3, max_repetitions: int = 3) -> list[dict[str, Any]]:
+    """Griewank's law measured: for s snapshots and r repetitions, revolve(s) on a chain of
+    l = C(s + r, s) layers (the longest the law allows with r) and on one of l + 1 layers."""
+    rows = []
+    for s in range(1, max_snapshots + 1):
+        for r in range(1, max_repetitions + 1):
+            steps = theory.binomial_reach(s, r)
+            rows.append(
+                {
+                    "snapshots": s,
+                    "repetitions": r,
+                    "at": _counted_revolve(steps, s),
+                    "past": _counted_revolve(steps + 1, s),
+                }
+            )
+    return rows
+
+
+def _counted_revolve(steps: int, snapshots: int) -> dict[str, int]:
+    """revolve(snapshots) on a tiny chain (B=4, dim=8: counts only) of `steps` layers: the
+    advances, the most advances of one layer and the kept inputs (hooks), with the theory's."""
+    torch.manual_seed(0)
+    chain, x = Chain(steps, 8), torch.randn(4, 8)
+    with schedules.LayerInputCounter(chain.layers) as counter:
+        schedules.run_chain(chain.layers, x, schedules.revolve(snapshots), loss_fn=_loss)
+    return {
+        "steps": steps,
+        "advances": counter.advances,
+        "repetitions": counter.repetitions,
+        "stored_activations": counter.stored_activations,
+        "theory_advances": theory.revolve_advances(steps, snapshots),
+        "theory_repetitions": theory.revolve_repetitions(steps, snapshots),
+    }
 
 
 def _versus_torch(config: CheckpointConfig, n: int) -> dict[str, Any]:
@@ -126,17 +206,6 @@ def _versus_torch(config: CheckpointConfig, n: int) -> dict[str, Any]:
         grads[who] = {name: p.grad for name, p in chain.named_parameters()}
     diff = reference.max_abs_diff(grads["ours"], grads["torch"])
     return {"k": k, **peaks, "max_abs_grad_diff_ours_vs_torch": diff}
-
-
-def _traces(config: CheckpointConfig, n: int) -> dict[str, Any]:
-    """One forward+backward under the tracker: store-all vs segments(√N)."""
-    out = {}
-    for schedule in (schedules.store_all, schedules.segments(_root(n))):
-        chain, x = _chain(config, n)
-        with MemoryTracker() as mem:
-            schedules.run_chain(chain.layers, x, schedule, loss_fn=_loss)
-        out[str(schedule)] = mem.trace()
-    return out
 
 
 def sharded_chain_worker(
@@ -182,11 +251,17 @@ def measure(
 ) -> dict[str, Any]:
     """Every schedule for each N and the torch comparison here; then each mode trained on
     `cluster` (or on ranks started for it; world_size 0 and no cluster skip that part)."""
-    chains = {}
+    chains, traces = {}, {}
     for n in config.layers:
         chain, x = _chain(config, n)
-        with intra_op_threads(1):  # small layers: intra-op threads only add contention noise
-            rows = measure_schedules(chain, x, schedules_for(config, n))
+        # The shortest chain's store_all and segments(√N) are drawn over time: their recordings
+        # are the very runs whose peaks the table shows.
+        traced = (str(schedules.store_all), str(schedules.segments(_root(n))))
+        rows = measure_schedules(chain, x, schedules_for(config, n), traced=traced)
+        if n == config.layers[0]:
+            traces = {r["schedule"]: r.pop("trace") for r in rows if "trace" in r}
+        for r in rows:
+            r.pop("trace", None)
         chains[str(n)] = {"rows": rows, "versus_torch": _versus_torch(config, n)}
     sharding = None
     if config.world_size > 0 or cluster is not None:
@@ -205,5 +280,9 @@ def measure(
             }
             for m, r in runs.items()
         }
-    traces = _traces(config, config.layers[0])
-    return {"chains": chains, "memory_traces": traces, "with_sharding": sharding}
+    return {
+        "chains": chains,
+        "memory_traces": traces,
+        "binomial_law": binomial_law(),
+        "with_sharding": sharding,
+    }

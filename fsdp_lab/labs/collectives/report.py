@@ -41,3 +41,53 @@ def summary(result: LabResult) -> str:
         + table(["op", "measured bytes/rank (all ranks)", "theory", "time/call"], rows)
         + f"\n\nmeasured equals theory on every rank: {result['matches_theory']}"
     )
+
+
+def all_reduce_sentence(result: LabResult) -> str:
+    """Markdown: why the all-reduce bar can be the shorter one although an all-reduce moves twice
+    a reduce-scatter's bytes — per byte of input, from rank 0's measured bytes."""
+    n, s = result["world_size"], result["shard_bytes"]
+    moved = result["comm_bytes_per_rank"][0]
+    rs, ar = moved["reduce_scatter_tensor"], moved["all_reduce"]
+    per_rs, per_ar = rs / (n * s), ar / s
+    ratio = per_ar / per_rs if per_rs else float("nan")
+    return (
+        f"Measured on rank 0, {n} ranks: the reduce-scatter reduced the {format_bytes(n * s)} full "
+        f"vector and moved {format_bytes(rs)} ({per_rs:.3g} bytes per byte of input, (N−1)/N); "
+        f"the all-reduce reduced the {format_bytes(s)} shard and moved {format_bytes(ar)} "
+        f"({per_ar:.3g} per byte of input, 2(N−1)/N). Per byte of the tensor reduced, the "
+        f"all-reduce moved **{ratio:.3g}×** the reduce-scatter's bytes; its bar is "
+        + ("shorter" if ar < rs else "not shorter" if ar == rs else "taller")
+        + f" only because its tensor was {n}× smaller."
+    )
+
+
+def waiting_sentence(result: LabResult) -> str:
+    """Markdown: the longest span inside a collective, split into waiting for the other ranks
+    and moving bytes (`trace.timeline.waiting_times`), measured in this run."""
+    from fsdp_lab.trace.timeline import common_clock, waiting_times
+
+    timelines = result["timelines"]
+    if not common_clock(timelines):
+        return "The ranks ran on different hosts: no common clock to tell waiting from transfer."
+    waits = waiting_times(timelines)
+    r, i = max(
+        ((r, i) for r, tl in enumerate(timelines) for i, s in enumerate(tl["spans"])),
+        key=lambda ri: (
+            timelines[ri[0]]["spans"][ri[1]]["end"] - timelines[ri[0]]["spans"][ri[1]]["start"]
+        ),
+    )
+    span, wait = timelines[r]["spans"][i], waits[r][i]
+    length = span["end"] - span["start"]
+    return (
+        f"The longest span, **{length * 1e3:.1f} ms inside `{span['name']}` on rank "
+        f"{timelines[r].get('rank', r)}**, was {wait * 1e3:.1f} ms of waiting for the last rank "
+        f"of the group to enter the call and {(length - wait) * 1e3:.1f} ms of moving bytes"
+        + (
+            " — mostly waiting: a collective cannot start before every rank has called it, so a "
+            "rank that arrives early (here, at a different moment than the others) waits inside "
+            "it. The timeline draws waiting pale and hatched."
+            if wait > length / 2
+            else " — mostly moving bytes. The timeline draws waiting pale and hatched."
+        )
+    )

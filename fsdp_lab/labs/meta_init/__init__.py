@@ -12,11 +12,19 @@
    one that `to_empty` untied; buffers equal an ordinary build's; the ranks agree —
    `sync_module_states` against `DeterministicInit`, each bitwise against one process, time
    and bytes as the model grows — and why ``kaiming_uniform_`` on a shard cannot do it.
+5. Init code on a parent module (TinyGPT's ``init_weights()`` on its root): the course-note
+   recipe "``reset_parameters()`` on every module that owns parameters" against `shard`'s
+   order (children first, the parent last) and torchtitan's ``init_weights()`` on the shards,
+   each bitwise against one process.
+
+Every sentence the notebook and ``fsdp-lab meta-init`` show that compares two measurements is
+written by `report` from the result.
 
 This is torchtitan's order (meta build -> parallelise -> ``to_empty`` -> ``init_weights``) and
 FSDP1's ``param_init_fn`` / ``sync_module_states``, each step measured. The parts, in the order
-the data flows: `config` · `measure` (the ranks and the fresh process) · `one_process` (the
-references the ranks must equal, no ranks) · `analysis` · `report`.
+the data flows: `config` · `measure` (the ranks and the fresh process; `parent_init`, part 5
+on the ranks) · `one_process` (the references the ranks must equal, no ranks) · `analysis` ·
+`report` (the sentences and the summary; `charts` and `tables` beside it).
 """
 
 from fsdp_lab.labs.meta_init.config import MetaInitConfig

@@ -1,6 +1,7 @@
 """Lab 04, the verdicts: the ranks' measurements regrouped per mode and per approach, beside the
 formulas of `fsdp_lab.theory` (model state per ZeRO stage, peak bytes while materialising, the
-bytes of ``sync_module_states``). Pure functions of plain data: no torch, no ranks."""
+bytes of ``sync_module_states``), and the parent-init ways against one process. Pure functions
+of plain data: no torch, no ranks."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fsdp_lab import theory
-from fsdp_lab.labs.meta_init.config import APPROACHES, CONTROL, MODES, MetaInitConfig
+from fsdp_lab.labs.meta_init.config import APPROACHES, CONTROL, MODES, PARENT_INIT, MetaInitConfig
 
 WORLD_SIZES_70B = (1, 8, 64, 512)  # the 70B model state is tabled for these ranks
 
@@ -47,6 +48,7 @@ def agreement_row(measured: dict[str, Any]) -> dict[str, Any]:
             # Only the broadcast moves anything: the slices and the control move nothing.
             "theory_bytes_moved": model if approach == "sync_module_states" else 0,
             "bitwise_equal_to_reference": not run["mismatched_parameters"],
+            "parameter_names": run.get("parameter_names"),  # how many were compared
             "mismatched_parameters": run["mismatched_parameters"],
             "buffers_equal_to_ordinary": not run["mismatched_buffers"],
         }
@@ -70,6 +72,23 @@ def agreement(measured: list[dict[str, Any]]) -> dict[str, Any]:
         for approach, how in APPROACHES.items()
     }
     return {"rows": rows, "approaches": approaches, "control": rows[0][CONTROL]}
+
+
+def parent_init(measured: dict[str, Any]) -> dict[str, Any]:
+    """Per `PARENT_INIT` way: the names that differ from one process on any rank, and whether
+    every rank matched it bitwise."""
+    out = {}
+    for how, m in measured.items():
+        per_rank = m["mismatched_per_rank"]
+        mismatched = sorted({name for names in per_rank for name in names})
+        out[how] = {
+            "how": PARENT_INIT[how],
+            "parameter_names": m["parameter_names"],
+            "mismatched": mismatched,
+            "ranks_that_differ": [r for r, names in enumerate(per_rank) if names],
+            "bitwise_equal_to_one_process": not mismatched,
+        }
+    return out
 
 
 def analyse(config: MetaInitConfig, measured: dict[str, Any]) -> dict[str, Any]:
@@ -97,4 +116,5 @@ def analyse(config: MetaInitConfig, measured: dict[str, Any]) -> dict[str, Any]:
         "approaches": agree["approaches"],
         "agreement": agree,
         "kaiming_on_a_shard": measured["kaiming_on_a_shard"],
+        "parent_init": parent_init(measured["parent_init"]) if "parent_init" in measured else None,
     }

@@ -11,7 +11,7 @@ from typing import Any
 MODEL_MB = (8, 16384)  # allowed model sizes, MiB of fp32 parameters
 MiB = 2**20
 
-# `fsdp-lab tour` runs this lab smaller: the 1 GiB default needs ~3 GiB of host memory on 2 ranks.
+# `fsdp-lab tour` runs this lab smaller: the ordinary build needs (world_size + 1) x model_mb.
 TOUR = {"model_mb": 256, "sizes_mb": (16, 64)}
 
 MODES = {  # how the host-memory picture builds and shards the model
@@ -24,6 +24,12 @@ APPROACHES = {  # how the ranks come to agree on the values
     "deterministic": "each rank computes its slice (DeterministicInit)",
 }
 CONTROL = "unsynced"  # ordinary init, every rank its own seed, no broadcast: must disagree
+PARENT_INIT = {  # how a model whose init lives on its root (TinyGPT.init_weights) is sharded
+    "param_init_fn": "shard: every module's reset_parameters(), children first, root last",
+    "owners_only": "the recipe: reset_parameters() on each module that owns a parameter",
+    "torchtitan": "shard(param_init_fn='empty'), then init_weights() under full_init",
+}
+RECIPE = "owners_only"  # the course-note recipe the lab puts to the test
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,13 @@
 """Lab 04, measured: Llama-3-70B on meta in a fresh process (``python -m
 fsdp_lab.labs.meta_init.measure --build-70b``), then on the ranks the host-memory picture, the
-ties, and the two ways of making the ranks agree. Resident memory from `RssSampler`, tensor bytes
-from `MemoryTracker`, bytes moved from `comm.CommLog`. Tensors stay here: rank 0's parameters are
-compared bitwise with `one_process`'s references, and `analysis.py` gets the names that differ.
+ties, the two ways of making the ranks agree, and (`parent_init`) a model whose init lives on
+its root. Resident memory from `RssSampler`, tensor bytes from `MemoryTracker`, bytes moved from
+`comm.CommLog`. Tensors stay here: rank parameters are compared bitwise with `one_process`'s
+references, and `analysis.py` gets the names that differ.
+
+Every meta build here is `meta_device()`: ``torch.device("meta")`` with init fills skipped on meta
+(the same model). A plain meta build's first ``normal_`` imports torch._dynamo into each rank
+process, a one-time cost that is neither the model's nor the mechanism's (section 1 measures it).
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import torch
 
 from fsdp_lab import comm, reference
 from fsdp_lab.cluster import AttachedCluster, Cluster, borrow, device, rank, rank_threads
-from fsdp_lab.labs.meta_init import one_process
+from fsdp_lab.labs.meta_init import one_process, parent_init
 from fsdp_lab.labs.meta_init.config import APPROACHES, CONTROL, MODEL_MB, MODES, MetaInitConfig, MiB
+from fsdp_lab.meta_device import meta_device
 from fsdp_lab.meta_init import DeterministicInit, build_on_meta, meta_summary
 from fsdp_lab.models import Llama, LlamaConfig, lab_llama, lab_units, llama_70b_config, llama_bytes
 from fsdp_lab.sharding import shard
@@ -85,7 +91,7 @@ def materialise_worker(llama: dict[str, Any], mode: str, seed: int) -> dict[str,
         if mode == "ordinary":  # every rank builds the whole model in host memory
             model = Llama(config).to(device())
         else:
-            with torch.device("meta"):
+            with meta_device():
                 model = Llama(config)
         rss.mark("built")
         mem.mark("built")
@@ -141,7 +147,7 @@ def measure_materialisation(
     for mode in MODES:  # first calls pay one-time costs (lazy imports, dispatch caches)
         cluster.run(materialise_worker, small, mode, seed)
     runs = {mode: cluster.run(materialise_worker, asdict(config), mode, seed) for mode in MODES}
-    with torch.device("meta"):
+    with meta_device():
         meta = Llama(config)
     units = unit_sizes(build_plan(meta, lab_units(config)), meta)  # name -> elements
     sizes = llama_bytes(config)
@@ -165,7 +171,7 @@ def tie_worker(seed: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     inits = {"param_init_fn": {}, "shard_init": {"shard_init": DeterministicInit(seed)}}
     for path, init in inits.items():
-        with torch.device("meta"):
+        with meta_device():
             model = Llama(config)
         tied_on_meta = model.output.weight is model.tok_embeddings.weight
         shard(model, units=lab_units(config), device=device(), **init)
@@ -177,7 +183,7 @@ def tie_worker(seed: int) -> dict[str, Any]:
                 full["output.weight"], full["tok_embeddings.weight"]
             ),
         }
-    with torch.device("meta"):
+    with meta_device():
         model = Llama(config)
     ties = record_ties(model)
     model.to_empty(device=device())  # no retie: each owner gets its own new Parameter
@@ -200,7 +206,7 @@ def agree_worker(llama: dict[str, Any], approach: str, seed: int) -> dict[str, A
     agree. Rank 0 also returns the full parameters and buffers (to compare with one process).
     """
     config = LlamaConfig(**llama)
-    with torch.device("meta"):
+    with meta_device():
         model = Llama(config)
     torch.manual_seed(seed + 1000 * rank())  # a different stream on every rank
     kwargs: dict[str, Any] = {
@@ -240,6 +246,7 @@ def measure_size(
         ranks = cluster.run(agree_worker, asdict(config), approach, seed)
         expected = one_process.reference_parameters(config, approach, seed, on)
         runs[approach] = {
+            "parameter_names": len(expected),
             "per_rank": [r["stats"] for r in ranks],
             "mismatched_parameters": one_process.mismatches(ranks[0]["params"], expected),
             "mismatched_buffers": one_process.mismatches(ranks[0]["buffers"], buffers),
@@ -251,7 +258,8 @@ def measure(
     config: MetaInitConfig, cluster: Cluster | AttachedCluster | None = None
 ) -> dict[str, Any]:
     """70B on meta (fresh process), then on the ranks: the host-memory picture, ties, agreement
-    (the control at the smallest size); `cluster` is reused if given (its size wins)."""
+    (the control at the smallest size), parent init; `cluster` is reused if given (its size
+    wins)."""
     seventy = measure_70b() if config.measure_70b else None
     with borrow(cluster, config.world_size, config.backend) as ranks:
         n, seed = ranks.world_size, config.seed
@@ -269,6 +277,7 @@ def measure(
             "kaiming_on_a_shard": one_process.kaiming_on_a_shard_differs(
                 world_size=n if n in (2, 4) else 4
             ),
+            "parent_init": parent_init.measure_parent_init(seed, ranks),
         }
 
 

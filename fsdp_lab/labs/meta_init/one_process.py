@@ -9,8 +9,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp_lab.cluster import intra_op_threads
+from fsdp_lab.meta_device import meta_device
 from fsdp_lab.meta_init import DeterministicInit
-from fsdp_lab.models import Llama, LlamaConfig, lab_units
+from fsdp_lab.models import GPTConfig, Llama, LlamaConfig, TinyGPT, lab_units
 from fsdp_lab.sharding.materialize import materialize
 from fsdp_lab.tying import record_ties, retie
 
@@ -20,6 +22,12 @@ def _fork_rng(device: str) -> Any:
     return torch.random.fork_rng(devices=[0] if device == "cuda" else [])
 
 
+# The references run in the driver, beside rank processes that sleep in the meantime. One
+# intra-op thread: on a shared machine, torch's default (one per core) had OpenMP threads
+# spinning against other processes, and the slice initialiser ran many times slower.
+ONE_THREAD = 1
+
+
 def reference_parameters(
     config: LlamaConfig, approach: str, seed: int, device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
@@ -27,24 +35,38 @@ def reference_parameters(
 
     `device`: the ranks' device type (torch's init draws from another generator on CUDA).
     """
-    with torch.device("meta"):
+    with meta_device():
         model = Llama(config)
-    if approach == "deterministic":
-        ties = record_ties(model)
-        model.to_empty(device=device)
-        retie(model, ties)
-        DeterministicInit(seed).init_module_(model)
-    else:  # sync_module_states (and the control): rank 0's init, unit by unit, in plan order
-        with _fork_rng(device):
-            torch.manual_seed(seed)
-            materialize(model, lab_units(config), device=device)
+    with intra_op_threads(ONE_THREAD):
+        if approach == "deterministic":
+            ties = record_ties(model)
+            model.to_empty(device=device)
+            retie(model, ties)
+            DeterministicInit(seed).init_module_(model)
+        else:  # sync_module_states (and the control): rank 0's init, unit by unit, in plan order
+            with _fork_rng(device):
+                torch.manual_seed(seed)
+                materialize(model, lab_units(config), device=device)
     return {k: p.detach().cpu() for k, p in model.named_parameters(remove_duplicate=False)}
 
 
 def ordinary_buffers(config: LlamaConfig, device: str = "cpu") -> dict[str, torch.Tensor]:
     """The buffers (rotary cache) of a Llama built the ordinary way on `device`."""
-    with _fork_rng(device), torch.device(device):
+    with _fork_rng(device), torch.device(device), intra_op_threads(ONE_THREAD):
         return {k: b.detach().cpu() for k, b in Llama(config).named_buffers()}
+
+
+def parent_init_reference(how: str, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """TinyGPT as one process initialises it on `device`: an ordinary build from `seed` (its
+    constructors' resets, then ``init_weights()`` on the root), or for ``"torchtitan"``
+    ``init_weights()`` run again from `seed` on the built model."""
+    with _fork_rng(device), torch.device(device), intra_op_threads(ONE_THREAD):
+        torch.manual_seed(seed)
+        model = TinyGPT(GPTConfig())
+        if how == "torchtitan":
+            torch.manual_seed(seed)
+            model.init_weights()
+    return {k: p.detach().cpu() for k, p in model.named_parameters(remove_duplicate=False)}
 
 
 def mismatches(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
@@ -78,16 +100,17 @@ def kaiming_on_a_shard_differs(
     def bound(fan_in: int) -> float:  # kaiming_uniform_'s own formula: gain * sqrt(3 / fan_in)
         return nn.init.calculate_gain("leaky_relu", math.sqrt(5)) * math.sqrt(3 / fan_in)
 
-    with _fork_rng("cpu"):
+    with _fork_rng("cpu"), intra_op_threads(ONE_THREAD):
         full, shards = kaiming(rows, cols), [kaiming(R, cols) for _ in range(world_size)]
         column_shard = kaiming(rows, cols // world_size)
     pairs = [(s, full[r * R : (r + 1) * R]) for r, s in enumerate(shards)]  # (shard, own rows)
 
     init, name, numel = DeterministicInit(seed), "layers.0.attention.wq.weight", rows * cols
     per = -(-numel // world_size)  # FSDP's equal shards, the last one padded
-    slices = [init.values(name, shape, min(r * per, numel), min(r * per + per, numel))
-              for r in range(world_size)]  # fmt: skip
-    whole = init.values(name, shape, 0, numel)
+    with intra_op_threads(ONE_THREAD):
+        slices = [init.values(name, shape, min(r * per, numel), min(r * per + per, numel))
+                  for r in range(world_size)]  # fmt: skip
+        whole = init.values(name, shape, 0, numel)
     return {
         "shape": list(shape),
         "world_size": world_size,

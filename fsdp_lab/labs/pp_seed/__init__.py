@@ -10,12 +10,18 @@ the modules, and each strategy of `fsdp_lab.pipeline.rng` initialises that slice
     per_stage_seed    one broadcast seed per stage (distinct, but not the unsplit init)
     rng_replay        the recorded init order replayed, the generator state handed on
 
-`measure.py` initialises every rank's stage with each (timed, its peak memory and messages
-taken around `init_stage`), trains each pipeline with GPipe beside single-process training of
-the reference, and grows the model to show what the seed checkpoint costs rank 0.
-`analysis.py` compares every stage with the reference and the stages with each other, and,
-with more ranks than stages (pp x dp), the replicas of each stage. Mirrors torchtitan's seed
-checkpoint (``--checkpoint.create_seed_checkpoint``) and ``torch.distributed.pipelining``.
+`measure.py` initialises every rank's stage with each (repeated, timed in wall and CPU time,
+its peak memory and messages taken around `init_stage`), trains each pipeline with GPipe beside
+single-process training of the reference, grows the model to show what the seed checkpoint
+costs rank 0, and if asked times the init again on 1, 2, ... ranks (`scale_ranks`) and trains
+the unsplit and the same-seed inits on a learnable task (`convergence.py`). `analysis.py`
+compares every stage with the reference and the stages with each other, and, with more ranks
+than stages (pp x dp), the replicas of each stage; `timing.py` turns the repeats into medians
+and trends. `report.py` says what was measured in sentences built from the result (`claims.py`:
+the course-note claims "exact seeding makes init O(1) in the number of nodes" and "the same seed
+on every stage harms convergence", judged), `tables.py` and `pictures.py` show it. Mirrors
+torchtitan's seed checkpoint (``--checkpoint.create_seed_checkpoint``) and
+``torch.distributed.pipelining``.
 """
 
 from fsdp_lab.labs.pp_seed.config import PPSeedConfig

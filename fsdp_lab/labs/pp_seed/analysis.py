@@ -22,7 +22,9 @@ import torch
 import torch.nn as nn
 
 from fsdp_lab import reference, theory
+from fsdp_lab.labs.pp_seed import convergence
 from fsdp_lab.labs.pp_seed.config import PPSeedConfig
+from fsdp_lab.labs.pp_seed.timing import first_calls, growth_timing, init_costs, scaling_rows
 from fsdp_lab.pipeline import PipeGPT, PipeGPTConfig, stage_info
 from fsdp_lab.pipeline.rng import record_init_order, stage_of_module
 
@@ -38,6 +40,7 @@ def analyse(config: PPSeedConfig, measured: dict[str, Any]) -> dict[str, Any]:
     base = ranks[0]["baseline"]
     state_bytes = ranks[0]["generator_state_bytes"]
     owner_changes = handoffs(config)
+    growth = [growth_row(config, i, ranks) for i in range(len(config.grow_dims))]
     strategies: dict[str, Any] = {}
     for strategy in config.strategies:
         params = [r[strategy]["params"] for r in ranks]
@@ -78,8 +81,32 @@ def analyse(config: PPSeedConfig, measured: dict[str, Any]) -> dict[str, Any]:
         ],
         "strategies": strategies,
         "baseline": {"losses": base["losses"], "final_loss": base["losses"][-1]},
-        "growth": [growth_row(config, i, ranks) for i in range(len(config.grow_dims))],
+        "growth": growth,
+        "growth_timing": growth_timing(config, growth) if growth else None,
+        "first_call": first_calls(ranks, strategies),
+        "cores": measured.get("cores"),
+        "repeats": config.repeats,
+        "scaling": _scaling(config, measured),
+        "convergence": _convergence(config, measured.get("convergence") or []),
     }
+
+
+def _scaling(config: PPSeedConfig, measured: dict[str, Any]) -> dict[str, Any] | None:
+    """The init timed on 1, 2, ... ranks (`timing.scaling_rows`), with the model's size."""
+    if not measured.get("scaling"):
+        return None
+    rows = scaling_rows(config, measured["scaling"], measured.get("cores"))
+    return rows | {"full_model_bytes": model_bytes(config, config.scale_width)}
+
+
+def _convergence(config: PPSeedConfig, trained: list[Any]) -> dict[str, Any] | None:
+    """The convergence trainings, (seed, init, losses) in any order -> `convergence.compare`."""
+    if not trained:
+        return None
+    curves: dict[str, dict[int, list[float]]] = {init: {} for init in convergence.INITS}
+    for seed, init, losses in trained:
+        curves[init][seed] = losses
+    return convergence.compare(config, curves)
 
 
 def handoffs(config: PPSeedConfig) -> int:
@@ -90,30 +117,25 @@ def handoffs(config: PPSeedConfig) -> int:
     return sum(a != b for a, b in zip(owners, owners[1:], strict=False))
 
 
-def init_costs(inits: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every rank's measured init -> the pipeline's: the slowest rank sets the init's pace."""
-    return {
-        "peak_bytes_per_rank": [i["peak_bytes"] for i in inits],
-        "init_time_s": max(i["init_time_s"] for i in inits),
-        "init_time_s_per_rank": [i["init_time_s"] for i in inits],
-        "bytes_moved": int(sum(i["bytes_moved"] for i in inits)),  # whole bytes, counted as floats
-        "bytes_moved_per_rank": [int(i["bytes_moved"]) for i in inits],
-        "messages": sum(i["messages"] for i in inits),
-    }
+def model_bytes(config: PPSeedConfig, dim: int) -> int:
+    """The whole model's fp32 bytes at width `dim` (counted on meta: nothing allocated)."""
+    with torch.device("meta"):
+        return 4 * sum(p.numel() for p in PipeGPT(config.gpt(dim)).parameters())
 
 
 def growth_row(config: PPSeedConfig, i: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """Width ``grow_dims[i]``: whole-model bytes, and per strategy each rank's init peak and time."""
+    """Width ``grow_dims[i]``: whole-model bytes, and per strategy each rank's init costs."""
     dim = config.grow_dims[i]
-    with torch.device("meta"):
-        n = sum(p.numel() for p in PipeGPT(config.gpt(dim)).parameters())
-    row: dict[str, Any] = {"dim": dim, "parameters": n, "full_model_bytes": 4 * n}  # fp32
+    full = model_bytes(config, dim)
+    row: dict[str, Any] = {"dim": dim, "parameters": full // 4, "full_model_bytes": full}
     for strategy in config.strategies:
         costs = init_costs([r["growth"][i][strategy] for r in ranks])
-        row[strategy] = {
-            k: costs[k] for k in ("peak_bytes_per_rank", "init_time_s_per_rank", "bytes_moved")
-        }
+        row[strategy] = {k: costs[k] for k in _GROWTH_KEYS}
     return row
+
+
+_GROWTH_KEYS = ("peak_bytes_per_rank", "init_time_s", "init_time_s_runs", "init_time_s_per_rank")
+_GROWTH_KEYS += ("cpu_time_s_per_rank", "cpu_time_s_runs", "bytes_moved")
 
 
 def compare_with_reference(params: list[Params], ref: Params) -> dict[str, Any]:

@@ -21,6 +21,7 @@ OPTIMIZERS = {"sgd": 0.1, "adam": 1e-3}  # name -> default learning rate
 # The integer fields and the smallest each allows; what each is, the docstring says.
 _SIZES = {"stages": 1, "world_size": 1, "layers": 1, "dim": 1, "heads": 1, "vocab": 2}
 _SIZES |= {"seq_len": 1, "steps": 1, "microbatches": 1, "global_batch": 1, "seed": 0}
+_SIZES |= {"repeats": 1, "convergence_seeds": 0, "convergence_steps": 1}
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,15 @@ class PPSeedConfig:
     seed: the seed of the unsplit reference init.
     strategies: which of `STRATEGIES` to measure.
     grow_dims: widths at which init time and peak memory are measured again, L kept (none: skip).
+    repeats: times each measured init runs (ranks in step before each); the median is kept.
+    scale_ranks: rank counts at which the init of `scale_strategies` is timed again, on one
+        pipeline of that many stages (a cluster of each size; none: skip).
+    scale_dim: the model width of that measurement (default: the largest grow_dims, else dim).
+    scale_strategies: the strategies timed there (by default all but same_seed, the bug, whose
+        cost is per_stage_seed's without the broadcast).
+    convergence_seeds: seeds at which the unsplit init and the same-seed init are each trained on
+        a learnable task, single-process, spread over the ranks (0: skip).
+    convergence_steps: Adam steps of each of those trainings.
     backend: "auto", "gloo" or "nccl".
     """
 
@@ -61,6 +71,14 @@ class PPSeedConfig:
     grow_dims: tuple[int, ...] = field(
         default=(64, 128, 256), metadata={"nargs": "*", "metavar": "D"}
     )
+    repeats: int = 3
+    scale_ranks: tuple[int, ...] = field(default=(), metadata={"nargs": "*", "metavar": "N"})
+    scale_dim: int | None = None
+    scale_strategies: tuple[str, ...] = field(
+        default=tuple(s for s in STRATEGIES if s != "same_seed"), metadata={"metavar": "S"}
+    )
+    convergence_seeds: int = 0
+    convergence_steps: int = 200
     backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -104,6 +122,44 @@ class PPSeedConfig:
             )
         object.__setattr__(self, "strategies", strategies)  # frozen: normalised once, here
         object.__setattr__(self, "grow_dims", grow)
+        self._check_scaling()
+
+    def _check_scaling(self) -> None:
+        """`scale_ranks`: distinct rank counts, each a pipeline of at most L stages; `scale_dim`."""
+        counts = tuple(self.scale_ranks)
+        bad = [n for n in counts if not is_int(n, 1, self.layers)]
+        if bad or len(set(counts)) != len(counts):
+            why = f"{bad[0]!r} is out of range" if bad else "a count appears twice"
+            fix = tuple(range(1, min(4, self.layers) + 1))
+            raise ValueError(
+                f"scale_ranks={counts}: {why}: allowed distinct ints in 1..{self.layers} (one "
+                f"pipeline stage per rank, at least one layer each), or none. "
+                f"Fix: scale_ranks={fix}"
+            )
+        object.__setattr__(self, "scale_ranks", tuple(sorted(counts)))
+        timed = tuple(self.scale_strategies)
+        unknown = [s for s in timed if s not in STRATEGIES]
+        if not timed or unknown or len(set(timed)) != len(timed):
+            why = f"strategy {unknown[0]!r} is unknown" if unknown else "none, or one twice"
+            raise ValueError(
+                f"scale_strategies={timed}: {why}: allowed one or more of {list(STRATEGIES)}, "
+                f"each once. Fix: scale_strategies={STRATEGIES}"
+            )
+        object.__setattr__(self, "scale_strategies", timed)
+        dim = self.scale_dim
+        if dim is not None and (not is_int(dim, 1) or dim % self.heads):
+            raise ValueError(
+                f"scale_dim={dim!r} is out of range: allowed an int divisible by "
+                f"heads={self.heads}, or None (the largest grow_dims, else dim). Fix: "
+                f"scale_dim={self.dim}"
+            )
+
+    @property
+    def scale_width(self) -> int:
+        """The width at which `scale_ranks` is measured."""
+        if self.scale_dim is not None:
+            return self.scale_dim
+        return max(self.grow_dims) if self.grow_dims else self.dim
 
     def _resolve_layout(self) -> None:
         """Fill in S and the world size (each defaults to the other), then check them."""

@@ -1,38 +1,56 @@
-"""Lab 05, shown: who owns what and where the seed travels, per strategy (`fsdp_lab.diagrams`);
-loss curves against single-process training; what init costs as the model grows; the same-seed
-bug's draws; and the tables the notebook and the CLI print."""
+"""Lab 05, in words: every sentence the notebook says about a measurement is built here from
+the result, so that it says what this run measured (tests feed each one results that go each
+way). The sentences that judge a course-note claim or a time curve are in `claims.py` (and
+importable from here), the tables in `tables.py`, the figures in `pictures.py`; `summary` and
+`figures` are what the CLI prints and saves.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fsdp_lab.choices import SEEDING_STRATEGIES as STRATEGIES
 from fsdp_lab.labs.contract import LabResult
 from fsdp_lab.labs.pp_seed.analysis import LOSS_RTOL
-from fsdp_lab.markdown import table
+from fsdp_lab.labs.pp_seed.claims import (
+    convergence_sentence,
+    growth_timing_sentence,
+    scaling_sentence,
+)
+from fsdp_lab.labs.pp_seed.pictures import label
+from fsdp_lab.labs.pp_seed.tables import (
+    convergence_table,
+    growth_table,
+    overlap_table,
+    readme_table,
+    results_table,
+    scaling_table,
+)
+from fsdp_lab.labs.pp_seed.words import join, labels, verb
 from fsdp_lab.sizes import format_bytes
 
-
-def _label(strategy: str) -> str:
-    """The strategy with the letter the notebook and the README give it: (a) ... (d)."""
-    return f"({'abcd'[STRATEGIES.index(strategy)]}) {strategy}"
-
-
-def _two_panels(width: float, height: float = 4) -> tuple[Any, Any, Any]:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), layout="constrained")
-    return fig, *fig.subplots(1, 2)
-
-
-def _peaks(peaks: list[int]) -> tuple[str, str]:
-    """Rank 0's peak, and the highest of the other ranks' ("-" on one rank)."""
-    return format_bytes(peaks[0]), format_bytes(max(peaks[1:])) if len(peaks) > 1 else "-"
+__all__ = [
+    "convergence_sentence",
+    "exactness_sentence",
+    "figures",
+    "growth_sentence",
+    "growth_timing_sentence",
+    "layout_sentence",
+    "loss_sentence",
+    "mesh_sentence",
+    "overlap_sentence",
+    "peaks_sentence",
+    "readme_table",
+    "scaling_sentence",
+    "summary",
+    "traffic_sentence",
+]
 
 
 def figures(result: LabResult) -> dict[str, Any]:
-    """The ownership / RNG-travel diagram per strategy, loss curves, growth, the same-seed bug."""
+    """The ownership / RNG-travel diagram per strategy, loss curves, growth (memory and time),
+    init time over ranks, convergence, the same-seed bug — each where the result has it."""
     from fsdp_lab.diagrams import pipeline_diagram
+    from fsdp_lab.labs.pp_seed import pictures
     from fsdp_lab.pipeline import PipeGPTConfig
 
     model_config = PipeGPTConfig(**result["model"])
@@ -42,165 +60,250 @@ def figures(result: LabResult) -> dict[str, Any]:
         )
         for s in result["strategies"]
     }
-    figs["loss_curves"] = loss_figure(result)
+    figs["loss_curves"] = pictures.loss_figure(result)
     if result["growth"]:
-        figs["growth"] = growth_figure(result)
+        figs["growth"] = pictures.growth_figure(result)
+        figs["growth_time"] = pictures.growth_time_figure(result)
+    if result["scaling"]:
+        figs["scaling"] = pictures.scaling_figure(result)
+    if result["convergence"]:
+        figs["convergence"] = pictures.convergence_figure(result)
     same = result["strategies"].get("same_seed")
     if same is not None and same["overlap"]["samples"]:
-        figs["same_seed_draws"] = same_seed_figure(result)
+        figs["same_seed_draws"] = pictures.same_seed_figure(result)
     return figs
 
 
-def loss_figure(result: LabResult) -> Any:
-    """Loss per step of every initialised pipeline beside single-process training, and the
-    relative difference from it (log scale; an exact match is drawn at the floor)."""
-    fig, left, right = _two_panels(12)
-    base = result["baseline"]["losses"]
-    steps = range(1, len(base) + 1)
-    left.plot(steps, base, color="black", lw=4, alpha=0.3, label="unsplit baseline (1 process)")
-    floor = 1e-10  # log scale: an exact match (0) would not be drawn at all
-    for strategy, row in result["strategies"].items():
-        style = "--" if row["bitwise_equal"] else "-"
-        left.plot(steps, row["losses"], style, lw=1.3, label=_label(strategy))
-        rel = [max(abs(a - b) / abs(b), floor) for a, b in zip(row["losses"], base, strict=True)]
-        right.plot(steps, rel, style, lw=1.3, label=_label(strategy))
-    right.axhline(LOSS_RTOL, color="grey", lw=0.8, ls=":")
-    right.text(1, LOSS_RTOL * 1.5, f"rtol {LOSS_RTOL:g}", fontsize=8, color="grey")
-    right.set_yscale("log")
-    right.set_ylim(floor / 2, None)
-    left.set(xlabel="step", ylabel="loss", title="loss: pipelines vs the unsplit baseline")
-    right.set(
-        xlabel="step",
-        ylabel="|loss - baseline| / baseline",
-        title=f"relative difference ({floor:g} = exactly equal)",
+# -- what the run measured, in sentences ---------------------------------------------------------
+
+
+def layout_sentence(result: LabResult) -> str:
+    """The measured layout: stages, pipelines, ranks, layers per stage, model and state size."""
+    r = result
+    spans = ", ".join(
+        f"{ls[0]}-{ls[-1]}" if len(ls) > 1 else str(ls[0]) for ls in r["layers_per_stage"]
     )
-    left.legend(fontsize=8)
-    right.legend(fontsize=8)
-    return fig
-
-
-def growth_figure(result: LabResult) -> Any:
-    """Peak bytes during init on rank 0 and on the other ranks as the model grows, and time."""
-    rows = result["growth"]
-    mib = [r["full_model_bytes"] / 2**20 for r in rows]
-    fig, mem, tim = _two_panels(12)
-    mem.plot(mib, mib, color="black", lw=4, alpha=0.2, label="the whole model")
-    for i, strategy in enumerate(result["strategies"]):
-        color, label = f"C{i}", _label(strategy)
-        rank0 = [r[strategy]["peak_bytes_per_rank"][0] / 2**20 for r in rows]
-        mem.plot(mib, rank0, "o-", color=color, label=f"{label}, rank 0")
-        if result["world_size"] > 1:
-            others = [max(r[strategy]["peak_bytes_per_rank"][1:]) / 2**20 for r in rows]
-            mem.plot(mib, others, "x--", color=color, label=f"{label}, other ranks")
-        seconds = [max(r[strategy]["init_time_s_per_rank"]) for r in rows]
-        tim.plot(mib, seconds, "o-", color=color, label=label)
-    dims = ", ".join(str(r["dim"]) for r in rows)
-    mem.set(
-        xlabel="whole model (MiB fp32)",
-        ylabel="peak during init (MiB)",
-        title=f"init peak per rank, dim {dims}, L = {result['model']['n_layers']}",
-    )
-    tim.set(
-        xlabel="whole model (MiB fp32)", ylabel="init time, slowest rank (s)", title="init time"
-    )
-    mem.legend(fontsize=7)
-    tim.legend(fontsize=8)
-    return fig
-
-
-def same_seed_figure(result: LabResult) -> Any:
-    """(b): stage 1's draws against stage 0's — at aligned layers, and in drawing order."""
-    over = result["strategies"]["same_seed"]["overlap"]
-    sample = over["samples"]
-    fig, aligned, ordered = _two_panels(10, 4.2)
-    aligned.scatter(sample["stage0_first_layer"], sample["stage1_first_layer"], s=6)
-    aligned.set(
-        xlabel="stage 0, layer 0 (first values)",
-        ylabel="stage 1, its first layer (first values)",
-        title=f"aligned positions: corr {over['first_layer_corr_0_1']:.3f}",
-    )
-    ordered.scatter(sample["stage0_stream"], sample["stage1_stream"], s=6, color="C3")
-    ordered.set(
-        xlabel="stage 0's k-th drawn value (tok_emb first)",
-        ylabel="stage 1's k-th drawn value",
-        title=f"in drawing order: the first {over['shared_prefix_values_0_1']:,} are equal",
-    )
-    fig.suptitle("(b) same_seed: every stage reads the random stream from its start", fontsize=11)
-    return fig
-
-
-def results_table(result: LabResult) -> str:
-    """One Markdown row per strategy: equal to the unsplit init?, memory, time, bytes, loss."""
-    head = ["strategy", "bitwise = unsplit", "max abs diff", "peak rank 0", "peak other ranks"]
-    head += ["init time", "bytes moved", "messages", "final loss", "loss = baseline"]
-    yes = {True: "yes", False: "no"}
-    return table(
-        head,
-        (
-            [_label(s), yes[row["bitwise_equal"]], f"{row['max_abs_diff']:.3g}"]
-            + [*_peaks(row["peak_bytes_per_rank"]), f"{row['init_time_s'] * 1e3:.1f} ms"]
-            + [f"{row['bytes_moved']:,.0f} B", row["messages"], f"{row['final_loss']:.4f}"]
-            + [f"{yes[row['loss_matches_baseline']]} (max rel diff {row['loss_max_rel_diff']:.1e})"]
-            for s, row in result["strategies"].items()
-        ),
+    return (
+        f"S = {r['stages']} stages x dp = {r['dp']} pipeline(s) on {r['world_size']} ranks "
+        f"({r['backend']}); layers per stage {spans}; whole model "
+        f"{format_bytes(r['full_model_bytes'])}; generator state {r['generator_state_bytes']:,} B; "
+        f"{r['handoffs']} change(s) of owner in the recorded init order; init times are the "
+        f"median of {r['repeats']} repeat(s)."
     )
 
 
-def overlap_table(result: LabResult) -> str:
-    """Per strategy: how much the stages repeat each other's draws, and whether replicas agree."""
-
-    def num(x: Any, fmt: str) -> str:
-        return "-" if x is None else format(x, fmt)
-
-    head = ["strategy", "corr(stage 0 layer 0, stage 1 first layer)"]
-    head += ["corr(stage 1, stage 2 first layers)", "identical first layers"]
-    head += ["shared prefix, stages 0/1", "values repeating an earlier stage's"]
-    head += ["stages distinct", "replicas equal (dp)"]
-    rows = []
-    for strategy, row in result["strategies"].items():
-        o, mesh = row["overlap"], row["mesh"]
-        same = ", ".join(f"{a}={b}" for a, b in o["identical_first_layers"]) or "none"
-        fractions = ", ".join(num(f, ".2e") for f in o["duplicate_fraction_per_stage"][1:]) or "-"
-        rows.append(
-            [_label(strategy), num(o["first_layer_corr_0_1"], ".3f")]
-            + [num(o["first_layer_corr_1_2"], ".3f"), same]
-            + [num(o["shared_prefix_values_0_1"], ","), fractions]
-            + [num(o["stages_distinct"], ""), num(mesh["replicas_equal"], "")]
+def exactness_sentence(result: LabResult) -> str:
+    """Which strategies gave every stage exactly the unsplit init's values, which did not."""
+    rows = result["strategies"]
+    equal = [s for s, r in rows.items() if r["bitwise_equal"]]
+    differ = [s for s, r in rows.items() if not r["bitwise_equal"]]
+    parts = []
+    if equal:
+        parts.append(
+            f"{labels(equal)} {verb(equal, 'gives', 'give')} every stage exactly the unsplit "
+            "init's values (`torch.equal` on every parameter, largest difference 0)"
         )
-    return table(head, rows)
+    if differ:
+        diffs = join([f"{rows[s]['max_abs_diff']:.3g}" for s in differ])
+        what = "" if equal else " give the stages the unsplit init's values"
+        parts.append(
+            f"{labels(differ)} {verb(differ, 'does', 'do')} not{what} (largest |difference| "
+            f"{diffs})"
+        )
+    return "Measured: " + "; ".join(parts) + "."
 
 
-def growth_table(result: LabResult) -> str:
-    """Per width: the whole model, and per strategy rank 0's peak / the others', slowest init."""
-    strategies = list(result["strategies"])
-    head = ["dim", "whole model"] + [f"{_label(s)} peak rank 0 / others, time" for s in strategies]
+def peaks_sentence(result: LabResult) -> str:
+    """Which strategies made some rank hold the whole model while initialising."""
+    whole = result["full_model_bytes"]
+    rows = result["strategies"]
+    held = {
+        s: [i for i, p in enumerate(r["peak_bytes_per_rank"]) if p >= whole]
+        for s, r in rows.items()
+    }
+    parts = []
+    for s in (s for s in rows if held[s]):
+        peak_list = rows[s]["peak_bytes_per_rank"]
+        rest = [p for i, p in enumerate(peak_list) if i not in held[s]]
+        ranks = join([str(i) for i in held[s]])
+        text = (
+            f"under {label(s)} rank{'s' if len(held[s]) > 1 else ''} {ranks} held the whole model "
+            f"while initialising (peak {format_bytes(max(peak_list))}, the model "
+            f"{format_bytes(whole)})"
+        )
+        if rest:
+            text += f", the other ranks at most {format_bytes(max(rest))}"
+        parts.append(text)
+    light = [s for s in rows if not held[s]]
+    if light:
+        top = max(max(rows[s]["peak_bytes_per_rank"]) for s in light)
+        parts.append(
+            f"under {labels(light)} no rank's peak reached the whole model (highest "
+            f"{format_bytes(top)}, {top / whole:.0%} of it)"
+        )
+    text = "; ".join(parts)
+    return "Measured: " + text + "."
 
-    def cell(r: dict[str, Any]) -> str:
-        rank0, others = _peaks(r["peak_bytes_per_rank"])
-        return f"{rank0} / {others}, {max(r['init_time_s_per_rank']) * 1e3:.1f} ms"
 
-    return table(
-        head,
-        (
-            [row["dim"], format_bytes(row["full_model_bytes"])] + [cell(row[s]) for s in strategies]
-            for row in result["growth"]
-        ),
+def traffic_sentence(result: LabResult) -> str:
+    """What (d) sent against `theory.rng_replay_bytes`, and (a)'s file against the model."""
+    rows, parts = result["strategies"], []
+    replay = rows.get("rng_replay")
+    if replay is not None:
+        sent, theory = replay["bytes_moved"], replay["theory_bytes_moved"]
+        verdict = "exactly what" if sent == theory else f"not the {theory:,} B"
+        parts.append(
+            f"(d) sent {sent:,} B over {result['handoffs']} change(s) of owner per pipeline, "
+            f"{verdict} `theory.rng_replay_bytes` counts (one "
+            f"{result['generator_state_bytes']:,} B generator state per handoff)"
+        )
+    ckpt = rows.get("seed_checkpoint")
+    if ckpt is not None:
+        parts.append(
+            f"(a) sent {ckpt['bytes_moved']:,} B of messages, and its real traffic is the file: "
+            f"{format_bytes(ckpt['checkpoint_file_bytes'])} on disk for a "
+            f"{format_bytes(result['full_model_bytes'])} model, written once by rank 0 and read "
+            "by every stage"
+        )
+    return ("Measured: " + "; ".join(parts) + ".") if parts else ""
+
+
+def growth_sentence(result: LabResult) -> str:
+    """As the model grew: whose rank-0 peak followed the whole model, who stayed below it."""
+    rows = result["growth"]
+    first, last = rows[0], rows[-1]
+    grew = last["full_model_bytes"] / first["full_model_bytes"]
+    text = (
+        f"Measured: from width {first['dim']} to {last['dim']} the whole model grew {grew:.1f}x "
+        f"({format_bytes(first['full_model_bytes'])} to {format_bytes(last['full_model_bytes'])})"
     )
+
+    def whole_on_rank0(s: str) -> bool:
+        return all(r[s]["peak_bytes_per_rank"][0] >= r["full_model_bytes"] for r in rows)
+
+    follow = [s for s in result["strategies"] if whole_on_rank0(s)]
+    below = [
+        s
+        for s in result["strategies"]
+        if all(max(r[s]["peak_bytes_per_rank"]) < r["full_model_bytes"] for r in rows)
+    ]
+    parts = []
+    for s in follow:
+        peak0 = [r[s]["peak_bytes_per_rank"][0] for r in rows]
+        parts.append(
+            f"rank 0's peak under {label(s)} followed it at every width "
+            f"({format_bytes(peak0[0])} to {format_bytes(peak0[-1])})"
+        )
+    if below:
+        top = max(
+            max(r[s]["peak_bytes_per_rank"]) / r["full_model_bytes"] for s in below for r in rows
+        )
+        parts.append(
+            f"under {labels(below)} no rank reached the whole model at any width (at most "
+            f"{top:.0%} of it)"
+        )
+    return text + ("; " + "; ".join(parts) if parts else "") + "."
+
+
+def overlap_sentence(result: LabResult) -> str:
+    """(b)'s stages against each other, and whether the other strategies' stages are distinct."""
+    rows = result["strategies"]
+    same = rows.get("same_seed")
+    parts = []
+    if same is not None and same["overlap"]["first_layer_corr_0_1"] is not None:
+        o = same["overlap"]
+        corr = o["first_layer_corr_0_1"]
+        looks = "no visible relation" if abs(corr) < 0.1 else "a visible relation"
+        fractions = o["duplicate_fraction_per_stage"][1:]
+        all_repeat = all(f == 1.0 for f in fractions)
+        parts.append(
+            f"(b): position by position, stage 0's layer 0 and stage 1's first layer correlate "
+            f"at {corr:.3f} ({looks}), yet in drawing order stage 1's first "
+            f"{o['shared_prefix_values_0_1']:,} values are stage 0's first ones, and "
+            + (
+                "every value a later stage drew was drawn on an earlier stage"
+                if all_repeat
+                else f"of each later stage's values {join([f'{f:.2%}' for f in fractions])} "
+                "repeat an earlier stage's"
+            )
+        )
+        identical = o["identical_first_layers"]
+        if identical:
+            pairs = join([f"{a} and {b}" for a, b in identical])
+            parts.append(f"the first layers of stages {pairs} are identical")
+    distinct = [s for s, r in rows.items() if r["overlap"]["stages_distinct"]]
+    repeating = [s for s, r in rows.items() if r["overlap"]["stages_distinct"] is False]
+    if distinct:
+        chance = max(rows[s]["overlap"]["duplicate_fraction"] for s in distinct)
+        parts.append(
+            f"{labels(distinct)}: no two consecutive values repeat an earlier stage's, so the "
+            f"stages are distinct; single equal values occur by chance (at most {chance:.1e} of "
+            "them)"
+        )
+    if repeating and repeating != ["same_seed"]:
+        parts.append(f"stages repeat each other under {labels(repeating)}")
+    return ("Measured: " + "; ".join(parts) + ".") if parts else ""
+
+
+def loss_sentence(result: LabResult) -> str:
+    """Which pipelines trained like one process (within float rounding), which did not."""
+    rows = result["strategies"]
+    match = [s for s, r in rows.items() if r["loss_matches_baseline"]]
+    other = [s for s, r in rows.items() if not r["loss_matches_baseline"]]
+    parts = []
+    if match:
+        worst = max(rows[s]["loss_max_rel_diff"] for s in match)
+        parts.append(
+            f"{labels(match)} trained like single-process training within float rounding "
+            f"(largest relative difference {worst:.1e}, under rtol {LOSS_RTOL:g}: GPipe sums the "
+            "micro-batches in another order)"
+        )
+    if other:
+        gaps = join([f"{rows[s]['loss_max_rel_diff']:.1e}" for s in other])
+        parts.append(
+            f"{labels(other)} {verb(other, 'follows', 'follow')} other curves (largest "
+            f"relative difference {gaps}): {verb(other, 'it starts', 'they start')} from "
+            "other weights"
+        )
+    return "Measured: " + "; ".join(parts) + "."
+
+
+def mesh_sentence(result: LabResult) -> str:
+    """pp x dp: do the replicas of every stage agree, and are the stages distinct?"""
+    rows = result["strategies"]
+    agree = [s for s, r in rows.items() if r["mesh"]["replicas_equal"]]
+    disagree = [s for s, r in rows.items() if r["mesh"]["replicas_equal"] is False]
+    repeat = [s for s, r in rows.items() if r["mesh"]["stages_distinct"] is False]
+    head = f"Measured on {result['stages']} stages x {result['dp']} pipelines: "
+    parts = []
+    if agree:
+        parts.append(f"the replicas of every stage hold identical weights under {labels(agree)}")
+    if disagree:
+        parts.append(f"they differ under {labels(disagree)}")
+    parts.append(
+        f"the stages repeat each other under {labels(repeat)}"
+        if repeat
+        else "the stages are distinct under every strategy"
+    )
+    return head + "; ".join(parts) + "."
 
 
 def summary(result: LabResult) -> str:
-    """The layout, then the results, overlap and (if measured) growth tables, in Markdown."""
+    """The layout, then the results, overlap, growth, scaling and convergence in Markdown."""
     r = result
     lines = [
-        f"pipeline seeding: S = {r['stages']} stages x dp = {r['dp']} on {r['world_size']} ranks "
-        f"({r['backend']}); layers per stage {r['layers_per_stage']}; whole model "
-        f"{format_bytes(r['full_model_bytes'])}; generator state {r['generator_state_bytes']} B, "
-        f"{r['handoffs']} handoff(s) per pipeline",
+        "pipeline seeding: " + layout_sentence(r),
         "",
         results_table(r),
+        "",
+        exactness_sentence(r),
         "",
         overlap_table(r),
     ]
     if r["growth"]:
-        lines += ["", growth_table(r)]
+        lines += ["", growth_table(r), "", growth_timing_sentence(r)]
+    if r["scaling"]:
+        lines += ["", scaling_table(r), "", scaling_sentence(r)]
+    if r["convergence"]:
+        lines += ["", convergence_table(r), "", convergence_sentence(r)]
     return "\n".join(lines)

@@ -13,10 +13,10 @@ from typing import Any
 from fsdp_lab import theory
 from fsdp_lab.labs.shard.config import ShardConfig
 from fsdp_lab.reference import max_abs_diff
+from fsdp_lab.trace.memory import MODEL_STATE
 
 # What the ZeRO formulas count: the gathered unit's buffer is a comm buffer; activations are not
 # model state (activation checkpointing, lab 02, is about those).
-MODEL_STATE = ("parameters", "gradients", "optimizer_state", "comm_buffers")
 
 
 def model_state_bytes(trace: dict[str, Any]) -> list[int]:

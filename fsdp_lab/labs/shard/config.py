@@ -40,6 +40,9 @@ class ShardConfig:
     sharded_optimizer: with strategy="optimizer", also train ZeRO-1 as an optimizer — DDP
         (``shard(strategy="none")``) + `fsdp_lab.ShardedOptimizer` — and measure it beside;
         on by default.
+    free_root: with strategy="full", free the root unit after forward too and gather it again
+        for backward (off by default: FSDP2 and FSDP1 keep the root gathered, since its
+        backward comes right next; the notebook measures both).
     backend: "auto", "gloo" or "nccl".
     """
 
@@ -53,6 +56,7 @@ class ShardConfig:
     global_batch: int = 12
     compare_fsdp2: bool = field(default=True, metadata={"flag": "--no-fsdp2"})
     sharded_optimizer: bool = True
+    free_root: bool = False
     backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -69,6 +73,11 @@ class ShardConfig:
                 raise ValueError(
                     f"{f.name}={value!r}: expected an int >= 1. Fix: {f.name}={f.default}"
                 )
+        if self.free_root and self.strategy != "full":
+            raise ValueError(
+                f"free_root=True with strategy={self.strategy!r}: only ZeRO-3 frees units after "
+                "forward. Fix: strategy='full', or free_root=False"
+            )
         if ":" not in self.model:
             raise ValueError(
                 f"model={self.model!r}: expected 'module:factory'. Fix: model={DEFAULT_MODEL!r}"

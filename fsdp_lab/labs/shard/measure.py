@@ -23,6 +23,7 @@ from fsdp_lab.model_spec import check_on_rank0, load_factory
 from fsdp_lab.sharding import ShardedOptimizer, shard, sharding_state
 from fsdp_lab.sharding.flat_param import FlatParameter
 from fsdp_lab.trace import MemoryTracker, Timeline
+from fsdp_lab.wrap import build_plan
 
 
 def flat_layout(flat: FlatParameter) -> dict[str, int]:
@@ -50,12 +51,25 @@ def unit_classes(model: torch.nn.Module) -> tuple[type, ...]:
 
 
 def sharded_model(
-    cfg: ShardConfig, strategy: str, prefetch: bool = True, mesh: Any = None
+    cfg: ShardConfig,
+    strategy: str,
+    prefetch: bool = True,
+    mesh: Any = None,
+    free_root: bool = False,
 ) -> torch.nn.Module:
-    """Ours: `fsdp_lab.shard` with a unit per block (everything else in the root unit)."""
+    """Ours: `fsdp_lab.shard` with a unit per block (everything else in the root unit);
+    `free_root`: every unit, the root too, freed after forward (default: all but the root)."""
     model = build_model(cfg)
     units = set(unit_classes(model)) or None
-    shard(model, units=units, strategy=strategy, prefetch=prefetch, mesh=mesh)
+    every = list(build_plan(model, units).units) if free_root else None
+    shard(
+        model,
+        units=units,
+        strategy=strategy,
+        prefetch=prefetch,
+        mesh=mesh,
+        reshard_after_forward=every,
+    )
     return model
 
 
@@ -95,12 +109,13 @@ def tracked_training(
     make_optimizer: Any,
     vocab: int,
     mesh: Any = None,
+    free_root: bool = False,
 ) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
     """Ours under `strategy` (on `mesh`), trained under the memory tracker (parameters,
     gradients, optimizer state, gathered buffers), the comm log (the steps' collectives, not the
     wrap's) and the timeline. Returns the model, its optimizer and what was measured."""
     with MemoryTracker(device(), rank=rank()) as mem, comm.CommLog() as log, Timeline(rank()) as tl:
-        model = sharded_model(cfg, strategy, prefetch, mesh)
+        model = sharded_model(cfg, strategy, prefetch, mesh, free_root)
         opt = make_optimizer(model.parameters())
         at_wrap = len(log.records)  # "none" broadcasts rank 0's values here, as DDP does
         mem.track(model)
@@ -126,17 +141,27 @@ def tracked_training(
         },
         "memory_trace": mem.trace(),
         "timeline": tl.to_dict(),
-        "units": [{"name": u.label, **flat_layout(u.flat)} for u in state.units],
+        "units": [
+            {
+                "name": u.label,
+                **flat_layout(u.flat),
+                "reshard_after_forward": u.reshard_after_forward,
+            }
+            for u in state.units
+        ],
     }
     return model, opt, measured
 
 
 def _ours(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     """`fsdp_lab.shard(strategy=cfg.strategy)`, measured; then trained again, for its step time."""
-    _, _, measured = tracked_training(cfg, cfg.strategy, cfg.prefetch, optimizer_recipe(cfg), vocab)
+    recipe, free_root = optimizer_recipe(cfg), cfg.free_root
+    _, _, measured = tracked_training(
+        cfg, cfg.strategy, cfg.prefetch, recipe, vocab, free_root=free_root
+    )
     # Timed without the tracker, whose dispatch mode and marks cost more than a step.
-    timed = sharded_model(cfg, cfg.strategy, cfg.prefetch)
-    _, step_time = timed_training(cfg, timed, optimizer_recipe(cfg)(timed.parameters()), vocab)
+    timed = sharded_model(cfg, cfg.strategy, cfg.prefetch, free_root=free_root)
+    _, step_time = timed_training(cfg, timed, recipe(timed.parameters()), vocab)
     return {**measured, "step_time_s": step_time}
 
 

@@ -22,7 +22,8 @@ def figures(result: LabResult) -> dict[str, Any]:
         "memory_trace": plots.plot_memory_trace(
             result["memory_traces"],
             title=f"{result['strategy']} on {result['world_size']} ranks",
-            theory={"DESIGN.md formula": result["theory_peak_bytes"]},
+            theory={"model-state formula": result["theory_peak_bytes"]},
+            compare="model_state",  # the formula counts model state: set it beside the same
         ),
         "bytes_vs_theory": plots.plot_measured_vs_theory(
             result["comm_bytes_per_rank"][0],
@@ -168,3 +169,199 @@ def stage_table(walk: dict[str, Any]) -> str:
             for name, s in walk["stages"].items()
         ),
     )
+
+
+def root_kept_report(kept: LabResult, freed: LabResult) -> str:
+    """Markdown: the root unit kept gathered from forward into backward (our default, FSDP2's
+    and FSDP1's) against freed after forward too (`free_root=True`), both measured: the
+    all-gather bytes and calls per step on rank 0, and the peak model state over the ranks.
+    The sentences under the table are written from these numbers."""
+    op = "all_gather_into_tensor"
+    root = kept["units"][0]  # `shard` lists the root unit first
+    n, b = kept["world_size"], root["element_size"]
+    rows, peaks = [], {}
+    for label, r in (("root kept (default)", kept), ("root freed after forward", freed)):
+        peaks[label] = max(r["peak_model_state_bytes_per_rank"])
+        rows.append(
+            [
+                label,
+                format_bytes(r["comm_bytes_per_rank"][0][op]),
+                f"{r['calls_per_step'][op]:g}",
+                format_bytes(r["theory_comm_bytes"][op]),
+                format_bytes(peaks[label]),
+            ]
+        )
+    header = ["", "all-gather / step (rank 0)", "all-gathers / step", "formula", "peak model state"]
+    extra = freed["comm_bytes_per_rank"][0][op] - kept["comm_bytes_per_rank"][0][op]
+    calls = freed["calls_per_step"][op] - kept["calls_per_step"][op]
+    one_root = (n - 1) / n * root["padded_numel"] * b
+    lines = [table(header, rows), ""]
+    lines.append(
+        f"Freeing the root after forward cost **{format_bytes(extra)} more all-gather per step** "
+        f"({calls:g} more call{'s' if calls != 1 else ''}); (N−1)/N of the root unit is "
+        f"{format_bytes(one_root)}" + (" — exactly that." if math.isclose(extra, one_root) else ".")
+    )
+    saved = peaks["root kept (default)"] - peaks["root freed after forward"]
+    if saved > 0:
+        lines.append(f"It lowered the peak model state by {format_bytes(saved)}.")
+    elif saved == 0:
+        lines.append(
+            "It did **not** lower the peak model state: the root is needed again at the very "
+            "start of backward, so the bytes it freed came straight back."
+        )
+    else:
+        lines.append(f"The peak model state was even {format_bytes(-saved)} higher.")
+    last = [u["name"] for u in kept["units"] if u["name"] not in ("", "root")][-1:]
+    freed_last = [u for u in kept["units"] if u["name"] in last and u["reshard_after_forward"]]
+    if freed_last:
+        lines.append(
+            f'What stays gathered is the root unit, not "the last layer": the last block, '
+            f"`{last[0]}`, was freed after forward and gathered again for backward in both runs."
+        )
+    return "\n".join(lines)
+
+
+OWNER_CLAIM = (
+    "In FSDP the GPU that owns layer i *broadcasts* W_i to the others, keeps its copy, "
+    "receives all gradients and updates the weights."
+)
+
+
+def owner_claim_report(walk: dict[str, Any]) -> str:
+    """Markdown: the course-note picture of FSDP (`OWNER_CLAIM`: one owner broadcasts, keeps,
+    receives every gradient, updates) checked point by point against the walkthrough's
+    measurements: which collectives moved bytes, what every rank held after each stage."""
+    stages, n = walk["stages"], walk["world_size"]
+    called = sorted({op for s in stages.values() for ops in s["collectives"] for op in ops})
+    shard = stages["shard"]["rows"]
+    disjoint = len({tuple(r) for r in shard}) == n and len({len(r) for r in shard}) == 1
+    freed = [b == 0 for b in stages["free"]["unsharded_storage_bytes"]]
+    grads = stages["reduce-scatter"]["rows"]
+    full = len(stages["compute"]["rows"][0])
+    before, after = stages["shard"]["rows"], stages["optimizer step"]["rows"]
+    stepped = [a != b for a, b in zip(before, after, strict=True)]
+
+    def verdict(ok: bool, yes: str, no: str) -> str:
+        return f"{'✓' if ok else '✗'} {yes if ok else no}"
+
+    points = [
+        verdict(
+            "broadcast" not in called and called != [],
+            f"no rank broadcast: the only collectives were {', '.join(f'`{c}`' for c in called)}"
+            " — an all-gather rebuilds the unit from every rank's shard",
+            f"collectives called: {called}",
+        ),
+        verdict(
+            disjoint,
+            f"no owner keeps the layer: after `shard` each of the {n} ranks held a different "
+            f"{len(shard[0])}-element slice",
+            "the ranks did not hold distinct equal slices after `shard`",
+        ),
+        verdict(
+            all(freed),
+            "every rank freed the gathered unit (its storage measured 0 bytes after `free`)",
+            f"storage after `free`, per rank: {stages['free']['unsharded_storage_bytes']}",
+        ),
+        verdict(
+            all(len(g) < full for g in grads),
+            f"no rank received all gradients: after the reduce-scatter each held {len(grads[0])} "
+            f"of the {full} gradient elements — its own shard, already summed over ranks",
+            "some rank held the whole gradient after the reduce-scatter",
+        ),
+        verdict(
+            all(stepped),
+            "every rank updated its own shard in the optimizer step, with no message",
+            f"shards changed by the optimizer step, per rank: {stepped}",
+        ),
+    ]
+    right = all(p.startswith("✓") for p in points)
+    head = (
+        f"**The claim:** “{OWNER_CLAIM}” **Measured on {n} ranks above:**"
+        if right
+        else f"**The claim:** “{OWNER_CLAIM}” **Measured (some points did not hold):**"
+    )
+    tail = (
+        "So the claim is wrong on every point: it describes a parameter server, not FSDP."
+        if right
+        else "The walkthrough did not show FSDP's pattern; see the points marked ✗."
+    )
+    return "\n".join([head, "", *(f"- {p}" for p in points), "", tail])
+
+
+def layout_table(walk: dict[str, Any]) -> str:
+    """Markdown: the walkthrough unit's flat buffer — its parameters, sizes and padding."""
+    lay = walk["layout"]
+    rows = [
+        [
+            ", ".join(f"`{n}`" for n in lay["names"]),
+            lay["numel"],
+            lay["padding"],
+            lay["padded_numel"],
+            lay["shard_numel"],
+            f"{lay['element_size']} B",
+        ]
+    ]
+    header = ["parameters", "elements", "padding", "padded", "per shard", "per element"]
+    return table(header, rows)
+
+
+def units_table(result: LabResult) -> str:
+    """Markdown: the wrap units of a run — sizes in elements, and whether each is freed after
+    forward (gathered again for backward) or kept gathered (the root, by default)."""
+    rows = [
+        [
+            f"`{u['name']}`",
+            u["numel"],
+            u["padded_numel"],
+            u["shard_numel"],
+            "freed, gathered again" if u.get("reshard_after_forward", True) else "kept gathered",
+        ]
+        for u in result["units"]
+    ]
+    header = ["unit", "elements", "padded to a multiple of N", "per shard", "after forward"]
+    return table(header, rows)
+
+
+def peak_sentence(result: LabResult, rank: int = 0) -> str:
+    """Markdown: the measured model-state peak of `rank` beside its formula, in words."""
+    peak = result["peak_model_state_bytes_per_rank"][rank]
+    formula = result["theory_peak_bytes"]
+    diff = peak - formula
+    where = (
+        f"**{format_bytes(diff)} above** the formula ({format_bytes(formula)})"
+        if diff > 0
+        else f"{format_bytes(-diff)} below the formula ({format_bytes(formula)})"
+        if diff < 0
+        else f"exactly the formula ({format_bytes(formula)})"
+    )
+    return f"Measured on rank {rank}: the model state (everything but activations) peaks at {format_bytes(peak)}, {where}."
+
+
+def ordering_sentence(runs: dict[str, LabResult]) -> str:
+    """Markdown: do the measured peaks of the strategies fall in the order their formulas do?
+    And how far above or below its formula each one stands."""
+    measured = {s: max(r["peak_model_state_bytes_per_rank"]) for s, r in runs.items()}
+    formula = {s: r["theory_peak_bytes"] for s, r in runs.items()}
+    by_measured = sorted(measured, key=measured.get, reverse=True)
+    by_formula = sorted(formula, key=formula.get, reverse=True)
+    order = " > ".join(f"`{s}`" for s in by_measured)
+    verdict = (
+        f"Measured peaks, largest first: {order} — the order the formulas predict."
+        if by_measured == by_formula
+        else f"Measured peaks, largest first: {order}; the formulas' order is "
+        + " > ".join(f"`{s}`" for s in by_formula)
+        + " — they disagree."
+    )
+    gaps = ", ".join(
+        f"`{s}` {'+' if measured[s] >= formula[s] else '−'}{format_bytes(abs(measured[s] - formula[s]))}"
+        for s in runs
+    )
+    return f"{verdict} Measured minus formula (busiest rank): {gaps}."
+
+
+def timeline_report(result: LabResult) -> str:
+    """Markdown: the run's timelines as numbers — compute, transfer, waiting, hidden transfer."""
+    from fsdp_lab.markdown import timeline_sentence
+    from fsdp_lab.trace.timeline import time_shares
+
+    return timeline_sentence(time_shares(result["timelines"]))

@@ -66,6 +66,7 @@ def _walk_on_rank(numel_per_param: tuple[int, ...], lr: float) -> dict[str, Any]
     held: dict[str, list[float]] = {}
     storage: dict[str, int] = {}  # bytes of the unsharded buffer's storage, measured
     moved: dict[str, float] = {}
+    ops: dict[str, list[str]] = {}  # the collectives each stage called, as comm counted them
 
     def record(stage: str, tensor: torch.Tensor) -> None:
         held[stage] = [float(v) for v in tensor.detach().reshape(-1)]
@@ -80,7 +81,7 @@ def _walk_on_rank(numel_per_param: tuple[int, ...], lr: float) -> dict[str, Any]
     flat.alloc_unsharded()
     with comm.CommLog() as log, torch.no_grad():
         comm.all_gather_into_tensor(flat.unsharded.data, flat.shard.detach())
-    moved["gather"] = sum(log.bytes_by_op().values())
+    moved["gather"], ops["gather"] = sum(log.bytes_by_op().values()), list(log.bytes_by_op())
     record("gather", flat.unsharded)
 
     # compute: the module sees views into the gathered buffer; rank r's slice of the batch.
@@ -100,6 +101,7 @@ def _walk_on_rank(numel_per_param: tuple[int, ...], lr: float) -> dict[str, Any]
         comm.reduce_scatter_tensor(shard_grad, flat.unsharded.grad)
         shard_grad.div_(n)
     moved["reduce-scatter"] = sum(log.bytes_by_op().values())
+    ops["reduce-scatter"] = list(log.bytes_by_op())
     flat.shard.grad, flat.unsharded.grad = shard_grad, None
     record("reduce-scatter", flat.shard.grad)
 
@@ -111,6 +113,7 @@ def _walk_on_rank(numel_per_param: tuple[int, ...], lr: float) -> dict[str, Any]
         "held": held,
         "storage": storage,
         "moved": moved,
+        "ops": ops,
         "batch": x.tolist(),
         "parameters": parameters,
         "layout": layout,
@@ -131,7 +134,7 @@ def run(
 
     Returns a dict: ``stages`` (name -> ``rows``, one list of floats per rank, ready for
     `report.stage_figure`; ``explanation``; ``unsharded_storage_bytes`` and
-    ``comm_bytes`` per rank), ``parameters`` (each rank's original a, b, c), ``batches``
+    ``comm_bytes`` and ``collectives`` per rank), ``parameters`` (each rank's original a, b, c), ``batches``
     and the flat ``layout`` (numel, padded_numel, padding, shard_numel).
     """
     if cluster.world_size < 2:
@@ -145,6 +148,7 @@ def run(
             "explanation": why,
             "unsharded_storage_bytes": [p["storage"][name] for p in per_rank],
             "comm_bytes": [p["moved"].get(name, 0.0) for p in per_rank],
+            "collectives": [p["ops"].get(name, []) for p in per_rank],
         }
         for name, why in STAGES.items()
     }

@@ -8,10 +8,12 @@ FSDP1, FSDP2 and ours (`audit.py`), shows that `to_empty` unties (and that `shar
 until `retie`), and traces what it costs to leave the tied pair to the root unit — the spike,
 read in `analysis.py`, shown in `report.py`.
 
-With ``model="module:factory"`` (``fsdp-lab tying --model ...``) the verification and the audit
-run on that model instead, with plans made from its first tie (`plans.tie_plans`); the plan
-diagrams, the to_empty demonstration (TinyGPT's `init_weights`) and the spike (its
-``vocab``/``dim`` sizes) stay on TinyGPT.
+Every section runs on TinyGPT at the config's sizes (``vocab``, ``dim``, ``layers``, ``heads``,
+``seq_len``) and batch. With ``model="module:factory"`` (``fsdp-lab tying --model ...``) the
+verification and the audit run on that model instead, at its own sizes, with plans made from
+its first tie (`plans.tie_plans`); the plan diagrams, the to_empty demonstration (TinyGPT's
+`init_weights`) and the spike stay on TinyGPT. The result's ``sections`` says, per section,
+which model it built and its sizes, read off that model.
 """
 
 from fsdp_lab.labs.registry import LABS

@@ -1,8 +1,10 @@
 """Lab 03, the verdicts: per-rank results regrouped, and the spike's memory read off its traces.
 
 [Note: the root-unit spike] Left to the root unit, the tied V x d matrix is gathered when the
-forward starts and stays until the backward ends: it sits in memory while every block runs.
-(Like FSDP2, the spike's `shard` keeps the root unit after forward: its backward comes next.)
+forward starts and, if the root unit is not freed after forward, stays until the backward ends:
+it sits in memory while every block runs — a plateau, not a spike at the embedding's gather and
+another at the head's. (Like FSDP2, the spike's `shard` keeps the root unit after forward, its
+backward comes next; `measure.freed_after_forward` reads what each run did.)
 As our joint unit `("tok_emb", "head")` it is gathered for the embedding, freed, and gathered
 again for the head (our prefetch fetches it during the last block). FSDP2's group
 ``fully_shard([model.tok_emb, model.head])`` frees only after its last module has run, so it
@@ -15,6 +17,7 @@ Torch-free: everything here works on the plain data `measure.py` returns.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict
 from typing import Any
 
@@ -29,11 +32,28 @@ PHASES = {  # what the spike reads per rank -> how the summary says it
 # What `to_empty_worker` measures the same way on every rank: said once, at the top.
 _TO_EMPTY_ONCE = ("torch", "ties", "tied_on_meta")
 _AS_MEASURED = ("world_size", "backend", "model", "vocab_size", "tie_plans", "ties", "plans")
+_STEP_MARKER = re.compile(r"step (\d+) (forward done|backward done|optimizer step)")
+_PHASE_OF = {
+    "forward done": "forward",
+    "backward done": "backward",
+    "optimizer step": "optimizer step",
+}
+
+
+def phase_at(markers: list[dict[str, Any]], t: float) -> dict[str, Any]:
+    """Where in training time `t` falls: the first step marker at or after it says which step
+    and phase (``forward``, ``backward``, ``optimizer step``); after the last: ``after training``."""
+    for m in sorted(markers, key=lambda m: m["t"]):
+        found = _STEP_MARKER.fullmatch(m["label"])
+        if found and m["t"] >= t:
+            return {"step": int(found.group(1)), "phase": _PHASE_OF[found.group(2)]}
+    return {"step": None, "phase": "after training"}
 
 
 def phase_bytes(trace: dict[str, Any], step: int) -> dict[str, Any]:
-    """Peak (and the markers around it); in `step`: bytes when the blocks start, the most
-    while they run (from the embedding's end to the head's start), at the end of forward."""
+    """Peak (the markers around it, the step and phase it fell in); in `step`: bytes when the
+    blocks start, the least and the most while they run (from the embedding's end to the
+    head's start), at the end of forward."""
 
     def at(label: str, after: float = -1.0) -> dict[str, Any]:
         return next(m for m in trace["markers"] if m["label"] == label and m["t"] > after)
@@ -48,28 +68,38 @@ def phase_bytes(trace: dict[str, Any], step: int) -> dict[str, Any]:
     after = [m["label"] for m in trace["markers"] if m["t"] > t_peak]
     return {
         "peak_between": [before[-1] if before else "start", after[0] if after else "end"],
+        "peak_phase": phase_at(trace["markers"], t_peak),
         "peak_bytes": trace["peak_bytes"],
         "blocks_start_bytes": first["total"],
+        "blocks_min_bytes": min(window),
         "blocks_max_bytes": max(window),
         "end_of_forward_bytes": forward_done["total"],
     }
 
 
-def spike(config: TyingConfig, traces: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
-    """`traces[system][wrapping]` (one per rank) -> each phase per rank, the traces, and the
-    peaks per wrapping at the top (``peak_bytes_root_unit``, ``fsdp2_peak_bytes_...``)."""
+def spike(config: TyingConfig, runs: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
+    """`runs[system][wrapping]` (one `spike_worker` result per rank) -> each phase per rank,
+    the units freed after forward (rank 0's), the traces, and the peaks per wrapping at the
+    top (``peak_bytes_root_unit``, ``fsdp2_peak_bytes_...``)."""
+    first = next(iter(next(iter(runs.values())).values()))[0]["model"]
     out: dict[str, Any] = {
         "model": config.gpt(),
         "batch_per_rank": config.batch,
+        "seq_len": config.seq_len,
         "steps": config.spike_steps,
-        "tied_matrix_bytes": config.vocab * config.dim * 4,  # one fp32 V x d matrix
+        "tied_matrix_bytes": first["tied_bytes"],  # read off the built model: V x d x 4 (fp32)
+        "block_bytes": first["block_bytes"],
+        "layers": first["layers"],
     }
-    for system, by_wrapping in traces.items():
+    keys = (*PHASES, "blocks_min_bytes", "peak_between", "peak_phase")
+    for system, by_wrapping in runs.items():
         out[system] = {}
         for w, per_rank in by_wrapping.items():
-            phases = [phase_bytes(tr, config.spike_steps - 1) for tr in per_rank]
-            out[system][w] = {key: [p[key] for p in phases] for key in (*PHASES, "peak_between")}
-            out[system][w]["traces"] = per_rank
+            traces = [r["trace"] for r in per_rank]
+            phases = [phase_bytes(tr, config.spike_steps - 1) for tr in traces]
+            out[system][w] = {key: [p[key] for p in phases] for key in keys}
+            out[system][w]["freed_after_forward"] = per_rank[0]["freed_after_forward"]
+            out[system][w]["traces"] = traces
         prefix = "" if system == "fsdp_lab" else "fsdp2_"
         for w in by_wrapping:
             out[f"{prefix}peak_bytes_{w}"] = out[system][w]["peak_bytes"]
@@ -100,6 +130,7 @@ def analyse(config: TyingConfig, measured: dict[str, Any]) -> dict[str, Any]:
     return {
         "config": {**asdict(config), "world_size": n},
         **{k: measured[k] for k in _AS_MEASURED},
+        "sections": measured["sections"],
         "verification": verification,
         "audit": measured["audit"],
         "to_empty": to_empty,

@@ -27,8 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_lab.labs.tying.config import LAB_MODEL
-from fsdp_lab.labs.tying.plans import block_names, split_tie
-from fsdp_lab.model_spec import load_factory, vocab_size_of
+from fsdp_lab.labs.tying.plans import block_names, build_model, model_sizes, split_tie
+from fsdp_lab.model_spec import vocab_size_of
 from fsdp_lab.models import synthetic_batch
 from fsdp_lab.reference import local_slice
 from fsdp_lab.tying import Tie
@@ -108,20 +108,24 @@ def _agree(stage_fn: Callable[[], Any]) -> tuple[bool, Any, str | None]:
     return False, None, "; ".join(f"rank {r}: {e}" for r, e in failed)
 
 
-def audit_system(
-    system: str, model_spec: str = LAB_MODEL, vocab_size: int | None = None, lr: float = 0.5
-) -> dict:
-    """One system's row: wrap `model_spec`'s model invalidly, try one training step, inspect
-    the tie. Token ids are drawn below `vocab_size` (default `vocab_size_of(model)`)."""
+def default_workload(model_spec: str = LAB_MODEL) -> dict[str, Any]:
+    """What the audit trains without the lab's `measure.workloads`: `model_spec` as its
+    factory builds it, 2 sequences of 8 tokens per rank, tokens below its own vocab."""
+    return {"model": model_spec, "gpt": None, "batch": 2, "seq_len": 8, "vocab": None}
+
+
+def audit_system(system: str, workload: dict[str, Any], lr: float = 0.5) -> dict:
+    """One system's row: wrap the `workload`'s model (`measure.workloads`, `default_workload`)
+    invalidly, try one training step, inspect the tie."""
     torch.manual_seed(0)
-    model = load_factory(model_spec)()
+    model = build_model(workload["model"], workload["gpt"])
     tie, split = split_tie(model)
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     row: dict[str, Any] = {"system": system, "accepted": False, "stage": None, "error": None}
     row.update(still_tied=None, equal_values=None)
-    vocab = vocab_size if vocab_size is not None else vocab_size_of(model)
-    x, y = synthetic_batch(vocab, 2 * world, 8, 0)  # (B, T) tokens
+    vocab = workload["vocab"] if workload["vocab"] is not None else vocab_size_of(model)
+    x, y = synthetic_batch(vocab, workload["batch"] * world, workload["seq_len"], 0)  # (B, T)
     x, y = local_slice(x, rank, world), local_slice(y, rank, world)
     box: dict[str, Any] = {}
 
@@ -151,6 +155,17 @@ def audit_system(
     return row
 
 
-def audit_worker(model_spec: str = LAB_MODEL, vocab_size: int | None = None) -> list[dict]:
-    """On every rank: `audit_system`'s row for each of `SYSTEMS`, the same on every rank."""
-    return [audit_system(system, model_spec, vocab_size) for system in SYSTEMS]
+def audit_worker(
+    model_spec: str = LAB_MODEL, workload: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """On every rank: `audit_system`'s row for each of `SYSTEMS` (``rows``, the same on every
+    rank), and the sizes of the model the rows ran on (``model``, `plans.model_sizes`).
+
+    Args:
+        model_spec: "module:factory" of a model with a tie (default TinyGPT).
+        workload: the lab's (`measure.workloads`: sizes, batch, sequence length); default
+            `default_workload(model_spec)`.
+    """
+    workload = workload or default_workload(model_spec)
+    built = model_sizes(build_model(workload["model"], workload["gpt"]), workload["model"])
+    return {"model": built, "rows": [audit_system(system, workload) for system in SYSTEMS]}

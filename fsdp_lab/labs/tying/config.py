@@ -15,6 +15,7 @@ from fsdp_lab.model_spec import load_factory
 LAB_MODEL = "fsdp_lab.models:tiny_gpt"
 WRAPPINGS = ("root_unit", "joint_unit")  # the two valid plans: trained, verified, measured
 SPIKE_SYSTEMS = ("fsdp_lab", "fsdp2")  # who shards the model in the spike
+SYSTEM_NAMES = {"fsdp_lab": "fsdp_lab shard", "fsdp2": "FSDP2 fully_shard"}  # as reports say it
 
 
 @dataclass(frozen=True)
@@ -24,20 +25,21 @@ class TyingConfig:
     steps: SGD steps of the verification, after which the tie is checked again.
     lr: SGD learning rate (momentum 0.9).
     model: "module:factory" of a model with a tie: its ties are reported, and the verification
-        and the audit shard and train it (default TinyGPT; the spike stays on TinyGPT).
-    vocab: rows of the tied embedding/head matrix.
-    dim: model width.
-    layers: transformer blocks.
-    heads: attention heads.
-    seq_len: tokens per sequence.
-    batch: sequences per rank in the spike.
+        and the audit shard and train it at its own sizes (default: the TinyGPT below; the
+        plans, to_empty and the spike stay on it). The result's `sections` says which ran where.
+    vocab: rows of the tied embedding/head matrix (TinyGPT, every section).
+    dim: model width (TinyGPT, every section).
+    layers: transformer blocks (TinyGPT, every section).
+    heads: attention heads (TinyGPT, every section).
+    seq_len: tokens per sequence (TinyGPT, every section that trains it).
+    batch: sequences per rank (TinyGPT, every section that trains it).
     spike_steps: training steps measured for the spike (figures from the last one).
     compare_fsdp2: measure the spike with PyTorch's `fully_shard` too (``--no-fsdp2``: ours only).
     backend: "auto", "gloo" or "nccl".
     """
 
     world_size: int = 2
-    steps: int = 5
+    steps: int = 2
     lr: float = 0.1
     model: str | None = None
     vocab: int = 32768

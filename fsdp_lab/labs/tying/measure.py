@@ -16,8 +16,15 @@ from fsdp_lab import reference
 from fsdp_lab.cluster import AttachedCluster, Cluster, borrow, device, rank, world_size
 from fsdp_lab.labs.tying.audit import audit_worker
 from fsdp_lab.labs.tying.config import LAB_MODEL, SPIKE_SYSTEMS, WRAPPINGS, TyingConfig
-from fsdp_lab.labs.tying.plans import as_units, describe_plans, detect_ties, tie_plans
-from fsdp_lab.model_spec import check_on_rank0, load_factory
+from fsdp_lab.labs.tying.plans import (
+    as_units,
+    build_model,
+    describe_plans,
+    detect_ties,
+    model_sizes,
+    tie_plans,
+)
+from fsdp_lab.model_spec import SEQ_LEN, check_on_rank0, load_factory
 from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.sharding import shard, sharding_state
 from fsdp_lab.trace import MemoryTracker, mark
@@ -35,11 +42,13 @@ def preflight(config: TyingConfig) -> None:
 
 
 def verification_worker(
-    spec: list, steps: int, lr: float, global_batch: int, model_spec: str, vocab_size: int | None
+    spec: list, steps: int, lr: float, workload: dict[str, Any]
 ) -> dict[str, Any]:
-    """On every rank: shard the model with `spec`, verify the tie, train `steps` SGD steps,
-    verify again; rank 0 sends the full parameters for the comparison with one process."""
-    model = load_factory(model_spec)().to(device())
+    """On every rank: shard the `workload`'s model with `spec`, verify the tie, train `steps`
+    SGD steps, verify again; rank 0 sends the full parameters for the comparison with one
+    process, and what it built."""
+    model = build_model(workload["model"], workload["gpt"]).to(device())
+    built = model_sizes(model, workload["model"])
     record_ties(model)
     shard(model, units=as_units(spec), strategy="full")
     right_after = verify_weight_tying(model)
@@ -49,11 +58,12 @@ def verification_worker(
         model,
         opt,
         steps,
-        global_batch=global_batch,
+        global_batch=workload["batch"] * n,
+        seq_len=workload["seq_len"],
         rank=rank(),
         world=n,
         device=device(),
-        vocab_size=vocab_size,
+        vocab_size=workload["vocab"],
     )
     params = reference.full_parameters(model)  # a collective: every rank takes part
     return {
@@ -61,24 +71,40 @@ def verification_worker(
         "after_steps": verify_weight_tying(model),
         "units": [u.label for u in sharding_state(model).units],
         "params": params if rank() == 0 else None,
+        "model": built,
     }
+
+
+def single_process(
+    workload: dict[str, Any], steps: int, lr: float, world: int
+) -> dict[str, torch.Tensor]:
+    """The verification's reference: the same model and global batches in one process."""
+    return reference.single_process(
+        lambda: build_model(workload["model"], workload["gpt"]),
+        lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9),
+        steps,
+        global_batch=workload["batch"] * world,
+        vocab_size=workload["vocab"],
+        seq_len=workload["seq_len"],
+    )
 
 
 def _tied(model: torch.nn.Module) -> bool:
     return model.head.weight is model.tok_emb.weight
 
 
-def to_empty_worker(lr: float) -> dict[str, Any]:
+def to_empty_worker(lr: float, workload: dict[str, Any]) -> dict[str, Any]:
     """On every rank: meta build -> to_empty; does the tie survive, does `shard` take the
     model? Then the repair: record on meta, to_empty, retie, *then* initialise (torchtitan's
-    order), shard and train a step."""
+    order), shard and train a step. On the `workload`'s TinyGPT (its `init_weights`)."""
     with torch.device("meta"):
-        untied = tiny_gpt()
+        untied = tiny_gpt(**workload["gpt"])
     ties = record_ties(untied)
     out: dict[str, Any] = {
         "torch": torch.__version__,
         "ties": [list(t.names) for t in ties],
         "tied_on_meta": _tied(untied),
+        "model": model_sizes(untied, LAB_MODEL),
     }
     untied.to_empty(device=device())  # a new Parameter in each owner's slot (torch 2.13)
     out["tied_after_to_empty"] = _tied(untied)
@@ -90,7 +116,7 @@ def to_empty_worker(lr: float) -> dict[str, Any]:
         out["shard_refused"], out["shard_error"] = True, str(exc)
 
     with torch.device("meta"):
-        model = tiny_gpt()
+        model = tiny_gpt(**workload["gpt"])
     ties = record_ties(model)
     model.to_empty(device=device())
     retie(model, ties)
@@ -100,7 +126,16 @@ def to_empty_worker(lr: float) -> dict[str, Any]:
     shard(model, units={Block})
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     n = world_size()
-    reference.train_steps(model, opt, 1, global_batch=2 * n, rank=rank(), world=n, device=device())
+    reference.train_steps(
+        model,
+        opt,
+        1,
+        global_batch=workload["batch"] * n,
+        seq_len=workload["seq_len"],
+        rank=rank(),
+        world=n,
+        device=device(),
+    )
     out["shard_accepted_after_retie"] = True
     out["problems_after_retie_and_a_step"] = verify_weight_tying(model)
     return out
@@ -125,10 +160,31 @@ def _wrap_for_spike(model: torch.nn.Module, system: str, spec: list) -> None:
     fully_shard(model, mesh=mesh)
 
 
+def freed_after_forward(model: torch.nn.Module, system: str) -> dict[str, bool] | None:
+    """Per unit ("root" for the root unit): whether it was freed after forward, as the run
+    left it. FSDP2 decides for its root at the first forward (it keeps it: the backward comes
+    next), so this is read after training, from its param groups; None if this torch's FSDP2
+    keeps that elsewhere."""
+    if system == "fsdp_lab":
+        return {u.label: u.reshard_after_forward for u in sharding_state(model).units}
+    freed: dict[str, bool] = {}
+    for name, module in model.named_modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        for group in getattr(state, "_fsdp_param_groups", None) or []:
+            if not hasattr(group, "post_forward_mesh_info"):
+                return None  # a torch that keeps it elsewhere: not read, not guessed
+            fqn = getattr(group, "_module_fqn", None) or name  # a group: "tok_emb, head"
+            label = "root" if fqn == "" else fqn.replace(", ", "+")  # our unit labels
+            freed[label] = group.post_forward_mesh_info is not None
+    return freed or None
+
+
 def spike_worker(config: TyingConfig, system: str, spec: list) -> dict[str, Any]:
     """On every rank: wrap the large-vocabulary TinyGPT with `spec`, train `spike_steps` steps
-    under the memory tracker; the trace (`analysis.phase_bytes` reads it)."""
+    under the memory tracker; the trace (`analysis.phase_bytes` reads it), what was built and
+    which units were freed after forward."""
     model = tiny_gpt(**config.gpt()).to(device())
+    built = model_sizes(model, LAB_MODEL)
     _wrap_for_spike(model, system, spec)
     # Registered after wrapping: "embedding done" comes after a joint unit is freed, and
     # (prepended) "head start" before it is gathered again — the window where the blocks run.
@@ -153,41 +209,85 @@ def spike_worker(config: TyingConfig, system: str, spec: list) -> dict[str, Any]
             world=n,
             device=device(),
         )
-    return mem.trace()
+    return {
+        "trace": mem.trace(),
+        "model": built,
+        "freed_after_forward": freed_after_forward(model, system),
+    }
+
+
+def workloads(config: TyingConfig, vocab: int | None) -> dict[str, dict[str, Any]]:
+    """What each section trains: ``lab`` is TinyGPT at the config's sizes and batch (the
+    plans, to_empty and the spike; and everything without ``--model``); ``given`` is the
+    ``--model`` (its own sizes: a factory takes no arguments) with the contract's probe
+    sequence length, or the same TinyGPT."""
+    lab = {
+        "model": LAB_MODEL,
+        "gpt": config.gpt(),
+        "batch": config.batch,
+        "seq_len": config.seq_len,
+        "vocab": config.vocab,
+    }
+    if config.model is None:
+        return {"lab": lab, "given": lab}
+    given = {"model": config.model, "gpt": None, "batch": 2, "seq_len": SEQ_LEN, "vocab": vocab}
+    return {"lab": lab, "given": given}
+
+
+def _section(built: dict[str, Any], workload: dict[str, Any] | None, steps: int | None) -> dict:
+    """A section's line of `sections`: the model it built, and the tokens and steps it ran."""
+    tokens = {"batch_per_rank": None, "seq_len": None}
+    if workload is not None:
+        tokens = {"batch_per_rank": workload["batch"], "seq_len": workload["seq_len"]}
+    return {**built, **tokens, "steps": steps}
+
+
+def _built(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Take each rank's ``model`` (what it built) out of its result; rank 0's."""
+    return [r.pop("model") for r in per_rank][0]
 
 
 def measure(config: TyingConfig, cluster: Cluster | AttachedCluster | None = None) -> dict:
     """Ties and plans here, then on the ranks: verification, audit, to_empty, spike."""
-    ties = {LAB_MODEL: detect_ties(tiny_gpt())}
     model_spec = config.model or LAB_MODEL
-    model = load_factory(model_spec)()
-    ties[model_spec] = detect_ties(model)
+    lab_model = tiny_gpt(**config.gpt())
+    model = lab_model if config.model is None else build_model(config.model, None)
     specs = tie_plans(model)  # ValueError before any rank starts if it has no usable tie
+    ties = {LAB_MODEL: detect_ties(lab_model), model_spec: detect_ties(model)}
     first, *_, last = ties[model_spec][0]["names"]  # TinyGPT: tok_emb.weight ... head.weight
-    del model
-    plans = describe_plans(config.gpt())
+    del model, lab_model
+    with torch.device("meta"):
+        lab_model = tiny_gpt(**config.gpt())
+    plans = describe_plans(lab_model)
+    sections = {"plans": _section(model_sizes(lab_model, LAB_MODEL), None, None)}
     with borrow(cluster, config.world_size, config.backend) as ranks:
-        global_batch = 2 * ranks.world_size
         # The --model contract, on rank 0 where it trains, before anything is sharded.
-        vocab = ranks.run(check_on_rank0, model_spec)[0]
-        single = reference.single_process(
-            load_factory(model_spec),
-            lambda params: torch.optim.SGD(params, lr=config.lr, momentum=0.9),
-            config.steps,
-            global_batch=global_batch,
-            vocab_size=vocab,
-        )
+        vocab = ranks.run(check_on_rank0, config.model)[0] if config.model else config.vocab
+        work = workloads(config, vocab)
+        single = single_process(work["given"], config.steps, config.lr, ranks.world_size)
         verification = {}
         for name in WRAPPINGS:
-            args = (specs[name], config.steps, config.lr, global_batch, model_spec, vocab)
-            per_rank = ranks.run(verification_worker, *args)
-            params = per_rank[0].pop("params")
+            per_rank = ranks.run(
+                verification_worker, specs[name], config.steps, config.lr, work["given"]
+            )
+            params, built = per_rank[0].pop("params"), _built(per_rank)
             verification[name] = {
                 "per_rank": per_rank,
                 "max_abs_diff_vs_single_process": reference.max_abs_diff(params, single),
                 "head_equals_embedding": bool(torch.equal(params[last], params[first])),
             }
+        sections["verification"] = _section(built, work["given"], config.steps)
+        audit = ranks.run(audit_worker, model_spec, work["given"])[0]
+        sections["audit"] = _section(audit["model"], work["given"], 1)
+        to_empty = ranks.run(to_empty_worker, config.lr, work["lab"])
+        sections["to_empty"] = _section(_built(to_empty), work["lab"], 1)
         systems = SPIKE_SYSTEMS if config.compare_fsdp2 else SPIKE_SYSTEMS[:1]
+        spike = {
+            s: {w: ranks.run(spike_worker, config, s, plans[w]["units"]) for w in WRAPPINGS}
+            for s in systems
+        }
+        first_run = spike[systems[0]][WRAPPINGS[0]][0]
+        sections["spike"] = _section(first_run["model"], work["lab"], config.spike_steps)
         return {
             "world_size": ranks.world_size,
             "backend": ranks.backend,
@@ -196,11 +296,9 @@ def measure(config: TyingConfig, cluster: Cluster | AttachedCluster | None = Non
             "tie_plans": specs,
             "ties": ties,
             "plans": plans,
+            "sections": sections,
             "verification": verification,
-            "audit": ranks.run(audit_worker, model_spec, vocab)[0],
-            "to_empty": ranks.run(to_empty_worker, config.lr),
-            "spike": {
-                s: {w: ranks.run(spike_worker, config, s, plans[w]["units"]) for w in WRAPPINGS}
-                for s in systems
-            },
+            "audit": audit["rows"],
+            "to_empty": to_empty,
+            "spike": spike,
         }

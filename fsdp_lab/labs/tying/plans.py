@@ -8,6 +8,8 @@ modules. For any model with a tie the lab draws three:
                 FSDP2's ``fully_shard([model.tok_emb, model.head])``)               (valid)
     split_tie   the tie's last owner alone, its partner left in the root            (INVALID)
 
+Every section of the lab builds its model with `build_model` and says what it built with
+`model_sizes`, so that ``--vocab/--dim/--layers`` reach every section and the result can show it.
 Nothing here starts a rank: the models are built on CPU or on meta.
 """
 
@@ -15,12 +17,40 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.nn as nn
 
+from fsdp_lab.model_spec import load_factory
 from fsdp_lab.models import tiny_gpt
 from fsdp_lab.tying import Tie, find_ties
 from fsdp_lab.wrap import PlanError, build_plan, ownership
+
+
+def build_model(model_spec: str, gpt: dict[str, int] | None) -> nn.Module:
+    """The model a section runs on: TinyGPT with the lab's sizes (`gpt`: `tiny_gpt`'s
+    arguments), or, with ``gpt=None``, what the ``--model`` factory builds (its own sizes)."""
+    return tiny_gpt(**gpt) if gpt is not None else load_factory(model_spec)()
+
+
+def model_sizes(model: nn.Module, model_spec: str) -> dict[str, Any]:
+    """What a section ran on, read off the model it built: the tied matrix's rows (vocab),
+    columns (dim) and bytes, the repeated blocks and their bytes, all the parameters (a
+    tied one once)."""
+    ties = find_ties(model)
+    tied = model.get_parameter(ties[0].names[0]) if ties else None
+    blocks = block_names(model)
+    return {
+        "model": model_spec,
+        "vocab": tied.shape[0] if tied is not None else None,
+        "dim": tied.shape[-1] if tied is not None else None,
+        "layers": len(blocks),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "block_bytes": sum(
+            p.numel() * p.element_size()
+            for b in blocks
+            for p in model.get_submodule(b).parameters()
+        ),
+        "tied_bytes": tied.numel() * tied.element_size() if tied is not None else None,
+    }
 
 
 def detect_ties(model: nn.Module) -> list[dict[str, Any]]:
@@ -93,11 +123,9 @@ def tie_plans(model: nn.Module) -> dict[str, list]:
     return specs
 
 
-def describe_plans(gpt: dict[str, int]) -> dict[str, dict[str, Any]]:
-    """Each plan of the spike's TinyGPT (`gpt`: its arguments; built on meta, no memory) as
-    `build_plan` judges it: the plan, or its error and the parameters with two units."""
-    with torch.device("meta"):
-        model = tiny_gpt(**gpt)
+def describe_plans(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Each plan of `model` (built on meta: no memory) as `build_plan` judges it: the plan, or
+    its error and the parameters with two units."""
     out = {}
     for name, spec in tie_plans(model).items():
         units = as_units(spec)
