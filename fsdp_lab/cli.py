@@ -75,7 +75,27 @@ class _Parser(argparse.ArgumentParser):
     """argparse whose errors are raised as UsageError: one line and a hint, not usage + exit."""
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(message, f"see `{self.prog} --help` for the options", self.prog)
+        hint = f"see `{self.prog} --help` for the options"
+        if message.startswith("unrecognized arguments:"):
+            typed = [w for w in message.split(":", 1)[1].split() if w.startswith("--")]
+            known = self._option_strings()
+            guesses = [difflib.get_close_matches(w.split("=")[0], known, n=1) for w in typed]
+            found = [f"{w} -> {g[0]}" for w, g in zip(typed, guesses, strict=True) if g]
+            if found:
+                hint = f"did you mean: {', '.join(found)}? ({hint})"
+        raise UsageError(message, hint, self.prog)
+
+    def _option_strings(self) -> list[str]:
+        """Every --option this parser and its lab subparsers know: what a typo is matched to."""
+        options = []
+        for action in self._actions:
+            options += [o for o in action.option_strings if o.startswith("--")]
+            choices = getattr(action, "choices", None)
+            if isinstance(choices, dict):  # the lab subparsers
+                for sub in choices.values():
+                    if isinstance(sub, argparse.ArgumentParser):
+                        options += _Parser._option_strings(sub)
+        return sorted(set(options))
 
 
 def _positive_int(text: str) -> int:

@@ -648,3 +648,13 @@ def test_ctrl_c_stops_the_ranks_with_one_line(how, lab):
     assert error["error"] == "interrupted — ranks stopped" and error["hint"]
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"orphaned: {alive}"
+
+
+def test_a_mistyped_option_gets_the_closest_one_suggested():
+    proc = fsdp_lab("shard", "--free-rot")
+    assert proc.returncode == 2
+    assert "unrecognized arguments: --free-rot" in proc.stderr
+    assert "did you mean: --free-rot -> --free-root?" in proc.stderr
+    proc = fsdp_lab("tying", "--vocabb", "10")
+    assert "--vocabb -> --vocab?" in proc.stderr
+    assert "did you mean" not in fsdp_lab("shard", "--zzzz").stderr  # nothing close: no guess
