@@ -73,3 +73,15 @@ def test_step_time_overlap_and_throughput():
 def test_bad_input_names_the_value(call, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         call()
+
+
+def test_the_scaling_table_states_the_models_assumptions_from_its_inputs():
+    from fsdp_lab.labs.hsdp.analysis import network_model
+    from fsdp_lab.labs.hsdp.report import assumptions
+
+    text = assumptions(network_model(7.0, 100.0))
+    assert text.startswith("Assumed, not measured: 7B parameters")
+    assert "1 × 100 Gbit/s NIC per node" in text and "450 GB/s" in text
+    other = assumptions(network_model(70.0, 400.0, gpus_per_node=4, intra_gb_s=900.0))
+    assert "70B parameters" in other and "400 Gbit/s" in other and "4 GPUs per node" in other
+    assert "900 GB/s" in other and "shard group S = 4" in other

@@ -59,3 +59,18 @@ def test_the_guard_catches_what_it_is_for():
         )
         == "x\n\n"
     )
+
+
+def test_no_notebook_types_a_measured_figure_in_its_prose_or_comments():
+    """The same guard over every notebook's Markdown cells and code comments: a figure a
+    notebook states is built from its run (a Markdown cell made from the result), not typed."""
+    import nbformat
+
+    found = []
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            text = cell.source
+            if cell.cell_type == "code":
+                text = "\n".join(line.split("#", 1)[1] for line in text.splitlines() if "#" in line)
+            found += [f"{path.name} cell {i}: {m}" for m in MEASURED.findall(text)]
+    assert not found, found

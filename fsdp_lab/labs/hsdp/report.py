@@ -194,7 +194,20 @@ def scaling_table(result: LabResult) -> str:
         "HSDP comm/step",
         "quoted chart FSDP / HSDP",
     ]
-    return table(head, rows)
+    return assumptions(model) + "\n\n" + table(head, rows)
+
+
+def assumptions(model: dict[str, Any]) -> str:
+    """Markdown: the network model's inputs, as this run set them — assumed, not measured."""
+    w, net = model["workload"], model["network"]
+    return (
+        f"Assumed, not measured: {w['parameters'] / 1e9:g}B parameters at "
+        f"{w['bytes_per_parameter']:g} bytes each, {w['tokens_per_gpu']:,} tokens per GPU, "
+        f"{w['tflops']:g} TFLOPS per GPU alone, overlap {w['overlap']:g}; "
+        f"{net['gpus_per_node']} GPUs per node joined at {net['intra_bandwidth'] / 1e9:g} GB/s, "
+        f"{net['nics_per_node']} × {net['inter_bandwidth'] * 8 / 1e9 / net['nics_per_node']:g} "
+        f"Gbit/s NIC per node, shard group S = {model['shard']}."
+    )
 
 
 def departures(result: LabResult) -> list[str]:
