@@ -270,3 +270,30 @@ def test_summary_holds_every_section():
     ):
         assert part in text, part
     assert "### Llama-3-70B" not in report.summary(analysed(seventy=None))
+
+
+def _sweep(sync_times, det_times, sync_bytes=(0, 100, 100, 100)):
+    return [
+        {
+            "world_size": n + 1,
+            "sync_module_states": {"time_s": ts, "bytes_per_rank": b, "bitwise": True},
+            "deterministic": {"time_s": td, "bytes_per_rank": 0, "bitwise": True},
+        }
+        for n, (ts, td, b) in enumerate(zip(sync_times, det_times, sync_bytes, strict=True))
+    ]
+
+
+def test_the_o1_claim_is_judged_from_bytes_and_from_times_where_each_rank_had_a_core():
+    from fsdp_lab.labs.meta_init import scaling
+
+    # 2 cores: only 1 -> 2 ranks are judged; the 4-rank times (shared cores) are not used.
+    text = scaling.claim_text(_sweep([1.0, 2.0, 9.0, 9.0], [1.0, 1.1, 9.0, 9.0]), cores=2)
+    sync, det = [line for line in text.splitlines() if line.startswith("- ")]
+    assert "total grows with the rank count" in sync and "grew from 1000 ms" in sync
+    assert "no rank sent a byte" in det and "did not grow beyond 25%" in det
+    # The other way round: the exact init's time grew, sync's did not.
+    text = scaling.claim_text(_sweep([1.0, 1.0, 1.0, 1.0], [1.0, 2.0, 2.0, 2.0]), cores=2)
+    sync, det = [line for line in text.splitlines() if line.startswith("- ")]
+    assert "did not grow" in sync and "grew from 1000 ms on 1 rank to 2000 ms on 2" in det
+    assert "cannot be judged" in scaling.claim_text(_sweep([1.0] * 4, [1.0] * 4), cores=1)
+    assert scaling.table_of(_sweep([1.0] * 4, [1.0] * 4)).count("\n") == 5
