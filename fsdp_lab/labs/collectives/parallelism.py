@@ -19,6 +19,7 @@ import torch
 
 from fsdp_lab import comm, reference, theory
 from fsdp_lab.cluster import AttachedCluster, Cluster, rank, world_size
+from fsdp_lab.labs.shard.measure import unit_layout
 from fsdp_lab.markdown import table
 from fsdp_lab.pipeline.model import pipe_gpt
 from fsdp_lab.pipeline.schedule import train_pipeline
@@ -64,15 +65,7 @@ def _one_step(strategy: str, global_batch: int) -> dict[str, Any]:
         return {"sent": log.bytes_by_op().get("send", 0.0)}
     mesh = (2, n // 2) if strategy == "hybrid" else None
     shard(model, units={type(b) for b in model.layers.values()}, strategy=strategy, mesh=mesh)
-    units = [
-        {
-            "numel": u.flat.numel,
-            "padded_numel": u.flat.padded_numel,
-            "element_size": u.flat.shard.element_size(),
-            "reshard_after_forward": u.reshard_after_forward,
-        }
-        for u in sharding_state(model).units
-    ]
+    units = [unit_layout(u) for u in sharding_state(model).units]
     with comm.CommLog() as log:
         reference.train_steps(
             model,

@@ -71,12 +71,12 @@ def waiting_sentence(result: LabResult) -> str:
     if not common_clock(timelines):
         return "The ranks ran on different hosts: no common clock to tell waiting from transfer."
     waits = waiting_times(timelines)
-    r, i = max(
-        ((r, i) for r, tl in enumerate(timelines) for i, s in enumerate(tl["spans"])),
-        key=lambda ri: (
-            timelines[ri[0]]["spans"][ri[1]]["end"] - timelines[ri[0]]["spans"][ri[1]]["start"]
-        ),
-    )
+    spans = [
+        (s["end"] - s["start"], r, i)
+        for r, tl in enumerate(timelines)
+        for i, s in enumerate(tl["spans"])
+    ]
+    _, r, i = max(spans)  # the longest span of any rank
     span, wait = timelines[r]["spans"][i], waits[r][i]
     length = span["end"] - span["start"]
     return (

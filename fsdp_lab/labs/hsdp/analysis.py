@@ -137,6 +137,7 @@ def emulated(raw: dict[str, Any], mesh: tuple[int, int]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "rate": raw["rate"],
         "netem": raw["netem"],
+        "probe_bytes": raw["probe_bytes"],
         "model": raw["model"],
         "link": {"inter": inter, "intra": intra},
         "compute_s": compute,
@@ -155,6 +156,7 @@ def emulated(raw: dict[str, Any], mesh: tuple[int, int]) -> dict[str, Any]:
         predicted = netsim.predict(model_system, r * s, workload, network, shard=s)
         measured = max(statistics.median(rank[system]["step_s"]) for rank in ranks)
         out[system] = {
+            "parameters": row["parameters"],
             "measured_step_s": measured,
             "predicted_step_s": predicted["step_s"],
             "predicted_comm_s": predicted["comm_s"],

@@ -99,6 +99,7 @@ def measure_emulated(config: HsdpConfig) -> dict[str, Any]:
     return {
         "rate": config.inter_node_bandwidth,
         "netem": nodes.netem,
+        "probe_bytes": PROBE_BYTES,
         "ranks": ranks,
         "model": dict(EMULATED_GPT),
     }

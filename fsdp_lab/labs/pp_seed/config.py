@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fsdp_lab.choices import SEEDING_STRATEGIES as STRATEGIES
 from fsdp_lab.config_checks import check_counts, is_int
@@ -105,14 +105,7 @@ class PPSeedConfig:
                 f"optimizer={self.optimizer!r}, lr={lr!r}: allowed optimizer in "
                 f"{list(OPTIMIZERS)} and lr a number > 0 (or None). Fix: optimizer='sgd', lr=0.1"
             )
-        strategies, grow = tuple(self.strategies), tuple(self.grow_dims)
-        unknown = [s for s in strategies if s not in STRATEGIES]
-        if not strategies or unknown or len(set(strategies)) != len(strategies):
-            why = f"strategy {unknown[0]!r} is unknown" if unknown else "none, or one twice"
-            raise ValueError(
-                f"strategies={strategies}: {why}: allowed one or more of {list(STRATEGIES)}, "
-                f"each once. Fix: strategies={STRATEGIES}"
-            )
+        strategies, grow = _strategy_list("strategies", self.strategies), tuple(self.grow_dims)
         bad = [d for d in grow if not is_int(d, 1) or d % self.heads]
         if bad:
             widths = tuple(16 * self.heads * k for k in (1, 2, 4))  # 64 128 256 for 4 heads
@@ -137,14 +130,7 @@ class PPSeedConfig:
                 f"Fix: scale_ranks={fix}"
             )
         object.__setattr__(self, "scale_ranks", tuple(sorted(counts)))
-        timed = tuple(self.scale_strategies)
-        unknown = [s for s in timed if s not in STRATEGIES]
-        if not timed or unknown or len(set(timed)) != len(timed):
-            why = f"strategy {unknown[0]!r} is unknown" if unknown else "none, or one twice"
-            raise ValueError(
-                f"scale_strategies={timed}: {why}: allowed one or more of {list(STRATEGIES)}, "
-                f"each once. Fix: scale_strategies={STRATEGIES}"
-            )
+        timed = _strategy_list("scale_strategies", self.scale_strategies)
         object.__setattr__(self, "scale_strategies", timed)
         dim = self.scale_dim
         if dim is not None and (not is_int(dim, 1) or dim % self.heads):
@@ -196,3 +182,17 @@ class PPSeedConfig:
 
 
 CONFIG = PPSeedConfig
+
+
+def _strategy_list(name: str, value: Any) -> tuple[str, ...]:
+    """`value` as a tuple of known strategies, each once, at least one; else a ValueError
+    naming the field `name`, what is wrong and the fix."""
+    strategies = tuple(value)
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if not strategies or unknown or len(set(strategies)) != len(strategies):
+        why = f"strategy {unknown[0]!r} is unknown" if unknown else "none, or one twice"
+        raise ValueError(
+            f"{name}={strategies}: {why}: allowed one or more of {list(STRATEGIES)}, "
+            f"each once. Fix: {name}={STRATEGIES}"
+        )
+    return strategies

@@ -85,6 +85,27 @@ def _barrier(group: dist.ProcessGroup | None = None) -> None:
     comm.all_reduce(torch.zeros(1, device=device()), group=group)
 
 
+def _init(
+    strategy: str,
+    config: PPSeedConfig,
+    model_config: PipeGPTConfig,
+    info: StageInfo,
+    folder: str,
+    group: dist.ProcessGroup | None,
+) -> nn.Module:
+    """This rank's stage initialised once with `strategy`: the call the warm-up and the
+    measured repeats both make."""
+    return init_stage(
+        strategy,
+        model_config,
+        info,
+        config.seed,
+        device=device(),
+        checkpoint_dir=folder,
+        group=group,
+    )
+
+
 def measured_init(
     config: PPSeedConfig,
     strategy: str,
@@ -109,15 +130,7 @@ def measured_init(
         torch.manual_seed(10_000 + rank())  # whatever a rank drew before must not matter
         with comm.CommLog() as log, MemoryTracker(device()) as mem:
             wall, cpu = time.perf_counter(), time.thread_time()
-            model = init_stage(
-                strategy,
-                model_config,
-                info,
-                config.seed,
-                device=device(),
-                checkpoint_dir=folder,
-                group=group,
-            )
+            model = _init(strategy, config, model_config, info, folder, group)
             cpus.append(time.thread_time() - cpu)
             walls.append(time.perf_counter() - wall)
     by_op = log.bytes_by_op()
@@ -152,15 +165,7 @@ def _warm_up(
     for strategy in config.strategies:
         _barrier(group)
         start = time.perf_counter()
-        init_stage(
-            strategy,
-            model_config,
-            info,
-            config.seed,
-            device=device(),
-            checkpoint_dir=folder,
-            group=group,
-        )
+        _init(strategy, config, model_config, info, folder, group)
         seconds[strategy] = time.perf_counter() - start
     return seconds
 

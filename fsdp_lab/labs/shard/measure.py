@@ -37,6 +37,16 @@ def flat_layout(flat: FlatParameter) -> dict[str, int]:
     }
 
 
+def unit_layout(unit: Any) -> dict[str, Any]:
+    """A wrap unit as `theory.sharding_step` reads it: its name, `flat_layout`, and whether it
+    is freed after forward (gathered again for backward) or kept, as the root is by default."""
+    return {
+        "name": unit.label,
+        **flat_layout(unit.flat),
+        "reshard_after_forward": unit.reshard_after_forward,
+    }
+
+
 def build_model(cfg: ShardConfig) -> torch.nn.Module:
     """The factory's model on this rank's device: the same initial weights in every run."""
     return load_factory(cfg.model)().to(device())
@@ -141,14 +151,7 @@ def tracked_training(
         },
         "memory_trace": mem.trace(),
         "timeline": tl.to_dict(),
-        "units": [
-            {
-                "name": u.label,
-                **flat_layout(u.flat),
-                "reshard_after_forward": u.reshard_after_forward,
-            }
-            for u in state.units
-        ],
+        "units": [unit_layout(u) for u in state.units],
     }
     return model, opt, measured
 

@@ -53,6 +53,25 @@ def verification_worker(
     shard(model, units=as_units(spec), strategy="full")
     right_after = verify_weight_tying(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    _train(model, opt, steps, workload, vocab_size=workload["vocab"])
+    params = reference.full_parameters(model)  # a collective: every rank takes part
+    return {
+        "right_after_shard": right_after,
+        "after_steps": verify_weight_tying(model),
+        "units": [u.label for u in sharding_state(model).units],
+        "params": params if rank() == 0 else None,
+        "model": built,
+    }
+
+
+def _train(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    workload: dict[str, Any],
+    vocab_size: int | None = None,
+) -> None:
+    """`steps` steps of this rank's slice of the workload's batches (its sizes, on its device)."""
     n = world_size()
     reference.train_steps(
         model,
@@ -63,16 +82,8 @@ def verification_worker(
         rank=rank(),
         world=n,
         device=device(),
-        vocab_size=workload["vocab"],
+        vocab_size=vocab_size,
     )
-    params = reference.full_parameters(model)  # a collective: every rank takes part
-    return {
-        "right_after_shard": right_after,
-        "after_steps": verify_weight_tying(model),
-        "units": [u.label for u in sharding_state(model).units],
-        "params": params if rank() == 0 else None,
-        "model": built,
-    }
 
 
 def single_process(
@@ -125,17 +136,7 @@ def to_empty_worker(lr: float, workload: dict[str, Any]) -> dict[str, Any]:
     out["tied_after_retie"] = _tied(model)
     shard(model, units={Block})
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    n = world_size()
-    reference.train_steps(
-        model,
-        opt,
-        1,
-        global_batch=workload["batch"] * n,
-        seq_len=workload["seq_len"],
-        rank=rank(),
-        world=n,
-        device=device(),
-    )
+    _train(model, opt, 1, workload)
     out["shard_accepted_after_retie"] = True
     out["problems_after_retie_and_a_step"] = verify_weight_tying(model)
     return out
