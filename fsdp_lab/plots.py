@@ -612,6 +612,31 @@ def plot_rss_over_time(
     return fig
 
 
+
+def plot_expected_got(series: dict[str, Any]) -> Figure:
+    """Curves the reference produced beside the learner's (a check's verdict): a memory trace
+    that never drops, a loss that drifts. `series`: {"title", "xlabel", "ylabel",
+    "lines": {name: [values]}, "bytes": bool (y axis in bytes)}; the first line is the
+    reference, drawn solid, the others dashed over it."""
+    fig = Figure(figsize=(6.4, 3.0), layout="constrained")
+    ax = fig.add_subplot()
+    for i, (name, values) in enumerate(series["lines"].items()):
+        ax.plot(
+            range(len(values)),
+            values,
+            label=name,
+            color=_THEORY_COLORS[i % len(_THEORY_COLORS)] if i else "#4C72B0",
+            linestyle="-" if i == 0 else "--",
+            marker="o" if len(values) <= 20 else None,
+        )
+    if series.get("bytes"):
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: format_bytes(v)))
+    ax.set_title(series.get("title", ""))
+    ax.set_xlabel(series.get("xlabel", ""))
+    ax.set_ylabel(series.get("ylabel", ""))
+    ax.legend(loc="best", fontsize="small")
+    return fig
+
 def _palette(n: int) -> list:
     cmap = colormaps["viridis"]
     return [cmap(i / max(1, n - 1) * 0.85) for i in range(n)]

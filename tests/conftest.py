@@ -28,6 +28,17 @@ def cluster_of():
         c.close()
 
 
+@pytest.fixture(scope="session")
+def exercise_pool():
+    """One `exercises.ClusterPool` for every checker test: its clusters (2, 3, 4 ranks) start
+    once. A test that makes a check hang or die costs that cluster its ranks; the pool starts
+    fresh ones on the next check, as it does for a learner."""
+    from fsdp_lab.exercises import ClusterPool
+
+    with ClusterPool(time_limit=60) as pool:
+        yield pool
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Print how long each notebook took top to bottom (tests/test_notebooks.py records it):
     the issue's budget is under 60 s each on 2 idle cores."""

@@ -1,0 +1,65 @@
+"""What runs on each rank during a check: the learner's function under a watch.
+
+Two things a learner's function can do that a plain `cluster.run` would report badly:
+
+- return a tensor of the wrong shape or dtype: `expect_tensor` stops the trial there with a
+  `WrongOutput` that names what was expected, before the value reaches a collective (where a
+  wrong size would hang every rank, not explain anything);
+- hang (a collective that one rank never calls, a loop that never ends): `attempt` arms
+  `faulthandler` to write every thread's stack to a file shortly before the time limit, so the
+  verdict can show *where* the rank was stuck, not only that it was.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fsdp_lab.exercises.exercise import Case
+
+
+class WrongOutput(Exception):
+    """The learner's function returned something of the wrong kind (type, shape, dtype)."""
+
+
+def expect_tensor(got: Any, like: torch.Tensor, what: str) -> torch.Tensor:
+    """`got` if it is a tensor shaped and typed like `like`; else a WrongOutput saying so.
+
+    Args:
+        got: what the learner's function returned.
+        like: the reference's value for the same input.
+        what: what the value is, for the message ("this rank's gradient shard").
+    """
+    if not isinstance(got, torch.Tensor):
+        raise WrongOutput(
+            f"{what}: expected a torch.Tensor of shape {tuple(like.shape)}, got "
+            f"{type(got).__name__} ({got!r:.60})"
+        )
+    if tuple(got.shape) != tuple(like.shape):
+        raise WrongOutput(f"{what}: expected shape {tuple(like.shape)}, got {tuple(got.shape)}")
+    if got.dtype != like.dtype:
+        raise WrongOutput(f"{what}: expected dtype {like.dtype}, got {got.dtype}")
+    return got
+
+
+def attempt(
+    trial: Callable[..., Any],
+    fn: Callable[..., Any],
+    solution: Callable[..., Any],
+    case: Case,
+    stack_file: str,
+    dump_after: float,
+) -> Any:
+    """Run one trial on this rank; if it is still running after `dump_after` seconds, write
+    every thread's stack to `stack_file` (the driver reads it if the call then times out)."""
+    from fsdp_lab.cluster import rank
+
+    with open(stack_file.format(rank=rank()), "w") as out:
+        faulthandler.dump_traceback_later(dump_after, file=out)
+        try:
+            return trial(fn, solution, case)
+        finally:
+            faulthandler.cancel_dump_traceback_later()

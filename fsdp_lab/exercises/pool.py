@@ -1,0 +1,67 @@
+"""`ClusterPool`: live clusters of the world sizes the checks need, kept between checks.
+
+Starting ranks takes a second or two; a learner who checks an attempt ten times, or `fsdp-lab
+grade` checking a class, should not pay it for every case. A pool starts a cluster of each
+world size on first use and keeps it. A check that hangs or kills a rank costs that cluster its
+ranks; `Cluster` starts fresh ones on the next run, so the pool survives for the next attempt.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from types import TracebackType
+
+from fsdp_lab.cluster import Cluster
+from fsdp_lab.cluster.driver import check_timeout
+from fsdp_lab.cores import OversubscribedWarning
+
+DEFAULT_TIME_LIMIT = 30.0  # seconds per case: generous for a laptop CPU, short for a hang
+
+
+class ClusterPool:
+    """Clusters by world size, for checks (gloo on CPU; a check never measures time).
+
+    Args:
+        time_limit: seconds one case may take on the ranks before they count as hung.
+        backend: passed to `Cluster`.
+    """
+
+    def __init__(self, time_limit: float = DEFAULT_TIME_LIMIT, backend: str = "gloo") -> None:
+        self.time_limit = check_timeout("time_limit", time_limit)
+        self.backend = backend
+        self._clusters: dict[int, Cluster] = {}
+        self._folder = tempfile.TemporaryDirectory(prefix="fsdp_lab_check_")
+        self.stack_dir = self._folder.name
+
+    def cluster(self, world_size: int) -> Cluster:
+        """The pool's cluster of `world_size` ranks, started on first use."""
+        if world_size not in self._clusters:
+            with warnings.catch_warnings():
+                # Checks compare values, never times: 3 ranks on 2 cores are fine here.
+                warnings.simplefilter("ignore", OversubscribedWarning)
+                self._clusters[world_size] = Cluster(
+                    world_size, backend=self.backend, timeout=self.time_limit, verbose=False
+                )
+        return self._clusters[world_size]
+
+    def pids(self) -> list[int]:
+        """Every rank process the pool holds now (for tests that check none is left)."""
+        return [pid for c in self._clusters.values() for pid in c.pids]
+
+    def close(self) -> None:
+        for c in self._clusters.values():
+            c.close()
+        self._clusters.clear()
+        self._folder.cleanup()
+
+    def __enter__(self) -> ClusterPool:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,7 @@
+"""Exercises of the tying lab (being written)."""
+
+from __future__ import annotations
+
+from fsdp_lab.exercises.exercise import Exercise
+
+EXERCISES: tuple[Exercise, ...] = ()
