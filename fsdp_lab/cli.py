@@ -3,6 +3,8 @@
     fsdp-lab collectives --world-size 4 --out out/     figures (PNG, diagrams SVG) + JSON in out/
     fsdp-lab collectives --json                        exactly one JSON object on stdout
     fsdp-lab tour --out out/                           every lab, with a summary.md/.json
+    fsdp-lab grade submitted/ --csv grades.csv         grade exercise submissions (course mode)
+    fsdp-lab bugs [--lab shard] [--json]               the bug gallery, measured
     torchrun --nproc-per-node 4 -m fsdp_lab collectives   the same on a multi-GPU node
 
 Everything that can be checked is checked before any rank starts: the options, the config,
@@ -40,6 +42,7 @@ from fsdp_lab.labs.options import add_config_arguments, config_overrides, to_fla
 from fsdp_lab.labs.registry import LABS, PLANNED
 
 DEFAULT_OUT = "fsdp_lab_out"
+COMMANDS = ("tour", "grade", "bugs")  # beside the labs
 INTERRUPTED = "interrupted — ranks stopped"
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130  # 130 = 128 + SIGINT, as shells report
 
@@ -108,6 +111,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (expected > 0)") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is not a finite number > 0")
+    return value
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=_positive_int, default=None, help="number of ranks")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="process-group backend")
@@ -134,6 +147,20 @@ def build_parser() -> argparse.ArgumentParser:
         add_config_arguments(p, lab.config_class)
     tour = sub.add_parser("tour", help="run every lab headless; write figures and a summary")
     _common(tour)
+    grade = sub.add_parser(
+        "grade", help="grade submitted exercise notebooks or .py files, each in its own process"
+    )
+    grade.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="files or folders")
+    grade.add_argument("--csv", type=Path, default=None, help="write one row per submission")
+    grade.add_argument(
+        "--time-limit", type=_positive_float, default=30.0, help="seconds per case (default 30)"
+    )
+    grade.add_argument("--only", default=None, metavar="EXERCISE", help="grade one exercise")
+    grade.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    bugs = sub.add_parser("bugs", help="the bug gallery: classic bugs beside the correct run")
+    bugs.add_argument("--lab", action="append", default=None, help="only this lab (repeatable)")
+    bugs.add_argument("--out", type=Path, default=None, help="folder for figures and bugs.json")
+    bugs.add_argument("--json", action="store_true", help="print exactly one JSON object")
     return parser
 
 
@@ -150,7 +177,7 @@ def check_lab_name(argv: list[str]) -> None:
     """The first word must be a lab; say so when it is a planned one or a typo."""
     if not argv or argv[0].startswith("-"):
         return  # --help, or nothing: argparse answers
-    name, labs = argv[0], [*LABS, "tour"]
+    name, labs = argv[0], [*LABS, *COMMANDS]
     if name in labs:
         return
     available = f"available labs: {', '.join(labs)}"
@@ -322,6 +349,56 @@ def one_lab(args: argparse.Namespace) -> dict[str, Any]:
     return result.to_dict()
 
 
+def grade_command(args: argparse.Namespace) -> dict[str, Any]:
+    """`fsdp-lab grade`: every submission graded in its own process; a table (or JSON), a CSV."""
+    from fsdp_lab.exercises import grading
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        results = grading.grade_paths(args.paths, args.time_limit, args.only, progress)
+    except ValueError as exc:  # --only naming no exercise
+        raise UsageError(str(exc), "see `fsdp-lab grade --help`", "fsdp-lab grade") from None
+    if args.csv is not None:
+        grading.write_csv(results, args.csv)
+        print(f"gradebook CSV: {args.csv}", file=sys.stderr)
+    if not args.json:
+        print(grading.text_report(results))
+    return {"submissions": results}
+
+
+def bugs_command(args: argparse.Namespace) -> dict[str, Any]:
+    """`fsdp-lab bugs`: the bug gallery, each bug run beside the correct one."""
+    from fsdp_lab.exercises import ClusterPool, gallery
+
+    try:
+        labs = gallery.check_labs(args.lab)
+    except ValueError as exc:
+        raise UsageError(str(exc), "see `fsdp-lab bugs --help`", "fsdp-lab bugs") from None
+    if args.out is not None:
+        check_out(args.out, "fsdp-lab bugs")
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    with ClusterPool() as pool:
+        exhibits = gallery.run(pool, labs, progress)
+    if not args.json:
+        print(gallery.text_report(exhibits))
+    payload = {"bugs": [e.to_dict() for e in exhibits]}
+    if args.out is not None:
+        from fsdp_lab.plots import save_figure
+
+        for e in exhibits:
+            fig = gallery.figure(e)
+            if fig is not None:
+                save_figure(fig, args.out / f"{e.exercise}-{e.bug.slug}.png")
+        (args.out / "bugs.json").write_text(json.dumps(payload, indent=1))
+        print(f"figures and bugs.json written to {args.out}/", file=sys.stderr)
+    return payload
+
+
 # -- errors, stdout, exit codes ------------------------------------------------------------------
 
 
@@ -344,7 +421,8 @@ def _run(argv: list[str]) -> tuple[int, dict[str, Any]]:
         check_lab_name(argv)
         args = build_parser().parse_args(argv)
         where = f"fsdp-lab {args.lab}"
-        return 0, tour(args) if args.lab == "tour" else one_lab(args)
+        commands = {"tour": tour, "grade": grade_command, "bugs": bugs_command}
+        return 0, commands.get(args.lab, one_lab)(args)
     except UsageError as exc:
         _say(exc.where or where, exc.error, exc.hint)
         return EXIT_USAGE, {"error": exc.error, "hint": exc.hint}

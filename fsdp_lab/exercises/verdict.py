@@ -8,7 +8,8 @@ as plain text on a terminal, and as a JSON object for `fsdp-lab grade --json`.
 Kinds of verdict: "passed"; "wrong result" (the mechanism ran, a measured value is wrong);
 "wrong output" (a returned value of the wrong type, shape or dtype); "raised" (an exception on
 a rank); "hung" (a rank did not finish within the time limit); "died" (a rank process ended);
-"wrong signature"; "not implemented" (the stub is still there).
+"wrong signature"; "not implemented" (the stub is still there); "missing" (a submission
+without the function).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ KINDS = (
     "died",
     "wrong signature",
     "not implemented",
+    "missing",
 )
 
 
