@@ -10,7 +10,8 @@ memory for one extra forward, best at k ≈ √N (Chen et al. 2016, "Training De
 Sublinear Memory Cost").
 
 The recompute must be the *same* computation: the RNG state (CPU, and CUDA for CUDA inputs)
-is saved before the forward, set again for the recompute and put back after it, so dropout
+is saved before the forward, set again for the recompute and put back after it
+(`rerun_with_forward_rng`), so dropout
 draws the same masks, gradients are bitwise those of store-all and the generator advances as
 without checkpointing. Autocast is thread-local (backward may run on another thread): restored.
 
@@ -41,7 +42,11 @@ import torch.nn as nn
 
 
 def checkpoint(
-    fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = True, **kwargs: Any
+    fn: Callable[..., Any],
+    *args: Any,
+    preserve_rng_state: bool = True,
+    rerun: Callable[[Callable[[], None], RNGState, Sequence[int]], None] | None = None,
+    **kwargs: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Run ``fn(*args, **kwargs)`` keeping only its inputs; recompute it during backward.
 
@@ -52,6 +57,9 @@ def checkpoint(
             ints, None, strings, flags). Kept alive until backward — that is the memory cost.
         preserve_rng_state: restore the RNG state for the recompute, so dropout draws the
             same masks. False is faster and wrong for random ops (the lab's control).
+        rerun: how the recompute is run with the forward's RNG state,
+            ``rerun(run, rng_at_forward, cuda_devices)``; default `rerun_with_forward_rng`
+            (course mode swaps in a learner's version here).
     """
     if not torch.is_grad_enabled():  # nothing will be saved, so there is nothing to recompute
         return _checked_output(fn(*args, **kwargs), fn)
@@ -85,15 +93,28 @@ def checkpoint(
             if len(recomputed) == len(saved_meta):
                 raise _RecomputeDone  # early stop: what follows in `fn` would only be discarded
 
-        # Grad mode on, or the ops would save nothing; same RNG and autocast as the forward.
-        with (
-            torch.enable_grad(),
-            _rng_as_at_forward(rng_at_forward, cuda_devices),
-            _autocast_as(autocast_at_forward),
-            torch.autograd.graph.saved_tensors_hooks(keep, _never_unpacked),
-            contextlib.suppress(_RecomputeDone),
-        ):
-            fn(*args, **kwargs)
+        ran: list[bool] = []  # whether `run` was called: the rerun step is swappable
+
+        def run() -> None:
+            ran.append(True)
+            # Grad mode on, or the ops would save nothing; same autocast as the forward.
+            with (
+                torch.enable_grad(),
+                _autocast_as(autocast_at_forward),
+                torch.autograd.graph.saved_tensors_hooks(keep, _never_unpacked),
+                contextlib.suppress(_RecomputeDone),
+            ):
+                fn(*args, **kwargs)
+
+        if rng_at_forward is None:  # preserve_rng_state=False: draw whatever comes next
+            run()
+        else:  # the same RNG as the forward, so that dropout draws the same masks
+            (rerun or rerun_with_forward_rng)(run, rng_at_forward, cuda_devices)
+        if not ran:
+            raise RuntimeError(
+                f"checkpoint: the recompute of {_name(fn)} never ran: the rerun step must "
+                "call `run()`"
+            )
         if [(t.shape, t.dtype) for _, t in sorted(recomputed.items())] != saved_meta:
             raise RuntimeError(
                 f"checkpoint: the recompute of {_name(fn)} saved {len(recomputed)} tensors, the "
@@ -145,16 +166,22 @@ def _set_rng_state(state: RNGState, cuda_devices: Sequence[int]) -> None:
         torch.cuda.set_rng_state(s, d)
 
 
-@contextlib.contextmanager
-def _rng_as_at_forward(state: RNGState | None, cuda_devices: Sequence[int]) -> Iterator[None]:
-    """Set the generators to the forward's `state`, then put them back as they were."""
-    if state is None:  # preserve_rng_state=False: the recompute draws whatever comes next
-        yield
-        return
-    now = _rng_state(cuda_devices)  # so that the recompute does not advance the generator
-    _set_rng_state(state, cuda_devices)
+def rerun_with_forward_rng(
+    run: Callable[[], None], rng_at_forward: RNGState, cuda_devices: Sequence[int]
+) -> None:
+    """Call `run()` (the recompute) with the generators as they were at the forward, then put
+    them back as they were before it: the recompute draws the forward's dropout masks, and
+    the training's random stream goes on as if there had been no recompute.
+
+    Args:
+        run: reruns the checkpointed function; takes nothing, returns nothing.
+        rng_at_forward: (CPU state, [state per CUDA device]) saved just before the forward.
+        cuda_devices: the CUDA device indexes of the inputs, in the order of the states.
+    """
+    now = _rng_state(cuda_devices)  # where the training's stream is now, to come back to
+    _set_rng_state(rng_at_forward, cuda_devices)
     try:
-        yield
+        run()
     finally:
         _set_rng_state(now, cuda_devices)
 

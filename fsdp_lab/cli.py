@@ -158,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--only", default=None, metavar="EXERCISE", help="grade one exercise")
     grade.add_argument("--json", action="store_true", help="print exactly one JSON object")
     bugs = sub.add_parser("bugs", help="the bug gallery: classic bugs beside the correct run")
-    bugs.add_argument("--lab", action="append", default=None, help="only this lab (repeatable)")
+    bugs.add_argument(
+        "--lab", dest="labs", action="append", default=None, help="only this lab (repeatable)"
+    )
     bugs.add_argument("--out", type=Path, default=None, help="folder for figures and bugs.json")
     bugs.add_argument("--json", action="store_true", help="print exactly one JSON object")
     return parser
@@ -373,7 +375,7 @@ def bugs_command(args: argparse.Namespace) -> dict[str, Any]:
     from fsdp_lab.exercises import ClusterPool, gallery
 
     try:
-        labs = gallery.check_labs(args.lab)
+        labs = gallery.check_labs(args.labs)
     except ValueError as exc:
         raise UsageError(str(exc), "see `fsdp-lab bugs --help`", "fsdp-lab bugs") from None
     if args.out is not None:

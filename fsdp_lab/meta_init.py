@@ -28,6 +28,10 @@ depend on how [0, numel) is split, on the chunking or on vector widths. ``torch.
 not do: its vectorised body and scalar tail may differ in the last bit. Normal tails end at
 5.8 sigma (24-bit u1).
 
+`param_shard` cuts the other way, one parameter at a time: a rank's equal piece of it, padded
+(DeepSpeed ZeRO-3's partition of a parameter), generated alone; `init_param_shards` asks it for
+every parameter of a meta model.
+
 Speed: several integer hashes and float64 operations per element, so a CPU core generates
 fewer elements per second than PyTorch's sequential ``uniform_`` does, and the ranks split the
 work. ``python benchmarks/bench_meta_init.py`` measures elements per second (uniform, normal,
@@ -281,3 +285,42 @@ class DeterministicInit:
             )
         if not dtype.is_floating_point:
             raise ValueError(f"{name!r}: dtype={dtype} is not a floating-point dtype")
+
+
+# -- one rank's piece of each parameter, generated alone ------------------------------------------
+
+
+def param_shard(
+    init: DeterministicInit, name: str, shape: tuple[int, ...], rank: int, world_size: int
+) -> torch.Tensor:
+    """Rank `rank`'s piece of parameter `name`: the parameter flattened, zero-padded to a
+    multiple of `world_size` and cut in equal pieces (DeepSpeed ZeRO-3's partition of one
+    parameter; FSDP's flat layout of a one-parameter unit). A (ceil(numel / N),) float32 tensor,
+    of which only this rank's elements are generated — the whole parameter never exists."""
+    numel = math.prod(shape)
+    per = -(-numel // world_size)
+    start, end = min(rank * per, numel), min(rank * per + per, numel)
+    out = torch.zeros(per)  # the padding (past numel, on the last ranks) stays zero
+    init.fill_slice_(out[: end - start], name, tuple(shape), start)
+    return out
+
+
+SliceFn = Callable[[DeterministicInit, str, tuple[int, ...], int, int], torch.Tensor]
+
+
+def init_param_shards(
+    model: nn.Module,
+    init: DeterministicInit,
+    rank: int,
+    world_size: int,
+    slice_fn: SliceFn = param_shard,
+) -> dict[str, torch.Tensor]:
+    """This rank's piece of every parameter of `model` (a tied one once, by its first name),
+    from `slice_fn` (course mode passes a learner's `param_shard`). Reads names and shapes only:
+    `model` may be on meta. No communication: every rank computes its own pieces."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is not in [0, world_size={world_size})")
+    return {
+        name: slice_fn(init, name, tuple(p.shape), rank, world_size)
+        for name, p in model.named_parameters()
+    }

@@ -612,7 +612,6 @@ def plot_rss_over_time(
     return fig
 
 
-
 def plot_expected_got(series: dict[str, Any]) -> Figure:
     """Curves the reference produced beside the learner's (a check's verdict): a memory trace
     that never drops, a loss that drifts. `series`: {"title", "xlabel", "ylabel",
@@ -636,6 +635,7 @@ def plot_expected_got(series: dict[str, Any]) -> Figure:
     ax.set_ylabel(series.get("ylabel", ""))
     ax.legend(loc="best", fontsize="small")
     return fig
+
 
 def _palette(n: int) -> list:
     cmap = colormaps["viridis"]

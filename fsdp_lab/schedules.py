@@ -174,8 +174,30 @@ def every_lengths(n: int, c: int) -> tuple[int, ...]:
     return tuple(b - a for a, b in zip(starts, starts[1:], strict=False))
 
 
-def _segment_lengths(n: int, k: int) -> tuple[int, ...]:
-    return (k,) * (n // k) + ((n % k,) if n % k else ())
+def segment_starts(n: int, k: int) -> list[int]:
+    """Where segments(k)'s checkpoints sit: the first layer of each k-layer segment (the last
+    may be shorter). 0 comes first: the chain input is the first checkpoint."""
+    return list(range(0, n, k))
+
+
+StartsFn = Callable[[int, int], Sequence[int]]
+"""``(n layers, k) -> first layer of each segment``: `segment_starts`, or another choice."""
+
+
+def _lengths_from_starts(starts: Sequence[int], n: int) -> tuple[int, ...]:
+    """Segment lengths from their first layers; a ValueError naming the fix if they do not cut
+    0..n-1 into non-empty runs."""
+    starts = list(starts)
+    if not starts or starts[0] != 0:
+        raise ValueError(
+            f"segment starts {starts}: the first must be 0 (the chain input is the first "
+            "checkpoint)"
+        )
+    if any(b <= a for a, b in zip(starts, starts[1:], strict=False)) or starts[-1] >= n:
+        raise ValueError(
+            f"segment starts {starts}: expected strictly increasing layer indexes below N={n}"
+        )
+    return tuple(b - a for a, b in zip(starts, [*starts[1:], n], strict=True))
 
 
 def _optimal_table(n: int, budget: int) -> dict[tuple[int, int], tuple[int, int, int]]:
@@ -234,8 +256,13 @@ def _split_plan(best: dict[tuple[int, int], Any], n: int, s: int) -> Plan:
     return Sweep((j, n - j), (_split_plan(best, j, s), right))
 
 
-def make_plan(schedule: Schedule, n: int) -> Plan:
-    """The plan `run_chain` executes for `schedule` on a chain of `n` layers."""
+def make_plan(schedule: Schedule, n: int, starts: StartsFn = segment_starts) -> Plan:
+    """The plan `run_chain` executes for `schedule` on a chain of `n` layers.
+
+    Args:
+        starts: where segments(k) puts its checkpoints (course mode swaps in a learner's
+            choice here); the other schedules ignore it.
+    """
     check_range(schedule, n)
     name, arg = schedule.name, schedule.arg or 0
     if name == "store_all":
@@ -246,7 +273,7 @@ def make_plan(schedule: Schedule, n: int) -> Plan:
         lengths = every_lengths(n, arg)
         return Sweep(lengths, tuple(Recompute(length) for length in lengths))
     if name == "segments":
-        lengths = _segment_lengths(n, arg)
+        lengths = _lengths_from_starts(starts(n, arg), n)
         return Sweep(lengths, tuple(Tape(length) for length in lengths))
     if name == "revolve":
         return _split_plan(_binomial_table(n, arg), n, arg)
@@ -339,6 +366,7 @@ def run_chain(
     *,
     grad_output: torch.Tensor | None = None,
     loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    starts: StartsFn = segment_starts,
 ) -> ChainOutput:
     """Forward and backward of `layers` on `x` under `schedule`; parameter .grad accumulate.
 
@@ -348,11 +376,12 @@ def run_chain(
         schedule: e.g. `segments(4)`.
         grad_output: the upstream gradient at the chain output — or instead
         loss_fn: a scalar function of the output to backpropagate from.
+        starts: where segments(k) puts its checkpoints (see `make_plan`).
     """
     if (grad_output is None) == (loss_fn is None):
         raise ValueError("give exactly one of grad_output and loss_fn")
     layers = list(layers)
-    plan = make_plan(schedule, len(layers))
+    plan = make_plan(schedule, len(layers), starts)
     run = _Executor(layers, loss_fn)
     with category("activations"):
         grad_input = run.reverse(plan, 0, x.detach(), grad_output)

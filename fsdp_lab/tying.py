@@ -20,12 +20,14 @@ Why materialising from meta unties them: the usual large-model recipe is "build 
 `_parameters` and, unless it can swap the storage into the existing object, puts a *new*
 Parameter in each owner's slot — two owners, two Parameters, no tie (lab 03 measures what the
 installed torch does; torch 2.13 CPU: untied). Hence: record the ties on meta, `retie` after
-`to_empty`, then initialise. Real FSDP2 leaves this to the user too (`model.tie_weights()` in
-Hugging Face).
+`to_empty`, then initialise — `to_empty_tied` does the three (its ``retie_fn=`` is where
+course mode puts a learner's `retie`). Real FSDP2 leaves this to the user too
+(`model.tie_weights()` in Hugging Face).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +138,23 @@ def retie(model: nn.Module, ties: list[Tie]) -> None:
             module, attr = _owner(name)
             # setattr on the owner registers the same Parameter object under a second name.
             setattr(model.get_submodule(module), attr, first)
+
+
+def to_empty_tied(
+    model: nn.Module,
+    device: torch.device | str,
+    retie_fn: Callable[[nn.Module, list[Tie]], None] = retie,
+) -> nn.Module:
+    """``model.to_empty(device=device)`` with its ties put back: materialise a meta model.
+
+    The ties are read before `to_empty` (on meta only identity ties exist, and `to_empty`
+    unties them) — those `record_ties` kept, else found now — and `retie_fn` restores them
+    after. The values are garbage until an init runs (``init_weights()``, `DeterministicInit`).
+    """
+    ties = recorded_ties(model) or record_ties(model)
+    model.to_empty(device=device)
+    retie_fn(model, ties)
+    return model
 
 
 # -- verifying ----------------------------------------------------------------------------------

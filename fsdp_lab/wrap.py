@@ -18,7 +18,9 @@ nobody else claimed). A plan is built from
 
 and validated before any communication: a parameter shared by two modules (tied weights)
 must fall in one unit, otherwise the two units would each gather, update and free their own
-copy and the tie would silently break.
+copy and the tie would silently break. That check is one step, `find_split_ties`, passed to
+`build_plan` as ``split_ties=`` (course mode swaps in a learner's); `group_tied_units`, passed as
+``mend_ties=``, is the other way out: it merges the units a tie would split into one group.
 """
 
 from __future__ import annotations
@@ -71,6 +73,11 @@ class WrapPlan:
     units: tuple[str, ...]
     params: dict[str, tuple[ParamRef, ...]]
     members: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # The tie check that accepted the plan (None: `find_split_ties`). `shard` resolves the plan
+    # again with it, so a plan is judged by one rule from `build_plan` to the sharded model.
+    split_ties: Callable[..., list[tuple[str, ...]]] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     def members_of(self, unit: str) -> tuple[str, ...]:
         return self.members.get(unit, (unit,))
@@ -265,36 +272,115 @@ def _common_parent(names: list[str]) -> str:
     return ".".join(prefix)
 
 
-def build_plan(model: nn.Module, units: Units = None) -> WrapPlan:
+UnitOf = Callable[[str], str]  # a module's name -> the name of its unit
+
+
+def find_split_ties(model: nn.Module, unit_of: UnitOf) -> list[tuple[str, ...]]:
+    """The tie check of a plan: every Parameter reached under two or more names whose owning
+    modules fall in different units, as the tuple of all its names (none: the plan is safe).
+
+    A tie is one Parameter *object*: its names differ ("tok_emb.weight", "head.weight"), so
+    they are grouped by identity. ``remove_duplicate=False`` lists every name, also those
+    reached through a module registered in two places.
+    """
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    return [
+        tuple(names)
+        for names in names_of.values()
+        if len({unit_of(n.rpartition(".")[0]) for n in names}) > 1
+    ]
+
+
+def group_tied_units(model: nn.Module, units: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """Mend a plan that splits ties: the units holding owners of one tied Parameter become one
+    group unit (FSDP2: ``fully_shard([model.tok_emb, model.head])``); every other unit stays.
+
+    Args:
+        model: the model to be sharded.
+        units: the plan's units, each a tuple of member module names (the root not listed).
+    An owner left to the root unit takes the tie's other units with it into the root.
+    """
+    roots = [tuple(u) for u in units]
+    for ref in _param_refs(model):
+        held = {unit_of_module(m, roots) for m, _ in ref.owners}
+        if len(held) < 2:
+            continue  # not tied, or tied inside one unit
+        merged = [m for r in roots if unit_name(r) in held for m in r]
+        roots = [r for r in roots if unit_name(r) not in held]
+        if ROOT not in held:  # else the root takes them all: the units are simply dropped
+            roots.append(tuple(merged))
+    return roots
+
+
+def _refusal(owned: list[Ownership], names: tuple[str, ...]) -> PlanError:
+    """The error for the first tie the check reported split, with the fix."""
+    for own in owned:
+        full = {f"{m}.{a}" if m else a for m, a in own.ref.owners}
+        if own.conflict and full & set(names):
+            ref = own.ref
+            break
+    else:  # nothing split under these names: the check itself said so
+        return PlanError(
+            f"the tie check reported {list(names)} as a tie split across wrap units. Fix: put "
+            "every owner of each tied parameter in one unit"
+        )
+    where = ", ".join(
+        f"{m!r} -> unit {_show(u)}" for (m, _), u in zip(ref.owners, own.units, strict=True)
+    )
+    parent = _common_parent([m for m, _ in ref.owners])
+    users = " and ".join(repr(m) for m, _ in ref.owners)
+    return PlanError(
+        f"parameter {ref.name!r} is shared by modules {users} (tied weights), "
+        f"but they fall in different wrap units: {where}. A unit gathers, updates "
+        "and frees its own copy, so the tie would break. Fix: put both in one unit"
+        + (f" (wrap their common parent {parent!r} as the unit" if parent else " (")
+        + (" or " if parent else "")
+        + "group them: units=[..., ("
+        + ", ".join(repr(m) for m, _ in ref.owners)
+        + ")]), or leave them both to the root unit (take their units out of the plan)."
+    )
+
+
+def build_plan(
+    model: nn.Module,
+    units: Units = None,
+    *,
+    split_ties: Callable[[nn.Module, UnitOf], list[tuple[str, ...]]] | None = None,
+    mend_ties: Callable[[nn.Module, list[tuple[str, ...]]], list] | None = None,
+) -> WrapPlan:
     """Resolve `units` on `model` into a validated `WrapPlan` (no communication happens here).
 
     Args:
         model: the module to be sharded.
         units: module classes, names (a tuple of names: one unit of several modules), a
             policy, `MinParams`, or an existing `WrapPlan`.
+        split_ties: the tie check (default `find_split_ties`, or the one a `WrapPlan` was
+            built with); a plan it reports ties for is refused.
+        mend_ties: applied to the units before the check, e.g. `group_tied_units`; returns
+            units in the list form (names, tuples of names).
     """
     roots = _roots_of(model, units)
+    if mend_ties is not None:
+        roots = _unit_roots(model, list(mend_ties(model, [tuple(r) for r in roots])))
+    if split_ties is None and isinstance(units, WrapPlan):
+        split_ties = units.split_ties
     names = [unit_name(g) for g in roots]
+    owned = _ownership(model, roots)
+    split = (split_ties or find_split_ties)(model, lambda m: unit_of_module(m, roots))
+    if split:
+        raise _refusal(owned, tuple(split[0]))
     by_unit: dict[str, list[ParamRef]] = {u: [] for u in [ROOT, *names]}
-    for own in _ownership(model, roots):
-        ref = own.ref
-        if own.conflict:
-            where = ", ".join(
-                f"{m!r} -> unit {_show(u)}" for (m, _), u in zip(ref.owners, own.units, strict=True)
-            )
-            parent = _common_parent([m for m, _ in ref.owners])
-            users = " and ".join(repr(m) for m, _ in ref.owners)
-            raise PlanError(
-                f"parameter {ref.name!r} is shared by modules {users} (tied weights), "
-                f"but they fall in different wrap units: {where}. A unit gathers, updates "
-                "and frees its own copy, so the tie would break. Fix: put both in one unit"
-                + (f" (wrap their common parent {parent!r} as the unit" if parent else " (")
-                + (" or " if parent else "")
-                + "group them: units=[..., ("
-                + ", ".join(repr(m) for m, _ in ref.owners)
-                + ")]), or leave them both to the root unit (take their units out of the plan)."
-            )
-        by_unit[own.units[0]].append(ref)
+    for own in owned:
+        if not own.conflict:
+            by_unit[own.units[0]].append(own.ref)
+            continue
+        # Only a check that missed this split tie gets here: each unit then holds a copy of its
+        # own, owned by its own modules — what a sharder that trusts the plan does.
+        for u in dict.fromkeys(own.units):
+            mine = tuple(o for o, ou in zip(own.ref.owners, own.units, strict=True) if ou == u)
+            by_unit[u].append(ParamRef(f"{mine[0][0]}.{mine[0][1]}".lstrip("."), mine))
     for members, u in zip(roots, names, strict=True):
         for m in members:
             if isinstance(model.get_submodule(m), _NO_FORWARD):
@@ -312,6 +398,7 @@ def build_plan(model: nn.Module, units: Units = None) -> WrapPlan:
         tuple([ROOT, *names]),
         {u: tuple(refs) for u, refs in by_unit.items()},
         {ROOT: (ROOT,), **dict(zip(names, roots, strict=True))},
+        split_ties=split_ties,
     )
 
 

@@ -4,6 +4,7 @@ keeps one per world size for the whole session; tests that break a cluster make 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +38,62 @@ def exercise_pool():
 
     with ClusterPool(time_limit=60) as pool:
         yield pool
+
+
+@pytest.fixture(scope="session")
+def fsdp_lab_cli(tmp_path_factory):
+    """``fsdp_lab_cli(*args)`` -> (the finished ``python -m fsdp_lab *args`` process, its folder),
+    run once per argument list in the session: tests in several files that check the same
+    command's output share one run (each run starts its own ranks, which import torch: seconds).
+    ``{out}`` in an argument stands for that folder, a fresh one."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"}
+    runs: dict[tuple[str, ...], tuple[subprocess.CompletedProcess, Path]] = {}
+
+    def run(*args: str) -> tuple[subprocess.CompletedProcess, Path]:
+        if args not in runs:
+            out = tmp_path_factory.mktemp("fsdp_lab_cli")
+            argv = [a.replace("{out}", str(out)) for a in args]
+            proc = subprocess.run(
+                [sys.executable, "-m", "fsdp_lab", *argv],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=300,
+            )
+            runs[args] = (proc, out)
+        return runs[args]
+
+    return run
+
+
+def _set_threads(count: int) -> int:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    return before
+
+
+@pytest.fixture(scope="session")
+def one_thread_per_rank():
+    """``with one_thread_per_rank(cluster):`` its ranks compute on one intra-op thread each, then
+    on what they had before. For labs whose workers keep torch's default thread count: N ranks x
+    that many OpenMP threads on a few cores spin against each other (several times slower, see
+    `fsdp_lab.cluster.rank_threads`); values, bytes and model-state memory are the same."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def on_one_thread(cluster):
+        before = cluster.run(_set_threads, 1)
+        try:
+            yield cluster
+        finally:
+            cluster.run(_set_threads, before[0])
+
+    return on_one_thread
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"}
 SYSTEMS = ("ours", "fsdp2", "fsdp1", "ddp")
@@ -57,7 +59,10 @@ def test_bench_shard_prints_one_row_per_system_and_world_size(tmp_path):
         assert max(losses) - min(losses) < 1e-4, losses
 
 
-def test_bench_meta_init_prints_one_json_object_with_every_way():
+@pytest.fixture(scope="module")
+def meta_init_run() -> dict:
+    """One tiny run of bench_meta_init.py --json (a fresh process per way and build: the costly
+    part); the text test prints the same result the way the script does without --json."""
     proc = _run_benchmark(
         "bench_meta_init.py",
         "--repeats",
@@ -68,7 +73,11 @@ def test_bench_meta_init_prints_one_json_object_with_every_way():
         "4096",
         "--json",
     )
-    data = json.loads(proc.stdout)  # exactly one JSON object, nothing else on stdout
+    return json.loads(proc.stdout)  # exactly one JSON object, nothing else on stdout
+
+
+def test_bench_meta_init_prints_one_json_object_with_every_way(meta_init_run):
+    data = meta_init_run
     meta = data["llama_70b_on_meta"]
     assert meta["parameters"] == 70_553_706_496 and meta["fp32_bytes"] == 4 * meta["parameters"]
     has_accelerate = importlib.util.find_spec("accelerate") is not None
@@ -105,11 +114,16 @@ def test_bench_meta_init_prints_one_json_object_with_every_way():
         assert all(v > 0 for v in by_case.values())
 
 
-def test_bench_meta_init_text_prints_the_side_by_side_table():
-    proc = _run_benchmark(
-        "bench_meta_init.py", "--repeats", "1", "--real-gib", "0", "--init-elements", "4096"
+def test_bench_meta_init_text_prints_the_side_by_side_table(meta_init_run, capsys):
+    # Without --json the script hands its result to print_text(): the same call, on the run
+    # above, instead of measuring every way again.
+    spec = importlib.util.spec_from_file_location(
+        "bench_meta_init", ROOT / "benchmarks" / "bench_meta_init.py"
     )
-    text = proc.stdout
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.print_text(meta_init_run)
+    text = capsys.readouterr().out
     row = r"^\| {}: .+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \d+ \| [\d.]+ \| [\d., ]+ \|$"
     for way in ("plain", "ours"):
         assert re.search(row.format(way), text, re.M), text

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from test_meta_init_lab import ARGS as META_INIT_ARGS
 from test_shard_lab import KEYS as SHARD_KEYS
+from test_tying_cli import ARGS as TYING_ARGS
+from test_tying_cli import SIZES as TYING_SIZES
 
 ENV = {**os.environ, "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"}
 
@@ -33,6 +36,20 @@ def fsdp_lab(
         timeout=timeout,
         **kwargs,
     )
+
+
+def fsdp_lab_here(capfd, *args: str) -> subprocess.CompletedProcess:
+    """`fsdp-lab *args` by `cli.main` in this process, file descriptors 1 and 2 captured: for
+    what a lab's options give (its ranks fork from this process's warm forkserver) and what the
+    driver says before any rank starts, where a fresh process adds only two imports of torch
+    (the driver's and its ranks', seconds). The tests that use `fsdp_lab` run the console script
+    itself: --json on a real fd 1, --out, the tour, torchrun, Ctrl-C, a rank's failure."""
+    from fsdp_lab import cli
+
+    capfd.readouterr()  # what this test printed before
+    code = cli.main(list(args))
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["fsdp-lab", *args], code, out, err)
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -61,8 +78,10 @@ def test_json_prints_exactly_one_object_with_measured_bytes():
     assert "rank(s) up on gloo" in proc.stderr  # progress went to stderr, not stdout
 
 
-def test_out_writes_png_figures_and_the_json(tmp_path):
-    proc = fsdp_lab("collectives", "--world-size", "2", "--numel", "256", "--out", str(tmp_path))
+def test_out_writes_png_figures_and_the_json(capfd, tmp_path):
+    proc = fsdp_lab_here(
+        capfd, "collectives", "--world-size", "2", "--numel", "256", "--out", str(tmp_path)
+    )
     assert proc.returncode == 0, proc.stderr
     assert "measured equals theory on every rank: True" in proc.stdout
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
@@ -119,8 +138,8 @@ def test_tour_runs_every_lab_with_progress_and_summary(tmp_path):
         (["nonsense"], "invalid choice: 'nonsense'"),
     ],
 )
-def test_bad_input_is_a_clear_error(args, message):
-    proc = fsdp_lab(*args, timeout=60)
+def test_bad_input_is_a_clear_error(capfd, args, message):
+    proc = fsdp_lab_here(capfd, *args)  # the console script: test_a_typo_in_the_lab..., below
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -145,8 +164,9 @@ def test_the_same_lab_runs_under_torchrun():
     assert result["contents"]["all_gather_into_tensor"]["after"] == [[1.0, 1.0, 2.0, 2.0]] * 2
 
 
-def test_shard_json_has_the_issue_keys_and_exact_bytes():
-    proc = fsdp_lab(
+def test_shard_json_has_the_issue_keys_and_exact_bytes(capfd):
+    proc = fsdp_lab_here(
+        capfd,
         "shard",
         "--world-size",
         "2",
@@ -172,8 +192,10 @@ def test_shard_with_a_bad_model_spec_is_a_clear_error():
     assert "cannot load 'nope'" in proc.stderr
 
 
-def test_checkpoint_json_has_per_schedule_figures():
-    proc = fsdp_lab("checkpoint", "--layers", "8", "--every", "2", "--world-size", "2", "--json")
+def test_checkpoint_json_has_per_schedule_figures(capfd):
+    proc = fsdp_lab_here(
+        capfd, "checkpoint", "--layers", "8", "--every", "2", "--world-size", "2", "--json"
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     per_schedule = result["schedules"]["8"]
@@ -192,12 +214,9 @@ def test_checkpoint_json_has_per_schedule_figures():
     assert per_schedule["every(2)"]["forward_calls"] == 8 - 4 + 2 * (4 * 5 // 2)
 
 
-def test_tying_json_has_the_issue_keys_and_out_writes_diagrams(tmp_path):
-    proc = fsdp_lab(
-        "tying",
-        *("--world-size", "2", "--vocab", "512", "--dim", "32", "--layers", "2", "--heads", "2"),
-        *("--seq-len", "8", "--steps", "2", "--spike-steps", "1", "--json", "--out", str(tmp_path)),
-    )
+def test_tying_json_has_the_issue_keys_and_out_writes_diagrams(fsdp_lab_cli):
+    # The run test_tying_cli checks section by section: --json and --out together.
+    proc, out = fsdp_lab_cli(*TYING_ARGS)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)  # exactly one object on stdout
     for key in ("audit", "spike", "ties", "verification", "to_empty"):
@@ -206,21 +225,19 @@ def test_tying_json_has_the_issue_keys_and_out_writes_diagrams(tmp_path):
     spike = result["spike"]
     for key in ("peak_bytes_root_unit", "peak_bytes_joint_unit"):
         assert len(spike[key]) == 2 and len(spike[f"fsdp2_{key}"]) == 2
-    assert spike["model"]["vocab_size"] == 512 and spike["steps"] == 1
+    # --vocab and --spike-steps reached the spike (the defaults are 32768 and 2).
+    assert spike["model"]["vocab_size"] == TYING_SIZES["vocab"] and spike["steps"] == 1
     # Diagrams beside the PNGs: SVG with graphviz's `dot`, its DOT source without.
     suffix = ".svg" if shutil.which("dot") else ".dot"
     for stem in ("wrap_root_unit", "wrap_joint_unit", "wrap_split_tie"):
-        assert (tmp_path / f"{stem}{suffix}").exists(), stem
+        assert (out / f"{stem}{suffix}").exists(), stem
     for stem in ("spike_fsdp_lab", "spike_fsdp2", "spike_bytes"):
-        assert (tmp_path / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((tmp_path / "tying.json").read_text())["world_size"] == 2
+        assert (out / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "tying.json").read_text())["world_size"] == 2
 
 
-def test_meta_init_json_has_the_issue_keys_and_measured_figures():
-    proc = fsdp_lab(
-        "meta-init",
-        *("--world-size", "2", "--model-mb", "32", "--sizes-mb", "8", "16", "--json"),
-    )
+def test_meta_init_json_has_the_issue_keys_and_measured_figures(fsdp_lab_cli):
+    proc, _ = fsdp_lab_cli(*META_INIT_ARGS)  # the run test_meta_init_lab checks figure by figure
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)  # exactly one object on stdout
     for key in ("build_time_s_70b", "rss_growth_bytes_70b", "peak_bytes_per_rank"):
@@ -240,10 +257,11 @@ def test_meta_init_json_has_the_issue_keys_and_measured_figures():
     assert approaches["deterministic"]["bytes_moved"] == 0
 
 
-def test_pp_seed_json_has_the_issue_keys_per_strategy(tmp_path):
+def test_pp_seed_json_has_the_issue_keys_per_strategy(capfd, tmp_path):
     import torch
 
-    proc = fsdp_lab(
+    proc = fsdp_lab_here(
+        capfd,
         "pp-seed",
         *("--stages", "2", "--layers", "2", "--steps", "3", "--grow-dims", "--json"),
         *("--out", str(tmp_path)),
@@ -459,8 +477,11 @@ def test_an_unusable_out_fails_before_any_rank_starts(tmp_path, where):
         ),
     ],
 )
-def test_a_bad_model_fails_before_any_rank_starts(models_env, spec, messages):
-    proc = fsdp_lab("shard", "--world-size", "1", "--model", spec, env=models_env, timeout=120)
+def test_a_bad_model_fails_before_any_rank_starts(tmp_path, monkeypatch, capfd, spec, messages):
+    # The driver's check, in this process (the console script's: the bad-spec tests above).
+    (tmp_path / "cli_test_models.py").write_text(MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    proc = fsdp_lab_here(capfd, "shard", "--world-size", "1", "--model", spec)
     assert proc.returncode == 2, proc.stderr
     for message in messages:
         assert message in proc.stderr

@@ -5,7 +5,6 @@ notebook runs top to bottom in a real kernel."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import nbformat
 import pytest

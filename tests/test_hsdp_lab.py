@@ -29,8 +29,9 @@ KEYS = {  # the issue's JSON keys
 
 
 @pytest.fixture(scope="module")
-def measured(cluster_of):
-    return hsdp_measure.measure(CONFIG, cluster=cluster_of(4))
+def measured(cluster_of, one_thread_per_rank):
+    with one_thread_per_rank(cluster_of(4)) as cluster:
+        return hsdp_measure.measure(CONFIG, cluster=cluster)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +136,7 @@ def test_a_bad_mesh_on_the_command_line_is_spoken_in_flags(argv, line, hint):
     assert line in proc.stderr and hint in proc.stderr, proc.stderr
 
 
-def test_memory_and_bytes_on_a_2x3_mesh_follow_the_formulas(cluster_of):
+def test_memory_and_bytes_on_a_2x3_mesh_follow_the_formulas(cluster_of, one_thread_per_rank):
     """The same checks on 2 nodes of 3 ranks: model state per rank between the formula and the
     formula plus what notebook 01 explains, bytes per group exactly the formula's."""
     from fsdp_lab import theory
@@ -147,7 +148,8 @@ def test_memory_and_bytes_on_a_2x3_mesh_follow_the_formulas(cluster_of):
     peaks = {}
     for system in lab.config.SYSTEMS:
         vocab = GPTConfig().vocab_size  # the default model's: token ids are drawn below it
-        runs = cluster_of(6).run(hsdp_measure.ours_worker, config, system, vocab)
+        with one_thread_per_rank(cluster_of(6)) as cluster:
+            runs = cluster.run(hsdp_measure.ours_worker, config, system, vocab)
         f = formula(system, runs[0]["units"], (2, 3), theory.FP32_SGD)
         largest = max(u["padded_numel"] * u["element_size"] for u in runs[0]["units"])
         shard = sum(u["shard_numel"] * u["element_size"] for u in runs[0]["units"])

@@ -11,6 +11,7 @@ import torch
 
 import fsdp_lab
 from fsdp_lab import comm, netsim, reference, theory
+from fsdp_lab.cluster import intra_op_threads
 from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.sharding import shard, sharding_state
 from fsdp_lab.sharding.mesh import device_mesh, mesh_shape
@@ -20,10 +21,17 @@ LR = 0.1  # SGD with momentum, as test_sharding: Adam amplifies last-bit differe
 SYSTEMS = ("hybrid", "hybrid_zero2", "full", "fsdp2", "fsdp2_zero2", "fsdp1", "fsdp1_zero2")
 
 
+# The workers run on one thread per rank: 4-6 ranks with torch's default thread count on a
+# few cores spin against each other, several times slower (`fsdp_lab.cluster.rank_threads`);
+# values and bytes are the same.
+ONE_THREAD = intra_op_threads(1)
+
+
 def _sgd(params):
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
+@ONE_THREAD
 def _train(system: str, mesh: tuple[int, int]) -> dict:
     """`STEPS` steps of `system` on `mesh`; the full parameters and bytes by (group, op)."""
     r, n = fsdp_lab.rank(), fsdp_lab.world_size()
@@ -190,6 +198,7 @@ def test_hybrid_formulas_reduce_to_zero3_and_add_the_replica_all_reduce():
     assert zero2["replicate"]["all_reduce"] == pytest.approx(2 * 2 / 3 * 12 * 4 / 2)
 
 
+@ONE_THREAD
 def _checkpoint(folder: str, mesh: tuple[int, int]) -> dict:
     """2 steps of hybrid, save (first replica writes), 1 more step, reload: bitwise back?"""
     import os
@@ -229,6 +238,7 @@ def test_the_first_replica_writes_the_checkpoint_and_every_rank_reloads_it(clust
         assert res["back"] == 0.0 and res["full"] == 0.0  # bitwise, on every replica
 
 
+@ONE_THREAD
 def _fsdp1_one_rank_per_node() -> torch.Tensor:
     model = reference.apply_fsdp1(
         tiny_gpt(), (Block,), hybrid="HYBRID_SHARD", mesh=device_mesh(2, 1)
@@ -237,6 +247,7 @@ def _fsdp1_one_rank_per_node() -> torch.Tensor:
     return reference.full_parameters(model)["blocks.0.mlp.fc.weight"]
 
 
+@ONE_THREAD
 def _ours_one_rank_per_node() -> torch.Tensor:
     model = shard(tiny_gpt(), units={Block}, strategy="hybrid", mesh=(2, 1))
     reference.train_steps(model, _sgd(model.parameters()), 2, rank=fsdp_lab.rank(), world=2)

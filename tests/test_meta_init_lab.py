@@ -14,6 +14,7 @@ import torch
 from matplotlib.figure import Figure
 
 from fsdp_lab import models
+from fsdp_lab.labs import LabResult
 from fsdp_lab.labs import meta_init as lab
 from fsdp_lab.labs.meta_init import analysis, measure, report
 from fsdp_lab.labs.meta_init.config import APPROACHES, CONTROL, MODES
@@ -35,14 +36,21 @@ KEYS = (
 PADDING = 64 * 1024  # bytes: each unit's shard is padded to a multiple of N, buffers aside
 
 
-@pytest.fixture(scope="module")
-def result():
-    # Its own ranks: resident memory is compared across modes, and a rank process that ran
-    # the rest of the suite first carries a heap shaped by it (fragments the lab cannot trim).
-    from fsdp_lab import Cluster
+# CONFIG on the command line: test_cli checks the same run's JSON, so one run serves both.
+ARGS = (
+    *("meta-init", "--world-size", str(CONFIG.world_size), "--model-mb", str(CONFIG.model_mb)),
+    *("--sizes-mb", *map(str, CONFIG.sizes_mb), "--seed", str(CONFIG.seed), "--json"),
+)
 
-    with Cluster(2, backend="gloo", timeout=600, verbose=False) as cluster:
-        return lab.run(CONFIG, cluster=cluster)
+
+@pytest.fixture(scope="module")
+def result(fsdp_lab_cli):
+    # Its own ranks (the command starts them): resident memory is compared across modes, and a
+    # rank process that ran the rest of the suite first carries a heap shaped by it (fragments
+    # the lab cannot trim).
+    proc, _ = fsdp_lab_cli(*ARGS)
+    assert proc.returncode == 0, proc.stderr
+    return LabResult.from_dict(json.loads(proc.stdout))
 
 
 def test_result_is_json_with_the_issue_keys(result):

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import fsdp_lab
 from fsdp_lab import comm, reference
+from fsdp_lab.cluster import intra_op_threads
 from fsdp_lab.parity_models import WithUnused, nonuniform_req_grad
 from fsdp_lab.sharding import shard
 from fsdp_lab.wrap import MinParams, build_plan
@@ -50,6 +51,13 @@ def _build(factory, how: str, units: list[str]) -> nn.Module:
     return shard(model, units=units, strategy=how)
 
 
+# The trainings run on one thread per rank: several ranks with torch's default thread count
+# on a few cores spin against each other, several times slower
+# (`fsdp_lab.cluster.rank_threads`); values and bytes are the same.
+ONE_THREAD = intra_op_threads(1)
+
+
+@ONE_THREAD
 def _train_and_gather(factory, how, units, optim, steps):
     model = _build(factory, how, units)
     opt = optim(model)

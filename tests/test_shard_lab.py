@@ -26,11 +26,12 @@ KEYS = {
 
 
 @pytest.mark.parametrize("strategy", ["full", "none"])
-def test_shard_lab_reports_agreement_and_exact_bytes(cluster_of, strategy):
+def test_shard_lab_reports_agreement_and_exact_bytes(cluster_of, one_thread_per_rank, strategy):
     config = shard_lab.ShardConfig(
         world_size=3, strategy=strategy, steps=3, optimizer="sgd", lr=0.1
     )
-    result = shard_lab.run(config, cluster=cluster_of(3))
+    with one_thread_per_rank(cluster_of(3)) as cluster:
+        result = shard_lab.run(config, cluster=cluster)
     data = result.to_dict()
     assert set(data) >= KEYS
     assert data["world_size"] == 3 and data["strategy"] == strategy
@@ -57,13 +58,14 @@ def test_shard_lab_reports_agreement_and_exact_bytes(cluster_of, strategy):
     assert data["sharded_optimizer"] is None  # measured beside strategy="optimizer" only
 
 
-def test_sharded_optimizer_is_measured_beside_zero1(cluster_of):
+def test_sharded_optimizer_is_measured_beside_zero1(cluster_of, one_thread_per_rank):
     """DDP + ShardedOptimizer next to shard(strategy="optimizer"): same training, state per
     rank as assigned, DDP's all-reduce plus a broadcast of every parameter."""
     config = shard_lab.ShardConfig(
         world_size=3, strategy="optimizer", steps=2, optimizer="sgd", lr=0.1
     )
-    data = shard_lab.run(config, cluster=cluster_of(3)).to_dict()
+    with one_thread_per_rank(cluster_of(3)) as cluster:
+        data = shard_lab.run(config, cluster=cluster).to_dict()
     so, psi = data["sharded_optimizer"], data["theory"]["psi"]
     assert so["max_abs_diff_vs_single_process"] < 1e-5
     assert so["max_abs_diff_vs_zero1_transformation"] < 1e-5

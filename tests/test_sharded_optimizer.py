@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import fsdp_lab
 from fsdp_lab import comm
+from fsdp_lab.cluster import intra_op_threads
 from fsdp_lab.sharding import ShardedOptimizer
 from fsdp_lab.sharding.sharded_optimizer import greedy_assignment
 
@@ -79,6 +80,13 @@ def _ddp(model: nn.Module) -> nn.Module:
 # -- parity -------------------------------------------------------------------------------------
 
 
+# The trainings run on one thread per rank: several ranks with torch's default thread count
+# on a few cores spin against each other, several times slower
+# (`fsdp_lab.cluster.rank_threads`); values and bytes are the same.
+ONE_THREAD = intra_op_threads(1)
+
+
+@ONE_THREAD
 def _three_ways(optimizer_class: type, steps: int) -> dict[str, Any]:
     """On every rank, DDP for the gradients and three optimizers: ours, PyTorch's, replicated."""
     from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -10,6 +10,7 @@ import torch
 
 import fsdp_lab
 from fsdp_lab import comm, reference, theory
+from fsdp_lab.cluster import intra_op_threads
 from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.sharding import MixedPrecision, shard, sharding_state
 from fsdp_lab.trace import MemoryTracker, Timeline
@@ -22,10 +23,17 @@ STEPS = 20
 LR = 0.1
 
 
+# The training workers run on one thread per rank: several ranks with torch's default thread
+# count on a few cores spin against each other, several times slower
+# (`fsdp_lab.cluster.rank_threads`); values and bytes are the same.
+ONE_THREAD = intra_op_threads(1)
+
+
 def _sgd(params):
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
+@ONE_THREAD
 def _train(name: str) -> dict[str, torch.Tensor]:
     """20 steps on this rank's slice with `name`: one of our strategies, or "fsdp2"."""
     r, n = fsdp_lab.rank(), fsdp_lab.world_size()
@@ -76,6 +84,7 @@ def _unit_numels(n: int) -> list[int]:
     return [total - 4 * block] + [block] * 4
 
 
+@ONE_THREAD
 def _bytes_per_step(strategy: str, prefetch: bool, mp: bool, reshard=None) -> dict:
     model = shard(
         tiny_gpt(),

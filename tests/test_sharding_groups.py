@@ -9,6 +9,7 @@ import torch
 
 import fsdp_lab
 from fsdp_lab import comm, reference
+from fsdp_lab.cluster import intra_op_threads
 from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.sharding import shard
 from fsdp_lab.trace import MemoryTracker
@@ -24,6 +25,13 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
+# The trainings run on one thread per rank: several ranks with torch's default thread count
+# on a few cores spin against each other, several times slower
+# (`fsdp_lab.cluster.rank_threads`); values and bytes are the same.
+ONE_THREAD = intra_op_threads(1)
+
+
+@ONE_THREAD
 def _train(system: str, strategy: str, prefetch: bool) -> dict[str, torch.Tensor]:
     r, n = fsdp_lab.rank(), fsdp_lab.world_size()
     model = tiny_gpt()

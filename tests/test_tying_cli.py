@@ -5,9 +5,6 @@ of the summary follow that run's numbers."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -17,19 +14,16 @@ from fsdp_lab.labs.tying.config import LAB_MODEL, SPIKE_SYSTEMS, WRAPPINGS
 from fsdp_lab.labs.tying.tables import SECTIONS
 
 SIZES = {"vocab": 768, "dim": 48, "layers": 3, "heads": 2, "seq_len": 12, "batch": 3}
+# The command test_cli also checks (its JSON keys, its diagrams in --out): one run for both.
+ARGS = (
+    *("tying", "--world-size", "2", *(f"--{k.replace('_', '-')}={v}" for k, v in SIZES.items())),
+    *("--steps", "2", "--spike-steps", "1", "--json", "--out", "{out}"),
+)
 
 
 @pytest.fixture(scope="module")
-def result() -> dict:
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SIZES.items()]
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_lab", "tying", "--world-size", "2", *flags]
-        + ["--steps", "2", "--spike-steps", "2", "--json"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "MPLBACKEND": "Agg"},
-        timeout=300,
-    )
+def result(fsdp_lab_cli) -> dict:
+    proc, _ = fsdp_lab_cli(*ARGS)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 

@@ -40,8 +40,9 @@ TOLERANCE = 8 * 1024  # bytes: small next to the 512 KiB matrix
 
 
 @pytest.fixture(scope="module")
-def result(cluster_of):
-    return lab.run(CONFIG, cluster=cluster_of(2))
+def result(cluster_of, one_thread_per_rank):
+    with one_thread_per_rank(cluster_of(2)) as cluster:
+        return lab.run(CONFIG, cluster=cluster)
 
 
 def test_result_is_json_with_the_issue_keys(result):

@@ -3,18 +3,24 @@ the old one in place, and a notebook exported to HTML shows the measurement, not
 
 from __future__ import annotations
 
+import copy
+
 import nbformat
 from nbclient import NotebookClient
 from nbconvert import HTMLExporter
 
 
 def _run(sources: list[str]):
+    """The executed notebook, and a copy of each cell as it stood when it finished (a later
+    cell's observer may replace its outputs): one kernel shows both states."""
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
     client = NotebookClient(nb, timeout=300, kernel_name="python3")
     client.widget_registry = {}  # as in test_notebooks: no Output-widget mirroring
+    when_run: list = []
+    client.on_cell_executed = lambda cell, **_: when_run.append(copy.deepcopy(cell))
     client.execute()
-    return nb
+    return nb, when_run
 
 
 def _kinds(cell) -> list[str]:
@@ -28,11 +34,11 @@ def _kinds(cell) -> list[str]:
 
 def test_a_slider_move_replaces_the_picture_below_the_controls_and_the_export_reads():
     setup = "%matplotlib inline\nfrom fsdp_lab import widgets\ne = widgets.scaling_explorer()\ne"
-    nb = _run([setup])
-    first = nb.cells[0].outputs[1]["data"]["image/png"]
-    assert _kinds(nb.cells[0]) == ["widget", "png"]  # the controls, then the picture below
+    nb, when_run = _run([setup, "e.params_b.value = 70"])  # the observer redraws into cell 0
+    before = when_run[0]  # the first cell as it stood before the slider moved
+    first = before.outputs[1]["data"]["image/png"]
+    assert _kinds(before) == ["widget", "png"]  # the controls, then the picture below
 
-    nb = _run([setup, "e.params_b.value = 70"])  # the observer redraws into the first cell
     cell, moved = nb.cells[0], nb.cells[1]
     assert _kinds(cell) == ["widget", "png"]  # replaced, not appended
     assert cell.outputs[1]["data"]["image/png"] != first

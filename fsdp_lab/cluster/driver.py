@@ -91,6 +91,9 @@ def _check_world_size(world_size: Any) -> int:
 class Cluster:
     """N live rank processes in one process group.
 
+    Each rank computes on its share of this machine's cores (cores // world_size intra-op
+    threads, at least 1), as under torchrun; set OMP_NUM_THREADS before starting to choose.
+
     Args:
         world_size: number of ranks (int >= 1).
         backend: "auto" (NCCL if `world_size` GPUs are visible, else gloo), "gloo" or "nccl".
@@ -98,6 +101,8 @@ class Cluster:
             process group's own collective timeout).
         start_timeout: seconds allowed for starting the ranks.
         verbose: print a line when ranks start or restart.
+        failure_grace: after one rank failed, seconds the others get to answer before they
+            count as stuck (a check, whose ranks do little, needs less than a lab).
     """
 
     def __init__(
@@ -108,6 +113,7 @@ class Cluster:
         *,
         start_timeout: float = 180.0,
         verbose: bool = True,
+        failure_grace: float = FAILURE_GRACE,
     ) -> None:
         label = rank_label()
         if label is not None:
@@ -122,6 +128,7 @@ class Cluster:
         self.start_timeout = check_timeout("start_timeout", start_timeout)
         self.backend = resolve_backend(backend, world_size)
         self.verbose = verbose
+        self.failure_grace = check_timeout("failure_grace", failure_grace)
         self.start_seconds: float | None = None
         self._ranks: list[_Rank] = []
         self._calls = itertools.count(1)
@@ -236,7 +243,7 @@ class Cluster:
         call = _Call(self._ranks, next(self._calls), what)
         try:
             call.send(payload)
-            call.wait(time.monotonic() + self.timeout)
+            call.wait(time.monotonic() + self.timeout, grace=self.failure_grace)
         except KeyboardInterrupt:
             # The learner sees one line, at the end of the KeyboardInterrupt it pressed for.
             raise KeyboardInterrupt(self._after_interrupt(call)) from None

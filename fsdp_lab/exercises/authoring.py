@@ -82,13 +82,13 @@ def exercise_cells(ex: Exercise, index: int) -> list[Any]:
         + "\n\n"
         + _hints(ex)
     )
-    code = (ex.setup.strip() + "\n\n" if ex.setup.strip() else "") + ex.stub.rstrip() + "\n"
+    code = (ex.setup.strip() + "\n\n\n" if ex.setup.strip() else "") + ex.stub.rstrip() + "\n"
     code += SOLUTION_BODY
     check = f"exercises.check_{ex.name}({ex.name}, pool)"
     return [
         nbformat.v4.new_markdown_cell(statement, metadata=_meta(f"{ex.name}_statement")),
         nbformat.v4.new_code_cell(
-            code.rstrip() + "\n", metadata=_meta(ex.name, solution=True, locked=False)
+            code.rstrip(), metadata=_meta(ex.name, solution=True, locked=False)
         ),
         nbformat.v4.new_code_cell(
             check, metadata=_meta(f"check_{ex.name}", grade=True, points=ex.points)
@@ -106,8 +106,8 @@ def lab_notebook(lab: str) -> Any:
         f"Write the few lines of each step below; its check runs your function **inside the "
         f"real mechanism on live ranks** (separate processes, gloo), against the reference, on "
         f"several cases, and says which case failed, what it expected and what it got, with a "
-        f"hint. Write only between `### BEGIN SOLUTION` and `### END SOLUTION`, then run the "
-        f"check cell below it. A function that raises, hangs or returns the wrong shape is "
+        f"hint. Write your code in place of `raise NotImplementedError()` (between the two "
+        f"SOLUTION marks), then run the check cell below it. A function that raises, hangs or returns the wrong shape is "
         f"reported as such, and the ranks survive for your next attempt.\n\n"
         f"{len(group)} exercises, {total} points. The lab notebook "
         f"`notebooks/{notebook_name(lab)}` shows the mechanism these steps belong to."

@@ -29,7 +29,7 @@ from typing import Any
 
 from fsdp_lab.cluster import RankError
 from fsdp_lab.exercises.exercise import Case, Exercise, Mismatch
-from fsdp_lab.exercises.on_rank import attempt
+from fsdp_lab.exercises.on_rank import HINT_MARK, attempt
 from fsdp_lab.exercises.pool import ClusterPool
 from fsdp_lab.exercises.verdict import ExerciseFailed, Verdict
 
@@ -116,7 +116,7 @@ def _one_case(
             pool.time_limit * DUMP_SHARE,
         )
     except RankError as exc:
-        return _rank_failure(exc, fn, stack_file, case, verdict)
+        return _rank_failure(exc, exercise, fn, stack_file, case, verdict)
     mismatch = exercise.judge(outcomes, case)
     if mismatch is None:
         return None
@@ -134,7 +134,12 @@ def _wrong_result(mismatch: Mismatch, verdict: Callable[..., Verdict]) -> Verdic
 
 
 def _rank_failure(
-    exc: RankError, fn: Any, stack_file: str, case: Case, verdict: Callable[..., Verdict]
+    exc: RankError,
+    exercise: Exercise,
+    fn: Any,
+    stack_file: str,
+    case: Case,
+    verdict: Callable[..., Verdict],
 ) -> Verdict:
     where = _code_file(fn)
     if exc.exitcode is not None:
@@ -150,11 +155,12 @@ def _rank_failure(
         tb = _cut(exc.remote_traceback, where)
         last = exc.remote_traceback.strip().splitlines()[-1]
         if "WrongOutput:" in last:
+            what, _, hint = last.split("WrongOutput:", 1)[1].strip().partition(HINT_MARK)
             return verdict(
                 "wrong output",
-                last.split("WrongOutput:", 1)[1].strip(),
+                what,
                 rank=exc.rank,
-                hint="Return what the docstring says: same shape and dtype as described.",
+                hint=hint or "Return what the docstring says: same shape and dtype as described.",
             )
         if last.startswith("NotImplementedError"):
             return verdict(
@@ -178,7 +184,8 @@ def _rank_failure(
         "rank; fresh ones serve the next attempt.",
         rank=rank,
         traceback=stack,
-        hint="A collective that not every rank calls (inside `if rank() == ...`), or with "
+        hint=exercise.hang_hint
+        or "A collective that not every rank calls (inside `if rank() == ...`), or with "
         "different sizes on different ranks, waits forever; so does a loop that never ends.",
     )
 

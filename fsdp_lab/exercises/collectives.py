@@ -6,6 +6,9 @@ step), which must then match training on the whole batch in one process. The cla
 SUM where the average was meant (the step is N times too large), and dividing by the world
 size when the group is smaller (the step is too small on a subgroup, as in HSDP's replica
 groups).
+
+`gather_shards` (in `collectives_gather`, listed here) — rebuild a flat tensor from every
+rank's padded shard, the all-gather of FSDP's unshard.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_lab import comm
+from fsdp_lab.exercises.collectives_gather import GATHER_SHARDS
 from fsdp_lab.exercises.exercise import Bug, Case, Exercise, Mismatch
-from fsdp_lab.exercises.judging import close, ratio_hint, series_of
+from fsdp_lab.exercises.judging import close, ratio, ratio_hint, series_of
 from fsdp_lab.exercises.on_rank import expect_tensor
 
 STEPS = 3
@@ -110,9 +114,12 @@ def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
                 1.0 / size: "divided twice: all_reduce sums; divide once, by the group's size.",
             },
         )
+        k = ratio(got["first_grad"], exp["first_grad"])
+        factor = f" ({k:.3g}× the reference's)" if k is not None else ""
         return Mismatch(
-            f"rank {r}'s averaged gradient in step 1 differs from the reference, and "
-            f"training drifts from the reference over {STEPS} steps.",
+            f"rank {r}'s averaged gradient in step 1 differs from the reference{factor}; the "
+            f"loss after {STEPS} steps is {got['losses'][-1]:.4g} instead of "
+            f"{exp['losses'][-1]:.4g}.",
             rows=[
                 (
                     "first gradient, first 3 values",
@@ -195,4 +202,4 @@ ALL_REDUCE_MEAN = Exercise(
     minutes=10,
 )
 
-EXERCISES = (ALL_REDUCE_MEAN,)
+EXERCISES = (ALL_REDUCE_MEAN, GATHER_SHARDS)

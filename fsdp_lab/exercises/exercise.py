@@ -80,6 +80,8 @@ class Exercise:
         title: one line.
         statement: what to write, Markdown (a few sentences, the signature's meaning).
         stub: the learner's starting code: the signature, a docstring, no solution.
+        hang_hint: the hint of a "hung" verdict, when this step has a classic way to hang
+            (a stage index sent where a rank was meant); else the general one.
         setup: import lines the learner's cell needs beyond the notebook's common ones
             (torch, dist, nn, comm, rank, world_size), put above the stub.
         hints: opened one by one on demand, most general first.
@@ -108,6 +110,7 @@ class Exercise:
     points: int = 2
     minutes: int = 10
     setup: str = ""
+    hang_hint: str = ""
 
     def bug(self, slug: str) -> Bug:
         """The bug named `slug`, or a ValueError listing the ones there are."""

@@ -15,6 +15,7 @@ none is).
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -62,10 +63,9 @@ def check_labs(labs: Iterable[str] | None) -> list[str]:
     labs = list(labs)
     unknown = [lab for lab in labs if lab not in with_bugs]
     if unknown:
-        raise ValueError(
-            f"lab {unknown[0]!r} has no bugs in the gallery: expected one of "
-            + ", ".join(with_bugs)
-        )
+        close = difflib.get_close_matches(unknown[0], with_bugs, n=1)
+        fix = f"did you mean {close[0]!r}?" if close else "expected one of " + ", ".join(with_bugs)
+        raise ValueError(f"lab {unknown[0]!r} has no bugs in the gallery: {fix}")
     return [lab for lab in with_bugs if lab in labs]
 
 
@@ -100,6 +100,22 @@ def summary_table(exhibits: list[Exhibit]) -> str:
         for e in exhibits
     ]
     return table(["lab", "bug", "step", "first case where it shows", "measured"], rows)
+
+
+def silent_sentence(exhibits: list[Exhibit]) -> str:
+    """Markdown: how many of the bugs raised nothing — the run finished and only the comparison
+    with the correct run shows them — built from this run's verdicts."""
+    silent = [e for e in exhibits if e.buggy.kind == "wrong result"]
+    loud = [e for e in exhibits if e.caught and e.buggy.kind != "wrong result"]
+    text = (
+        f"**{len(silent)} of the {len(exhibits)} bugs raised no error at all**: the buggy run "
+        "finished like the correct one, and only the comparison with it (the measured columns "
+        "above) shows the bug."
+    )
+    if loud:
+        kinds = ", ".join(sorted({f"{e.bug.title} ({e.buggy.kind})" for e in loud}))
+        text += f" The others stopped on their own: {kinds}."
+    return text
 
 
 def exhibit_markdown(e: Exhibit, exercise: Exercise | None = None) -> str:

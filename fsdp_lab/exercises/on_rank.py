@@ -20,19 +20,31 @@ import torch
 
 from fsdp_lab.exercises.exercise import Case
 
+HINT_MARK = " | hint: "  # WrongOutput's message, then the hint: one line, as a traceback ends
+
 
 class WrongOutput(Exception):
     """The learner's function returned something of the wrong kind (type, shape, dtype)."""
 
 
-def expect_tensor(got: Any, like: torch.Tensor, what: str) -> torch.Tensor:
+def expect_tensor(got: Any, like: torch.Tensor, what: str, hint: str = "") -> torch.Tensor:
     """`got` if it is a tensor shaped and typed like `like`; else a WrongOutput saying so.
 
     Args:
         got: what the learner's function returned.
         like: the reference's value for the same input.
         what: what the value is, for the message ("this rank's gradient shard").
+        hint: one sentence for the verdict when the value is wrong (else a general one).
     """
+    try:
+        return _expect_tensor(got, like, what)
+    except WrongOutput as exc:
+        if not hint:
+            raise
+        raise WrongOutput(f"{exc}{HINT_MARK}{hint}") from None
+
+
+def _expect_tensor(got: Any, like: torch.Tensor, what: str) -> torch.Tensor:
     if not isinstance(got, torch.Tensor):
         raise WrongOutput(
             f"{what}: expected a torch.Tensor of shape {tuple(like.shape)}, got "

@@ -17,6 +17,19 @@ from fsdp_lab.cluster.driver import check_timeout
 from fsdp_lab.cores import OversubscribedWarning
 
 DEFAULT_TIME_LIMIT = 30.0  # seconds per case: generous for a laptop CPU, short for a hang
+# After the learner's function raised on one rank, the others (waiting in a collective for it)
+# are given this long before they are stopped: a check's ranks have nothing slow left to do.
+FAILURE_GRACE = 2.0
+
+
+def _import_exercises() -> None:
+    import torch
+
+    import fsdp_lab.exercises.catalog  # noqa: F401  (every exercise module, and what they use)
+
+    # The first optimizer a process builds imports torch._dynamo (seconds): do it untimed.
+    w = torch.zeros(1, requires_grad=True)
+    torch.optim.SGD([w], lr=0.1).step()
 
 
 class ClusterPool:
@@ -41,10 +54,26 @@ class ClusterPool:
                 # Checks compare values, never times: 3 ranks on 2 cores are fine here.
                 warnings.simplefilter("ignore", OversubscribedWarning)
                 self._clusters[world_size] = Cluster(
-                    world_size, backend=self.backend, timeout=self.time_limit, verbose=False
+                    world_size,
+                    backend=self.backend,
+                    timeout=self.time_limit,
+                    verbose=False,
+                    failure_grace=FAILURE_GRACE,
                 )
+            self._warm_up(self._clusters[world_size])
         return self._clusters[world_size]
 
+    @staticmethod
+    def _warm_up(cluster: Cluster) -> None:
+        """Import the exercises on the ranks before any case is timed: on a busy laptop the
+        imports alone can take longer than a case may, and would look like a hang."""
+        limit, cluster.timeout = cluster.timeout, cluster.start_timeout
+        try:
+            cluster.run(_import_exercises)
+        finally:
+            cluster.timeout = limit
+
+    @property
     def pids(self) -> list[int]:
         """Every rank process the pool holds now (for tests that check none is left)."""
         return [pid for c in self._clusters.values() for pid in c.pids]

@@ -190,14 +190,21 @@ def materialise(modules: Iterable[nn.Module], device: torch.device | str) -> Non
                 if not p.is_meta:
                     continue  # real already (a module shared by two of `modules`)
                 if id(p) not in made:
-                    made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+                    made[id(p)] = nn.Parameter(_empty_on(p, device), p.requires_grad)
                 setattr(sub, key, made[id(p)])
             for key, b in list(sub.named_buffers(recurse=False)):
                 if not b.is_meta:
                     continue
                 if id(b) not in made:
-                    made[id(b)] = torch.empty_like(b, device=device)
+                    made[id(b)] = _empty_on(b, device)
                 setattr(sub, key, made[id(b)])
+
+
+def _empty_on(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    # A meta tensor's twin on `device`, same shape, strides and dtype. Not
+    # ``empty_like(t, device=...)``: from meta that runs a Python decomposition whose first call
+    # imports sympy (seconds on every rank), for what is one allocation.
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
 
 
 # -- a stage's share of the init (`fsdp_lab.pipeline.rng`'s four strategies all use these) ----

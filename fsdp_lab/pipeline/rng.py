@@ -18,6 +18,10 @@ stage owns a slice of those modules. What it draws depends on where in the strea
                       stage, the generator state is sent to that stage. Equal to the unsplit
                       init, and no rank ever builds the whole model.
 
+What makes (c) and (d) what they are is one step each, an argument of the strategy:
+`draw_stage_seeds` (rank 0's seeds) and `hand_over_generator` (run at each change of owner).
+The course's exercises (`fsdp_lab.exercises.pp_seed`) put a learner's version there.
+
 How a stage "initialises its modules" is the same for all four, and for any model: build the
 whole model on meta, make this stage's modules real (`materialise`), run the model's own init
 over the whole model — the modules left on meta draw nothing — then cut the stage out
@@ -79,6 +83,63 @@ def stage_of_module(
 ) -> Callable[[str], int | None]:
     """module name -> the stage that owns it ("layers.3.attn" -> layer 3's), None if none."""
     return plan_stages(whole_on_meta(model), stages, layers_per_stage).stage_of
+
+
+# -- the two steps a strategy can be given (the course's exercises replace them) ---------------
+
+SeedDraw = Callable[[int, int], torch.Tensor]  # (seed, stages) -> one seed per stage
+HandOver = Callable[[int | None, int, int, int, Callable[[int], int], Any], None]
+
+
+def draw_stage_seeds(seed: int, stages: int) -> torch.Tensor:
+    """(c)'s seeds: `stages` int64 values in [0, 2**62) from a generator seeded with `seed`.
+
+    A function of `seed` alone (the same run again gets the same seeds, whatever the program
+    drew before); one draw each, so two stages, or two base seeds, do not share a stream the
+    way ``seed + stage`` would (seed 1's stage 0 is seed 0's stage 1)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2**62, (stages,), generator=g)
+
+
+def _checked_seeds(drawn: Any, stages: int) -> torch.Tensor:
+    ok = isinstance(drawn, torch.Tensor) and not drawn.is_floating_point()
+    if not ok or tuple(drawn.shape) != (stages,):
+        raise ValueError(
+            f"the stage seeds must be an integer tensor of shape ({stages},), one per stage; "
+            f"got {type(drawn).__name__} {getattr(drawn, 'shape', drawn)!r:.80}"
+        )
+    if bool((drawn < 0).any()):
+        raise ValueError(
+            f"stage seeds must be >= 0; got {drawn.tolist()}: draw them in [0, 2**62), as "
+            "draw_stage_seeds does"
+        )
+    return drawn
+
+
+def hand_over_generator(
+    holder: int | None,
+    owner: int,
+    stage: int,
+    seed: int,
+    rank_of: Callable[[int], int],
+    device: torch.device | str = "cpu",
+) -> None:
+    """(d)'s step at a change of owner, run on every rank: the init moves from a module of stage
+    `holder` (None: the init is starting) to one of stage `owner`; this rank is stage `stage`.
+
+    At the start the owner seeds, as the unsplit init does. Later the holder — whose modules
+    have drawn their values — sends its generator's state to the owner, which continues from
+    it: the stream reads on as if one process drew everything. `rank_of(stage)` is the global
+    rank of a stage of this pipeline."""
+    if holder is None:  # the init's first module: its stage seeds, as the unsplit init
+        if stage == owner:
+            _seed(device, seed)
+    elif stage == holder:  # ownership moves on: so does the generator's state
+        comm.send(generator_state(device), dst=rank_of(owner))
+    elif stage == owner:
+        state = generator_state(device)  # a buffer of the right size, overwritten by recv
+        comm.recv(state, src=rank_of(holder))
+        set_generator_state(device, state)
 
 
 # -- the four strategies (each runs on every rank; returns this stage, initialised) -----------
@@ -169,14 +230,29 @@ def per_stage_seed(
     stages: Stages = None,
     init: InitFn | None = None,
     group: dist.ProcessGroup | None = None,
+    stage_seeds: SeedDraw = draw_stage_seeds,
 ) -> nn.Module:
-    """(c) Rank 0 draws one seed per stage and broadcasts them; each stage uses its own."""
+    """(c) Rank 0 draws one seed per stage and broadcasts them; each stage uses its own.
+
+    `stage_seeds(seed, stages)` is how rank 0 draws them (default `draw_stage_seeds`; the
+    course's exercise puts a learner's version here)."""
     whole, plan, init_fn = prepare(model, info, layers_per_stage, stages, init)
     seeds = torch.zeros(info.stages, dtype=torch.int64, device=_comm_device(device))
+    failed: Exception | None = None
     if info.rank == 0:
-        g = torch.Generator().manual_seed(seed)
-        seeds.copy_(torch.randint(0, 2**62, (info.stages,), generator=g))
+        try:
+            seeds.copy_(_checked_seeds(stage_seeds(seed, info.stages), info.stages))
+        except Exception as exc:  # the others wait in the broadcast below: tell them
+            failed = exc
+            seeds.fill_(-1)  # a seed is >= 0: -1 says "no seeds"
     comm.broadcast(seeds, src=world_rank(group, 0), group=group)
+    if failed is not None:
+        raise failed
+    if int(seeds[0]) < 0:
+        raise RuntimeError(
+            "rank 0 could not draw the stage seeds (its error is reported with rank 0's), so "
+            "this stage has no seed"
+        )
     spec = own_stage(whole, plan, info, device)
     torch.manual_seed(int(seeds[info.stage]))
     run_init(whole, plan, init_fn)
@@ -193,8 +269,12 @@ def rng_replay(
     stages: Stages = None,
     init: InitFn | None = None,
     group: dist.ProcessGroup | None = None,
+    hand_over: HandOver = hand_over_generator,
 ) -> nn.Module:
-    """(d) Run the init in its order everywhere; the generator state travels to each next owner."""
+    """(d) Run the init in its order everywhere; the generator state travels to each next owner.
+
+    `hand_over` is the step run on every rank at each change of owner (default
+    `hand_over_generator`; the course's exercise puts a learner's version here)."""
     whole, plan, init_fn = prepare(model, info, layers_per_stage, stages, init)
     spec = own_stage(whole, plan, info, device)
 
@@ -208,15 +288,7 @@ def rng_replay(
         owner = plan.stage_of(module_name)
         if owner is None or owner == holder:
             return
-        if holder is None:  # the init's first module: its stage seeds, as the unsplit init
-            if info.stage == owner:
-                _seed(device, seed)
-        elif info.stage == holder:  # ownership moves on: so does the generator's state
-            comm.send(generator_state(device), dst=rank_of(owner))
-        elif info.stage == owner:
-            state = generator_state(device)
-            comm.recv(state, src=rank_of(holder))
-            _set_rng_state(device, state)
+        hand_over(holder, owner, info.stage, seed, rank_of, device)
         holder = owner
 
     # Every rank runs the whole init and sees every call (the modules it does not own are on
@@ -309,7 +381,8 @@ def generator_state(device: torch.device | str) -> torch.Tensor:
     return torch.get_rng_state()
 
 
-def _set_rng_state(device: torch.device | str, state: torch.Tensor) -> None:
+def set_generator_state(device: torch.device | str, state: torch.Tensor) -> None:
+    """Make this device's generator continue from `state` (what `generator_state` returned)."""
     if _is_cuda(device):
         torch.cuda.set_rng_state(state.cpu(), torch.device(device))
     else:

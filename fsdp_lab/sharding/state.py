@@ -1,10 +1,16 @@
 """`ShardingState`: what the units of one sharded model share, and how to find it on a model.
 
-The process group and this rank's place in it; the order the units ran in on the first step
-(a unit of several modules appears once per member call), recorded so that later steps can
-prefetch the next unit's all-gather; and the end-of-backward callback that autograd runs once
-the whole backward pass is done, which finalizes every unit (FSDP2: ``FSDPState`` and its
-``_root_post_backward_final_callback``).
+The process group and this rank's place in it; the order the units ran in (a unit of several
+modules appears once per member call), recorded so that the next unit's all-gather can start
+early: forward follows the order of the first step's forward; backward runs the units in the
+reverse order of this step's forward *ends* (FSDP2's ``post_forward_order``), so the unit to
+prefetch is the one whose forward ended just before (`unit_to_prefetch`); and the
+end-of-backward callback that autograd runs once the whole backward pass is done, which
+finalizes every unit (FSDP2: ``FSDPState`` and its ``_root_post_backward_final_callback``).
+
+The three key steps the units call are attributes here, `free_and_regather`,
+`reduce_grad_shard` and `unit_to_prefetch`, each the plain function of that name by default:
+a course exercise (`fsdp_lab.exercises`) puts a learner's version in its place.
 """
 
 from __future__ import annotations
@@ -15,10 +21,25 @@ import torch
 import torch.nn as nn
 
 from fsdp_lab.sharding.mesh import Groups
-from fsdp_lab.sharding.unit import ShardedUnit
+from fsdp_lab.sharding.unit import ShardedUnit, free_and_regather, reduce_grad_shard
 
 _STATE = "_fsdp_lab_state"  # on the sharded model
 _SHARDED_IN = "_fsdp_lab_sharded_in"  # on each of its submodules: a weak reference to it
+
+
+def unit_to_prefetch(forward_order: list[str], position: int) -> str | None:
+    """The unit to gather while the unit at `position` of `forward_order` runs its backward.
+
+    Args:
+        forward_order: the units' names in the order their forwards *ended* in this step (the
+            root, which encloses all the others, last; a unit of several modules once per
+            member call).
+        position: where the unit whose backward has just started sits in it.
+
+    Backward runs the units in the reverse of that order, so the next one to need its
+    parameters is the one whose forward ended just before; none before the first.
+    """
+    return forward_order[position - 1] if position > 0 else None
 
 
 class ShardingState:
@@ -38,12 +59,16 @@ class ShardingState:
         self.units: list[ShardedUnit] = []
         # Unit calls in the order of the first step (repeats: a group unit runs once per member).
         self.forward_order: list[ShardedUnit] = []
-        self.backward_order: list[ShardedUnit] = []
         self._forward_calls = 0  # calls so far in this step's forward
-        self._backward_calls = 0
         self._forward_recorded = False
-        self._backward_recorded = False
+        # This step's forward ends, and per unit its places there not yet used by a backward.
+        self.post_forward_order: list[ShardedUnit] = []
+        self._positions: dict[ShardedUnit, list[int]] = {}
         self._backward_queued = False
+        # The steps the units call (see the module docstring).
+        self.free_and_regather = free_and_regather
+        self.reduce_grad_shard = reduce_grad_shard
+        self.unit_to_prefetch = unit_to_prefetch
 
     @property
     def root(self) -> ShardedUnit:
@@ -54,6 +79,7 @@ class ShardingState:
         if self.forward_order:
             self._forward_recorded = True
         self._forward_calls = 0
+        self.post_forward_order, self._positions = [], {}
         for unit in self.units:
             unit.stale = True
 
@@ -67,33 +93,48 @@ class ShardingState:
             return None
         return _next_call(self.forward_order, self._forward_calls, unit)
 
+    def record_post_forward(self, unit: ShardedUnit) -> None:
+        """`unit`'s forward has ended (with a backward to come)."""
+        if self._backward_queued:  # a forward inside backward (a checkpoint's recompute)
+            return
+        self._positions.setdefault(unit, []).append(len(self.post_forward_order))
+        self.post_forward_order.append(unit)
+
     def begin_backward(self, unit: ShardedUnit) -> None:
         if not self._backward_queued:
             # Runs once autograd has finished the whole backward pass.
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
             self._backward_queued = True
-        if not self._backward_recorded:
-            self.backward_order.append(unit)
-        self._backward_calls += 1
 
     def next_in_backward(self, unit: ShardedUnit) -> ShardedUnit | None:
-        if not self._backward_recorded:
+        """The unit whose backward comes after `unit`'s, which has just started: the step
+        `unit_to_prefetch` picks it from this step's forward ends (FSDP2 pops the latest
+        post-forward index of the group, as here)."""
+        positions = self._positions.get(unit)
+        if not positions:
+            return None  # its forward ran without a graph: no place to start from
+        names = [u.label for u in self.post_forward_order]
+        chosen = self.unit_to_prefetch(names, positions.pop())
+        if chosen is None:
             return None
-        return _next_call(self.backward_order, self._backward_calls, unit)
+        for candidate in self.post_forward_order:
+            if candidate.label == chosen:
+                return candidate
+        raise ValueError(
+            f"unit_to_prefetch returned {chosen!r}; expected one of {sorted(set(names))} or None"
+        )
 
     def finalize_backward(self) -> None:
         """Autograd's final callback (FSDP2's ``_root_post_backward_final_callback``): the
         step's backward is over, so every unit finishes its part, last unit first."""
         self._backward_queued = False
-        self._backward_calls = 0
-        if self.backward_order:
-            self._backward_recorded = True
         for unit in reversed(self.units):
             unit.finalize_backward()
 
 
 def _next_call(order: list[ShardedUnit], calls: int, unit: ShardedUnit) -> ShardedUnit | None:
-    """The unit of call number `calls` (0-based), if this step still follows the recorded order.
+    """The unit of call number `calls` (0-based), if this step still follows the recorded order
+    of the first step's forward.
 
     `unit` has just made call `calls - 1`; if the recording disagrees (the model took another
     path this step), nothing is prefetched rather than the wrong unit.

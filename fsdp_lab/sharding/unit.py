@@ -11,6 +11,12 @@
                 post-backward reduce-scatter the gradient into the shard's .grad (mean over
                               ranks), free the unsharded gradient, reshard
 
+Two of these steps are plain functions at the top of this file, `free_and_regather` (the free
+after forward, the gather again before backward) and `reduce_grad_shard` (the reduce-scatter
+and its average); `state.py` has the third, `unit_to_prefetch`. The units call them through
+their `ShardingState`, so a course exercise (`fsdp_lab.exercises`) can run a learner's version
+of one inside this very mechanism.
+
 The names are FSDP2's (`unshard`, `reshard`, `TrainingState`); every collective goes through
 `fsdp_lab.comm` (counted) and every gather/free is a marker on the memory trace.
 
@@ -46,10 +52,12 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_lab import comm
@@ -60,6 +68,49 @@ from fsdp_lab.trace.timeline import active_timeline
 
 if TYPE_CHECKING:
     from fsdp_lab.sharding.state import ShardingState
+
+
+def free_and_regather(buffer: torch.Tensor, moment: str, all_gather: Callable[[], None]) -> None:
+    """ZeRO-3's gathered buffer across the gap between a unit's forward and its backward.
+
+    Args:
+        buffer: the unit's unsharded flat parameter (padded,), gathered for its forward.
+        moment: "post-forward": free its bytes for real, by resizing its *storage* to 0, and
+            keep the tensor: autograd saved views of it for backward, and a gather refills the
+            same storage. "pre-backward": backward is about to use those views: gather again.
+        all_gather: allocates the storage and all-gathers every rank's shard into it (a no-op
+            when the parameters are there already or on their way, prefetched).
+    """
+    if moment == "post-forward":
+        buffer.untyped_storage().resize_(0)
+    else:
+        all_gather()
+
+
+def reduce_grad_shard(
+    full_grad: torch.Tensor,
+    shard_group: dist.ProcessGroup | None,
+    replicate_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """This rank's shard of the unit's gradient, averaged over every rank that computed one.
+
+    Args:
+        full_grad: (padded,) this rank's gradient of the whole unit, flat, padded to a multiple
+            of the shard group's size S.
+        shard_group: the S ranks that split the unit; this rank keeps chunk `rank in group`.
+        replicate_group: hybrid sharding only: the R ranks holding the same chunk, one per
+            replica (None: a single replica).
+
+    Returns (padded / S,): the sum over the shard group (reduce-scatter), summed across the
+    replicas (all-reduce of the chunk, not of the whole gradient), divided by R·S.
+    """
+    size = dist.get_world_size(shard_group)
+    out = torch.empty(full_grad.numel() // size, dtype=full_grad.dtype, device=full_grad.device)
+    comm.reduce_scatter_tensor(out, full_grad, group=shard_group)
+    if replicate_group is not None:
+        comm.all_reduce(out, group=replicate_group)
+        size *= dist.get_world_size(replicate_group)
+    return out.div_(size)
 
 
 class TrainingState(Enum):
@@ -157,12 +208,16 @@ class ShardedUnit:
             self._gather, self._gather_input = None, None
             mark(f"all-gather {self.label}")
 
-    def reshard(self) -> None:
-        """Free the unsharded buffer for real: its storage goes to 0 bytes."""
+    def reshard(self, after_forward: bool = False) -> None:
+        """Free the unsharded buffer for real: its storage goes to 0 bytes (after forward, by
+        the state's `free_and_regather` step)."""
         if self.flat.aliased or not self.flat.is_allocated:
             return
         self.wait_unshard()
-        self.flat.free_unsharded()
+        if after_forward:
+            self.state.free_and_regather(self.flat.unsharded, "post-forward", self.unshard)
+        else:
+            self.flat.free_unsharded()
         if self.params is not None:
             self._use_sharded()  # the attributes are this rank's slices again
         else:
@@ -229,9 +284,10 @@ class ShardedUnit:
                 "compute", f"forward {self.label}", self._compute_start, time.perf_counter()
             )
         if self.reshard_after_forward:
-            self.reshard()
+            self.reshard(after_forward=True)
         self._use_sharded()  # kept gathered or not: between passes, the slices show
         if torch.is_grad_enabled():
+            self.state.record_post_forward(self)  # where this unit's backward prefetch starts
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(self._pre_backward)
@@ -268,7 +324,8 @@ class ShardedUnit:
         if self.training_state is TrainingState.IDLE:
             self.training_state = TrainingState.PRE_BACKWARD
             self.state.begin_backward(self)
-            self.unshard()
+            # Gathered again if post-forward freed it (or already here, or on its way).
+            self.state.free_and_regather(self.flat.unsharded, "pre-backward", self.unshard)
             self.wait_unshard()
             self._use_views()  # live again for anything that reruns the module (checkpointing)
             if self.state.prefetch:
@@ -314,6 +371,7 @@ class ShardedUnit:
         """
         flat, groups = self.flat, self.state.groups
         world = groups.world * groups.replicas  # every rank's gradient is in the average
+        reduce_shard = self.state.reduce_grad_shard  # the step `reduce_grad_shard`, above
         full_grad = flat.unsharded.grad
         if full_grad is None or flat.padded_numel == 0:
             return
@@ -330,15 +388,12 @@ class ShardedUnit:
                 return
             with category("gradients"):
                 grad = full_grad.to(self.reduce_dtype)
-                if self.strategy.sharded:
-                    out = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=grad.device)
-                    comm.reduce_scatter_tensor(out, grad, group=self.state.group)
-                else:
+                if self.strategy.sharded:  # and, hybrid, the shard across the replicas
+                    out = reduce_shard(grad, self.state.group, groups.replicate_group)
+                else:  # replicated, cast for the reduction: the whole gradient
                     comm.all_reduce(grad, group=self.state.group)
-                    out = grad
-                if groups.replicate_group is not None:  # the shard's gradient, across nodes
-                    comm.all_reduce(out, group=groups.replicate_group)
-                out = out.div_(world).to(flat.shard.dtype)
+                    out = grad.div_(world)
+                out = out.to(flat.shard.dtype)
                 flat.unsharded.grad = None  # the full gradient is freed here
                 del grad, full_grad
                 if self.params is not None:

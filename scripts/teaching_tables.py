@@ -1,0 +1,127 @@
+"""The tables of docs/teaching.md: what each exercise is worth and catches, and how long its
+check takes — written from the exercises and from a run, never typed.
+
+    python scripts/teaching_tables.py            # rewrite the catalog block (deterministic)
+    python scripts/teaching_tables.py --times    # ... and measure the check times on this machine
+    python scripts/teaching_tables.py --check    # exit 1 if the catalog block is stale
+
+Blocks live between `<!-- generated: NAME (python scripts/teaching_tables.py) -->` and
+`<!-- end generated -->`. The catalog block (labs, points, cases, bugs) follows from the code,
+so tests/test_course_docs.py checks it is current. The times block is a measurement: it says on
+what machine and when, and moves with the machine; the test checks only that it covers every
+exercise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from fsdp_lab.exercises import LABS, ClusterPool, grade
+from fsdp_lab.markdown import table
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "teaching.md"
+BLOCK = re.compile(
+    r"(<!-- generated: (?P<name>[\w-]+) \(python scripts/teaching_tables.py\) -->\n)"
+    r"(?P<body>.*?)(<!-- end generated -->)",
+    re.S,
+)
+REPEATS = 3
+
+
+def catalog() -> str:
+    rows = []
+    for lab, group in LABS.items():
+        for ex in group:
+            sizes = sorted({c.world_size for c in ex.cases})
+            rows.append(
+                (
+                    lab,
+                    f"`{ex.name}`",
+                    ex.points,
+                    f"{len(ex.cases)} (ranks: {', '.join(map(str, sizes))})",
+                    "; ".join(b.title for b in ex.bugs) or "—",
+                    ex.minutes,
+                )
+            )
+    header = ["lab", "exercise", "points", "cases", "classic bugs it catches", "minutes (est.)"]
+    return table(header, rows) + "\n"
+
+
+def times() -> str:
+    """Per lab: starting its ranks and the first check (cold); per exercise: the median of
+    REPEATS checks of the reference on warm ranks. Every check must pass."""
+    rows = []
+    for lab, group in LABS.items():
+        t0 = time.perf_counter()
+        with ClusterPool() as pool:
+            first = grade(group[0].name, group[0].solution, pool)
+            cold = time.perf_counter() - t0
+            assert first.passed, first.to_text()
+            for ex in group:
+                runs = []
+                for _ in range(REPEATS):
+                    t = time.perf_counter()
+                    v = grade(ex.name, ex.solution, pool)
+                    runs.append(time.perf_counter() - t)
+                    assert v.passed, v.to_text()
+                rows.append(
+                    (
+                        lab,
+                        f"`{ex.name}`",
+                        f"{statistics.median(runs):.2f} s",
+                        f"{cold:.1f} s" if ex is group[0] else "",
+                    )
+                )
+                print(f"{lab} {ex.name}: {statistics.median(runs):.2f} s", file=sys.stderr)
+    cores = len(os.sched_getaffinity(0))
+    import torch
+
+    where = (
+        f"Measured {time.strftime('%Y-%m-%d')} on {platform.machine()} Linux, {cores} CPU "
+        f"cores, torch {torch.__version__}, gloo, by `python scripts/teaching_tables.py "
+        f"--times`; median of {REPEATS} checks of the reference solution on warm ranks. The "
+        f"last column: the lab notebook's first check, starting its ranks. Your machine will "
+        f"differ: run the command."
+    )
+    header = ["lab", "exercise", "one check (warm)", "first check (ranks start)"]
+    return where + "\n\n" + table(header, rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--times", action="store_true")
+    args = parser.parse_args(argv)
+    text = DOC.read_text()
+    fresh = {"catalog": catalog}
+    if args.times:
+        fresh["times"] = times
+    stale = []
+
+    def rebuild(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in fresh:
+            return m.group(0)
+        body = fresh[name]()
+        if body != m.group("body"):
+            stale.append(name)
+        return m.group(1) + body + m.group(4)
+
+    new = BLOCK.sub(rebuild, text)
+    if args.check:
+        for name in stale:
+            print(f"docs/teaching.md: block {name!r} is stale: python scripts/teaching_tables.py")
+        return 1 if stale else 0
+    DOC.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

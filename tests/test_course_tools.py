@@ -1,0 +1,218 @@
+"""Course tooling: `fsdp-lab grade` on a folder of submissions, nbgrader on the learner
+notebooks, `fsdp-lab bugs`. Each `fsdp-lab` here is the real console script in its own process,
+as an instructor runs it."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+from fsdp_lab.exercises import LABS
+from fsdp_lab.exercises.authoring import FOLDER, notebook_name
+
+COLLECTIVES = FOLDER / notebook_name("collectives")
+FSDP_LAB = [sys.executable, "-m", "fsdp_lab"]
+
+CORRECT_PY = """\
+import torch.distributed as dist
+from fsdp_lab import comm
+
+
+def all_reduce_mean(tensor, group):
+    out = tensor.clone()
+    comm.all_reduce(out, group=group)
+    return out / dist.get_world_size(group)
+"""
+
+
+def fill(nb, bodies: dict[str, str]):
+    """The notebook with each learner cell's `raise NotImplementedError()` replaced by the body
+    given for it (as a learner writes it), or left as it is."""
+    for cell in nb.cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if meta.get("solution") and meta["grade_id"] in bodies:
+            cell.source = cell.source.replace(
+                "raise NotImplementedError()", bodies[meta["grade_id"]]
+            )
+    return nb
+
+
+HANGS_PY = """\
+import time
+from fsdp_lab import rank
+
+
+def all_reduce_mean(tensor, group):
+    while rank() == 1:
+        time.sleep(0.05)
+    return tensor
+"""
+
+SUM_ONLY = "out = tensor.clone()\n    comm.all_reduce(out, group=group)\n    return out"
+
+
+def run(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*FSDP_LAB, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_grade_scores_a_correct_a_buggy_and_a_broken_submission(tmp_path):
+    subs = tmp_path / "submitted"
+    for who in ("alice", "bob", "carol", "dan"):
+        (subs / who).mkdir(parents=True)
+    (subs / "alice" / "ex.py").write_text(CORRECT_PY)
+    buggy = fill(nbformat.read(COLLECTIVES, as_version=4), {"all_reduce_mean": SUM_ONLY})
+    nbformat.write(buggy, subs / "bob" / COLLECTIVES.name)
+    (subs / "carol" / COLLECTIVES.name).write_text('{"cells": [ this is not json')
+    (subs / "dan" / "answers.txt").write_text("def all_reduce_mean(t, g): ...")
+    (subs / "dan" / "hang.py").write_text(HANGS_PY)
+    (tmp_path / "empty").mkdir()
+    proc = run(
+        "grade",
+        str(subs),
+        str(tmp_path / "empty"),
+        str(tmp_path / "nope"),
+        "--json",
+        "--csv",
+        "grades.csv",
+        "--time-limit",
+        "8",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    results = {
+        Path(r["file"]).relative_to(tmp_path).as_posix(): r
+        for r in json.loads(proc.stdout)["submissions"]
+    }
+    alice = results["submitted/alice/ex.py"]
+    assert alice["verdicts"][0]["kind"] == "passed", alice
+    assert alice["student"] == "alice"
+    bob = {v["exercise"]: v for v in results[f"submitted/bob/{COLLECTIVES.name}"]["verdicts"]}
+    assert bob["all_reduce_mean"]["score"] == 0
+    assert "SUM where the average was meant" in bob["all_reduce_mean"]["hint"]
+    assert [v["kind"] for n, v in bob.items() if n != "all_reduce_mean"] == ["not implemented"] * (
+        len(LABS["collectives"]) - 1
+    )
+    # A submission that hangs on one rank: that exercise's verdict, within the time limit.
+    dan = results["submitted/dan/hang.py"]["verdicts"][0]
+    assert (dan["kind"], dan["rank"]) == ("hung", 1) and "in all_reduce_mean" in dan["traceback"]
+    # Bad input: one line each, and grading went on.
+    by_file = {r["file"]: r for r in json.loads(proc.stdout)["submissions"]}
+    errors = {
+        Path(f).relative_to(tmp_path).as_posix(): r["error"]
+        for f, r in by_file.items()
+        if "error" in r
+    }
+    assert set(errors) == {
+        f"submitted/carol/{COLLECTIVES.name}",
+        "submitted/dan/answers.txt",
+        "empty",
+        "nope",
+    }
+    assert "not a readable notebook" in errors[f"submitted/carol/{COLLECTIVES.name}"]
+    assert "not a notebook (.ipynb) or Python file" in errors["submitted/dan/answers.txt"]
+    assert "no files in it" in errors["empty"]
+    assert "no such file" in errors["nope"]
+    # No grading process and no rank is left behind.
+    left = [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if "fsdp_lab.exercises.submission" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert not left
+    # The gradebook CSV: one row per submission, scores per exercise.
+    rows = {r["student"]: r for r in csv.DictReader((tmp_path / "grades.csv").open())}
+    assert rows["alice"]["all_reduce_mean"] == "2" and rows["bob"]["all_reduce_mean"] == "0"
+    assert rows["carol"]["error"].startswith(COLLECTIVES.name)
+    # The progress lines went to stderr, one per file.
+    assert "[1/" in proc.stderr and "gradebook CSV: grades.csv" in proc.stderr
+
+
+def test_grade_refuses_an_exercise_that_does_not_exist(tmp_path):
+    proc = run("grade", str(tmp_path), "--only", "all_reduce_mena", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "did you mean 'all_reduce_mean'" in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("nbgrader") is None, reason="nbgrader is in the dev extra")
+def test_nbgrader_generates_the_assignments_and_autogrades_a_submission(tmp_path):
+    course = tmp_path / "course"
+    for path in sorted(FOLDER.glob("*.ipynb")):
+        (course / "source" / path.stem).mkdir(parents=True)
+        shutil.copy(path, course / "source" / path.stem / path.name)
+    (course / "nbgrader_config.py").write_text(
+        "c = get_config()\n"
+        f"c.CourseDirectory.root = {str(course)!r}\n"
+        "c.CourseDirectory.course_id = 'fsdp_lab'\n"
+        "c.ExecutePreprocessor.timeout = 600\n"
+    )
+
+    def nbgrader(*args: str) -> None:
+        proc = subprocess.run(["nbgrader", *args], cwd=course, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    for path in sorted(FOLDER.glob("*.ipynb")):
+        nbgrader("generate_assignment", path.stem, "--force")
+        released = nbformat.read(course / "release" / path.stem / path.name, as_version=4)
+        learner = [c for c in released.cells if c.metadata.get("nbgrader", {}).get("solution")]
+        assert learner and all("raise NotImplementedError()" in c.source for c in learner)
+    # A learner solves the first exercise of the collectives notebook and gets the others wrong
+    # or leaves them: autograde scores exactly the first one's points.
+    stem = COLLECTIVES.stem
+    nb = nbformat.read(course / "release" / stem / COLLECTIVES.name, as_version=4)
+    first = LABS["collectives"][0]
+    body = CORRECT_PY.split("def all_reduce_mean(tensor, group):\n", 1)[1].strip()
+    nb = fill(nb, {first.name: "import torch.distributed as dist\n    " + body})
+    (course / "submitted" / "alice" / stem).mkdir(parents=True)
+    nbformat.write(nb, course / "submitted" / "alice" / stem / COLLECTIVES.name)
+    nbgrader("db", "student", "add", "alice")
+    nbgrader("autograde", stem)
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        sub = gb.find_submission(stem, "alice")
+        assert (sub.score, sub.max_score) == (
+            first.points,
+            sum(e.points for e in LABS["collectives"]),
+        )
+
+
+def test_bugs_lists_every_bug_caught_beside_the_correct_run(tmp_path):
+    proc = run("bugs", "--lab", "collectives", "--json", "--out", "gallery", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    bugs = json.loads(proc.stdout)["bugs"]
+    expected = [b.slug for e in LABS["collectives"] for b in e.bugs]
+    assert [b["bug"] for b in bugs] == expected
+    assert all(b["caught"] and b["correct"]["passed"] for b in bugs)
+    assert (tmp_path / "gallery" / "bugs.json").exists()
+    assert list((tmp_path / "gallery").glob("*.png"))
+
+
+def test_bugs_with_an_unknown_lab_is_one_line_and_the_fix(tmp_path):
+    proc = run("bugs", "--lab", "sharding", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "lab 'sharding' has no bugs in the gallery: did you mean 'shard'?" in proc.stderr
+
+
+def test_the_teaching_guide_tables_are_current_and_time_every_exercise():
+    import importlib.util
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("tt", root / "scripts/teaching_tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    assert tables.main(["--check"]) == 0, "fix: python scripts/teaching_tables.py"
+    doc = (root / "docs" / "teaching.md").read_text()
+    timed = doc.split("<!-- generated: times", 1)[1].split("<!-- end generated -->", 1)[0]
+    for group in LABS.values():
+        for ex in group:
+            assert f"| `{ex.name}` |" in timed, f"{ex.name} has no measured check time"

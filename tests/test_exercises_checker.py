@@ -1,0 +1,115 @@
+"""The autograder itself: what a learner sees when the function raises on one rank, hangs,
+returns the wrong shape, keeps the stub, or has the wrong signature — and that the ranks survive
+for the next attempt, with no process left behind."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+from fsdp_lab import comm, exercises, rank
+from fsdp_lab.exercises import collectives
+from fsdp_lab.exercises.verdict import ExerciseFailed
+
+
+def raises_on_rank_1(tensor, group):
+    if rank() == 1:
+        raise ValueError("boom on rank 1")
+    out = tensor.clone()
+    comm.all_reduce(out, group=group)
+    return out / 2
+
+
+def hangs_on_rank_1(tensor, group):
+    if rank() == 1:
+        while True:
+            time.sleep(0.05)
+    out = tensor.clone()
+    comm.all_reduce(out, group=group)
+    return out / 2
+
+
+def flattens(tensor, group):
+    return tensor.reshape(-1)
+
+
+def stub(tensor, group):
+    raise NotImplementedError()
+
+
+def one_argument(tensor):
+    return tensor
+
+
+@pytest.fixture(scope="module")
+def short_pool():
+    with exercises.ClusterPool(time_limit=5) as pool:
+        yield pool
+
+
+def test_a_raise_on_one_rank_names_the_rank_and_shows_the_learners_traceback(short_pool):
+    v = exercises.grade("all_reduce_mean", raises_on_rank_1, short_pool)
+    assert (v.kind, v.rank, v.score) == ("raised", 1, 0)
+    assert "ValueError: boom on rank 1" in v.summary
+    # The traceback starts at the learner's own code, and ends with the error.
+    assert v.traceback.splitlines()[1].strip().startswith(f'File "{__file__}"')
+    assert "in raises_on_rank_1" in v.traceback and "fsdp_lab/cluster" not in v.traceback
+
+
+def test_a_hang_on_one_rank_is_reported_with_its_stack_and_the_ranks_come_back(short_pool):
+    before = short_pool.pids
+    v = exercises.grade("all_reduce_mean", hangs_on_rank_1, short_pool)
+    assert (v.kind, v.rank) == ("hung", 1)
+    assert "rank 0 was waiting in all_reduce" in v.summary
+    assert "in hangs_on_rank_1" in v.traceback.splitlines()[2]  # the stuck line, first
+    assert not [
+        p for p in before if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+    ]
+    # The next attempt runs on fresh ranks and passes.
+    assert exercises.grade("all_reduce_mean", collectives.all_reduce_mean, short_pool).passed
+
+
+@pytest.mark.parametrize(
+    ("fn", "kind", "words"),
+    [
+        (flattens, "wrong output", "expected shape (4, 5), got (20,)"),
+        (stub, "not implemented", "NotImplementedError"),
+        (one_argument, "wrong signature", "all_reduce_mean(tensor, group); yours takes (tensor)"),
+        (42, "wrong signature", "expected a function all_reduce_mean(tensor, group), got int"),
+    ],
+)
+def test_each_kind_of_broken_function_gets_its_own_verdict(short_pool, fn, kind, words):
+    v = exercises.grade("all_reduce_mean", fn, short_pool)
+    assert v.kind == kind and v.score == 0 and words in v.summary + v.traceback, v.to_text()
+    assert v.hint
+
+
+def test_check_prints_the_verdict_and_raises_an_assertion_for_nbgrader(short_pool, capsys):
+    exercises.check_all_reduce_mean(collectives.all_reduce_mean, short_pool)
+    assert "✓ all_reduce_mean: passed (2/2)" in capsys.readouterr().out
+    with pytest.raises(AssertionError) as failed:
+        exercises.check_all_reduce_mean(collectives.ALL_REDUCE_MEAN.bug("sum").wrong, short_pool)
+    assert isinstance(failed.value, ExerciseFailed)
+    shown = capsys.readouterr().out
+    assert "✗ all_reduce_mean: wrong result" in shown and "hint: SUM where" in shown
+    assert failed.value._render_traceback_() == [
+        "ExerciseFailed: " + failed.value.verdict.headline() + " — the verdict above says why."
+    ]
+
+
+def test_an_exercise_that_does_not_exist_is_named_with_the_closest(short_pool):
+    with pytest.raises(
+        ValueError, match="'all_reduce_mena' does not exist: did you mean 'all_reduce_mean'"
+    ):
+        exercises.grade("all_reduce_mena", collectives.all_reduce_mean, short_pool)
+
+
+def test_closing_the_pool_leaves_no_rank_behind():
+    with exercises.ClusterPool(time_limit=5) as pool:
+        assert exercises.grade("all_reduce_mean", collectives.all_reduce_mean, pool).passed
+        pids = pool.pids
+        assert len(pids) == 2 + 3
+    time.sleep(0.5)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]

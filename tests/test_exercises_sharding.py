@@ -1,0 +1,113 @@
+"""The sharding lab's exercises, run inside the real sharded units: the reference passes every
+case; each classic bug fails with the hint that names it, on the case that exposes it, with
+the measured symptom (a loss that drifts, a memory trace that never drops, the all-gathers
+backward waited for)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_lab import comm, exercises
+from fsdp_lab.exercises import sharding, sharding_memory, sharding_prefetch
+
+
+@pytest.mark.parametrize(
+    "exercise",
+    [
+        sharding.REDUCE_SCATTER_GRAD,
+        sharding_memory.FREE_AND_REGATHER,
+        sharding_prefetch.UNIT_TO_PREFETCH,
+    ],
+    ids=lambda e: e.name,
+)
+def test_the_reference_passes_every_case(exercise_pool, exercise):
+    v = exercises.grade(exercise.name, exercise.solution, exercise_pool)
+    assert v.passed, v.to_text()
+    assert len(v.passed_cases) == len(exercise.cases)
+
+
+def _divide_first(full_grad, group):
+    """Dividing before the sum is the same mean, up to float reordering: not a bug."""
+    n = dist.get_world_size(group)
+    out = torch.empty(full_grad.numel() // n, dtype=full_grad.dtype)
+    comm.reduce_scatter_tensor(out, full_grad / n, group=group)
+    return out
+
+
+def test_dividing_before_the_sum_passes(exercise_pool):
+    v = exercises.grade("reduce_scatter_grad", _divide_first, exercise_pool)
+    assert v.passed, v.to_text()
+
+
+@pytest.mark.parametrize(
+    ("slug", "case", "hint", "series"),
+    [
+        ("no-divide", "2 ranks", "missing ÷ world size", "loss"),
+        ("other-chunk", "2 ranks", "you returned rank 1's chunk", "loss"),
+        ("all-reduce", "2 ranks", "an all-reduce sends every rank the whole sum", None),
+    ],
+)
+def test_each_reduce_bug_fails_with_its_own_hint(exercise_pool, slug, case, hint, series):
+    bug = sharding.REDUCE_SCATTER_GRAD.bug(slug)
+    v = exercises.grade("reduce_scatter_grad", bug.wrong, exercise_pool)
+    assert v.kind == "wrong result" and v.score == 0, v.to_text()
+    assert v.case.startswith(case) and hint in v.hint, v.to_text()
+    if series:  # the loss drifts from the reference's, step by step
+        lines = v.series["lines"]
+        assert len(lines["yours"]) == sharding.STEPS and lines["yours"] != lines["reference"]
+    else:
+        assert v.summary.startswith("values right, but") and "2x the bytes" in v.summary
+
+
+def test_never_freeing_shows_a_memory_trace_that_never_drops(exercise_pool):
+    bug = sharding_memory.FREE_AND_REGATHER.bug("never-frees")
+    v = exercises.grade("free_and_regather", bug.wrong, exercise_pool)
+    assert v.kind == "wrong result" and v.summary.startswith("values right, but"), v.to_text()
+    assert "resize_(0)" in v.hint
+    ref, yours = v.series["lines"]["reference"], v.series["lines"]["yours"]
+    assert v.series["bytes"] and len(ref) == len(yours)
+    # Measured: the reference stays flat through the blocks' forwards (each freed after its
+    # own), the learner's grows by a unit at every block.
+    blocks = 3
+    assert len(set(ref[:blocks])) == 1
+    assert yours[:blocks] == sorted(yours[:blocks]) and len(set(yours[:blocks])) == blocks
+
+
+@pytest.mark.parametrize(
+    ("slug", "summary", "hint"),
+    [
+        ("no-regather", "backward failed on rank 0: setStorage", "call all_gather() there"),
+        ("alloc-zeros", "backward computed with zeros", "allocating the storage again"),
+    ],
+)
+def test_freeing_before_backward_says_whether_backward_failed_or_used_zeros(
+    exercise_pool, slug, summary, hint
+):
+    bug = sharding_memory.FREE_AND_REGATHER.bug(slug)
+    v = exercises.grade("free_and_regather", bug.wrong, exercise_pool)
+    assert v.kind == "wrong result" and summary in v.summary and hint in v.hint, v.to_text()
+    held = dict((what, got) for what, _, got in v.rows)
+    assert any(g in ("0 bytes (freed)", "zeros") for g in held.values()), v.rows
+
+
+@pytest.mark.parametrize(
+    ("slug", "symptom", "hint"),
+    [
+        ("forward-next", "gathered 3 unit(s) it did not need", "forward order's next unit"),
+        ("two-ahead", "at the peak", "off by one: position - 2"),
+        ("itself", "waited for 4 all-gather(s)", "whose backward is running"),
+    ],
+)
+def test_each_prefetch_bug_keeps_the_values_and_shows_the_waits(exercise_pool, slug, symptom, hint):
+    bug = sharding_prefetch.UNIT_TO_PREFETCH.bug(slug)
+    v = exercises.grade("unit_to_prefetch", bug.wrong, exercise_pool)
+    assert v.kind == "wrong result" and v.summary.startswith("values right, but"), v.to_text()
+    assert symptom in v.summary and hint in v.hint, v.to_text()
+    assert v.series is not None and v.series["lines"]["yours"] != v.series["lines"]["reference"]
+
+
+def test_a_prefetch_of_an_unknown_unit_is_a_wrong_output(exercise_pool):
+    v = exercises.grade("unit_to_prefetch", lambda order, position: "blocks.9", exercise_pool)
+    assert v.kind == "wrong output" and "'blocks.9'" in v.summary, v.to_text()
