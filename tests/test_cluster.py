@@ -179,21 +179,3 @@ def test_two_clusters_at_once_do_not_collide():
         assert set(a.pids).isdisjoint(b.pids)
         assert a.run(_sum_of_ranks) == [3.0, 3.0]
         assert b.run(_sum_of_ranks) == [3.0, 3.0]
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
-def test_each_rank_computes_on_its_share_of_the_cores(cluster_of):
-    """N ranks x torch's default threads would oversubscribe the cores (torchrun sets
-    OMP_NUM_THREADS=1 for the same reason); OMP_NUM_THREADS, when set, is left to decide."""
-    import os
-
-    if "OMP_NUM_THREADS" in os.environ:
-        pytest.skip("OMP_NUM_THREADS is set: the ranks follow it")
-    cores = len(os.sched_getaffinity(0))
-    assert cluster_of(2).run(_threads) == [max(1, cores // 2)] * 2
-    assert cluster_of(4).run(_threads) == [max(1, cores // 4)] * 4

@@ -1,12 +1,13 @@
-"""The hsdp lab's exercise, run inside the real hybrid sharding: the reference passes a 2x2 and
-a 1x2 mesh; each classic bug fails with its own hint, on the mesh that exposes it."""
+"""The hsdp lab's exercises, run inside the real hybrid sharding: `hsdp_reduce_grad` (the
+reference passes a 2x2 and a 1x2 mesh) and `mesh_groups` (2x2, 1x4, 4x1); each classic bug
+fails with its own hint, on the mesh that exposes it."""
 
 from __future__ import annotations
 
 import pytest
 
 from fsdp_lab import exercises
-from fsdp_lab.exercises import hsdp
+from fsdp_lab.exercises import hsdp, hsdp_mesh
 
 
 def test_the_reference_passes_every_case(exercise_pool):
@@ -34,3 +35,56 @@ def test_each_bug_fails_with_its_own_hint(exercise_pool, slug, case, summary, hi
     v = exercises.grade("hsdp_reduce_grad", bug.wrong, exercise_pool)
     assert v.kind == "wrong result" and v.score == 0, v.to_text()
     assert v.case.startswith(case) and summary in v.summary and hint in v.hint, v.to_text()
+
+
+# -- mesh_groups: the layout of the 2-D mesh ---------------------------------------------------
+
+
+def test_the_reference_layout_passes_every_case(exercise_pool):
+    v = exercises.grade("mesh_groups", hsdp_mesh.mesh_groups, exercise_pool)
+    assert v.passed, v.to_text()
+    assert len(v.passed_cases) == len(hsdp_mesh.MESH_GROUPS.cases) == 3
+
+
+def test_the_transposed_layout_trains_right_but_its_gathers_cross_the_nodes(exercise_pool):
+    """Measured: rank 0's all-gathers/reduce-scatters go to rank 2 (node 1), and its
+    all-reduce, which the reference sends between nodes, stays inside node 0."""
+    bug = hsdp_mesh.MESH_GROUPS.bug("transposed")
+    v = exercises.grade("mesh_groups", bug.wrong, exercise_pool)
+    assert v.kind == "wrong result" and v.score == 0, v.to_text()
+    assert v.case.startswith("4 ranks as a 2x2"), v.to_text()
+    assert "values right" in v.summary and "(ranks 0,2) spans nodes [0, 1]" in v.summary
+    rows = {what: (exp, got) for what, exp, got in v.rows}
+    assert rows["rank 0's shard group"] == ("ranks 0,1", "ranks 0,2")
+    gathered = rows["bytes rank 0 sent between nodes in all-gather + reduce-scatter"]
+    reduced = rows["bytes rank 0 sent between nodes in all-reduce"]
+    assert gathered[0] == "0" and float(gathered[1]) > 0, v.rows
+    assert float(reduced[0]) > 0 and reduced[1] == "0", v.rows
+    assert "transposed layout" in v.hint
+
+
+@pytest.mark.parametrize(
+    ("slug", "case", "summary", "hint"),
+    [
+        ("no-stride", "4 ranks as a 2x2", "rank(s) [1] are in two groups", "step by shard_size"),
+        ("replicate-is-shard", "4 ranks as a 2x2", "are the shard groups", "a column of the grid"),
+        ("swapped-sizes", "4 ranks as a 1x4", "got 4 of sizes [1, 1, 1, 1]", "R and S swapped"),
+    ],
+)
+def test_a_bad_layout_is_refused_before_any_group(exercise_pool, slug, case, summary, hint):
+    bug = hsdp_mesh.MESH_GROUPS.bug(slug)
+    v = exercises.grade("mesh_groups", bug.wrong, exercise_pool)
+    assert v.kind == "wrong output" and v.score == 0, v.to_text()
+    assert v.case.startswith(case) and summary in v.summary and hint in v.hint, v.to_text()
+
+
+def test_a_layout_that_depends_on_the_rank_is_refused_not_hung(exercise_pool):
+    def by_rank(world_size, shard_size):
+        import torch.distributed as dist
+
+        groups = hsdp_mesh.mesh_groups(world_size, shard_size)
+        return groups if dist.get_rank() == 0 else groups[::-1]
+
+    v = exercises.grade("mesh_groups", by_rank, exercise_pool)
+    assert v.kind == "wrong output", v.to_text()
+    assert "not on the rank" in v.hint, v.to_text()

@@ -91,9 +91,6 @@ def _check_world_size(world_size: Any) -> int:
 class Cluster:
     """N live rank processes in one process group.
 
-    Each rank computes on its share of this machine's cores (cores // world_size intra-op
-    threads, at least 1), as under torchrun; set OMP_NUM_THREADS before starting to choose.
-
     Args:
         world_size: number of ranks (int >= 1).
         backend: "auto" (NCCL if `world_size` GPUs are visible, else gloo), "gloo" or "nccl".

@@ -123,13 +123,6 @@ def _join(spec: RankSpec) -> None:
     os.environ["NCCL_SOCKET_IFNAME"] = loopback  # NCCL's bootstrap sockets likewise
     if spec.backend == "nccl":
         torch.cuda.set_device(spec.rank)
-    if "OMP_NUM_THREADS" not in os.environ:
-        # The machine's cores shared by its ranks, as torchrun does (it sets OMP_NUM_THREADS=1
-        # for several processes per node): N ranks x torch's default thread count oversubscribe
-        # the cores, and OpenMP threads spinning against each other made steps several times
-        # slower on 2 cores. Set OMP_NUM_THREADS before starting the cluster to choose.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        torch.set_num_threads(max(1, cores // spec.world_size))
     dist.init_process_group(
         spec.backend,
         store=dist.FileStore(spec.store_path, spec.world_size),

@@ -267,7 +267,19 @@ def show(verdict: Verdict) -> None:
     if verdict.series is not None:
         from fsdp_lab.plots import plot_expected_got
 
-        display(plot_expected_got(verdict.series))
+        display_figure(plot_expected_got(verdict.series))
+
+
+def display_figure(fig: Any) -> None:
+    """Show a matplotlib Figure as a PNG: built without pyplot, it has no inline display of its
+    own until something in the kernel has imported pyplot's inline backend."""
+    import io
+
+    from IPython.display import Image, display
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=fig.dpi)
+    display(Image(data=buffer.getvalue(), format="png"))
 
 
 def check(exercise: Exercise, fn: Any, pool: ClusterPool | None = None) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsdp_lab.exercises.catalog import LABS
-from fsdp_lab.exercises.checker import grade
+from fsdp_lab.exercises.checker import display_figure, grade
 from fsdp_lab.exercises.exercise import Bug, Exercise
 from fsdp_lab.exercises.pool import ClusterPool
 from fsdp_lab.exercises.verdict import Verdict
@@ -161,7 +161,7 @@ def show(exhibits: list[Exhibit], lab: str | None = None) -> None:
             display(Markdown(exhibit_markdown(e)))
             fig = figure(e)
             if fig is not None:
-                display(fig)
+                display_figure(fig)
 
 
 def text_report(exhibits: list[Exhibit]) -> str:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from fsdp_lab.exercises.submission import SUFFIXES
+from fsdp_lab.exercises.submission import BadSubmission, code_cells
 
 # Starting a grading process and its ranks takes seconds (torch imports): a file gets this
 # much on top of the per-case limit times the number of cases it could run.
@@ -60,11 +60,10 @@ def submissions(paths: Iterable[Path]) -> tuple[list[tuple[Path, str]], list[dic
 
 def grade_in_process(path: Path, time_limit: float, only: str | None, budget: float) -> dict:
     """Grade `path` in a child process of its own; its JSON, or a one-line error."""
-    if path.suffix not in SUFFIXES:  # said at once: no process to start for it
-        return {
-            "file": str(path),
-            "error": f"{path.name}: not a notebook (.ipynb) or Python file (.py) — nothing graded",
-        }
+    try:  # a wrong kind of file, or a notebook that does not parse: said at once, no process
+        code_cells(path)
+    except BadSubmission as exc:
+        return {"file": str(path), "error": str(exc)}
     cmd = [sys.executable, "-m", "fsdp_lab.exercises.submission", str(path)]
     cmd += ["--time-limit", str(time_limit)] + (["--only", only] if only else [])
     proc = subprocess.Popen(

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from fsdp_lab import comm
 from fsdp_lab.exercises.exercise import Bug, Case, Exercise, Mismatch
+from fsdp_lab.exercises.hsdp_mesh import MESH_GROUPS
 from fsdp_lab.exercises.judging import close, ratio_hint
 from fsdp_lab.exercises.sharding import STEPS, first, loss_series, train_with, value_rows
 from fsdp_lab.sharding.mesh import device_mesh
@@ -229,4 +230,4 @@ HSDP_REDUCE_GRAD = Exercise(
     minutes=15,
 )
 
-EXERCISES = (HSDP_REDUCE_GRAD,)
+EXERCISES = (HSDP_REDUCE_GRAD, MESH_GROUPS)  # the second one lives in hsdp_mesh.py

@@ -67,9 +67,12 @@ def attempt(
 ) -> Any:
     """Run one trial on this rank; if it is still running after `dump_after` seconds, write
     every thread's stack to `stack_file` (the driver reads it if the call then times out)."""
-    from fsdp_lab.cluster import rank
+    from fsdp_lab.cluster import rank, rank_threads
 
-    with open(stack_file.format(rank=rank()), "w") as out:
+    # rank_threads: the cores shared by the ranks. N ranks x torch's default thread count
+    # oversubscribe a laptop's cores and made checks several times slower; the learner's run
+    # and the reference's run in the same rank under the same threads, so values compare.
+    with open(stack_file.format(rank=rank()), "w") as out, rank_threads():
         faulthandler.dump_traceback_later(dump_after, file=out)
         try:
             return trial(fn, solution, case)
