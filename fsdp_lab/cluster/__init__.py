@@ -32,6 +32,7 @@ from fsdp_lab.cluster.torchrun import (  # noqa: E402
 from fsdp_lab.cluster.where import (  # noqa: E402
     BACKENDS,
     device,
+    in_rank_threads,
     intra_op_threads,
     rank,
     rank_threads,
@@ -46,6 +47,7 @@ __all__ = [
     "RankError",
     "borrow",
     "device",
+    "in_rank_threads",
     "intra_op_threads",
     "open_cluster",
     "rank",

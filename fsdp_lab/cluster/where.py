@@ -7,8 +7,10 @@ rank, under torchrun, and in a plain single process (rank 0 of 1, on the CPU).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,6 +59,17 @@ def rank_threads() -> contextlib.AbstractContextManager[None]:
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return intra_op_threads((cores or 1) // world_size())
+
+
+def in_rank_threads(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run under `rank_threads()`: for a lab's rank workers (``cluster.run(worker)``)."""
+
+    @functools.wraps(fn)
+    def on_rank(*args: Any, **kwargs: Any) -> Any:
+        with rank_threads():
+            return fn(*args, **kwargs)
+
+    return on_rank
 
 
 def resolve_backend(backend: str, world_size: int) -> str:

@@ -11,7 +11,7 @@ import tempfile
 from typing import Any
 
 from fsdp_lab import comm, reference
-from fsdp_lab.cluster import AttachedCluster, Cluster, borrow
+from fsdp_lab.cluster import AttachedCluster, Cluster, borrow, in_rank_threads
 from fsdp_lab.labs.hsdp.config import SYSTEMS, HsdpConfig
 from fsdp_lab.labs.hsdp.emulated import measure_emulated
 from fsdp_lab.labs.shard.measure import (
@@ -35,6 +35,7 @@ TWINS = {  # PyTorch's HSDP: (system, option) -> how it is built on the same 2-D
 }
 
 
+@in_rank_threads  # N ranks x default threads oversubscribe the cores
 def ours_worker(config: HsdpConfig, system: str, vocab: int) -> dict[str, Any]:
     """One of `SYSTEMS` trained under the tracker and the comm log; bytes per step by the kind
     of group they crossed ("shard" inside a node, "replicate" across nodes, "world")."""
@@ -48,6 +49,7 @@ def ours_worker(config: HsdpConfig, system: str, vocab: int) -> dict[str, Any]:
     return {**m, "comm_bytes_per_step_by_group": by_kind}
 
 
+@in_rank_threads  # N ranks x default threads oversubscribe the cores
 def twin_worker(config: HsdpConfig, twin: str, vocab: int) -> dict[str, Any]:
     """PyTorch's HSDP on the same (replicate, shard) DeviceMesh: its trained parameters."""
     model = build_model(config)
@@ -61,6 +63,7 @@ def twin_worker(config: HsdpConfig, twin: str, vocab: int) -> dict[str, Any]:
     return {"losses": losses, "params": reference.full_parameters(model)}
 
 
+@in_rank_threads  # N ranks x default threads oversubscribe the cores
 def checkpoint_worker(config: HsdpConfig, system: str, folder: str, vocab: int) -> dict[str, Any]:
     """Train one step, save a sharded checkpoint (`save_sharded`: under HSDP only the first
     replica writes), train once more, reload on every rank: back to the saved values bitwise?

@@ -17,7 +17,15 @@ from typing import Any
 import torch
 
 from fsdp_lab import comm, reference
-from fsdp_lab.cluster import AttachedCluster, Cluster, borrow, device, rank, world_size
+from fsdp_lab.cluster import (
+    AttachedCluster,
+    Cluster,
+    borrow,
+    device,
+    in_rank_threads,
+    rank,
+    world_size,
+)
 from fsdp_lab.labs.shard.config import ShardConfig, check_batch_divides
 from fsdp_lab.model_spec import check_on_rank0, load_factory
 from fsdp_lab.sharding import ShardedOptimizer, shard, sharding_state
@@ -156,6 +164,7 @@ def tracked_training(
     return model, opt, measured
 
 
+@in_rank_threads  # N ranks x default threads oversubscribe the cores
 def _ours(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     """`fsdp_lab.shard(strategy=cfg.strategy)`, measured; then trained again, for its step time."""
     recipe, free_root = optimizer_recipe(cfg), cfg.free_root
@@ -168,6 +177,7 @@ def _ours(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     return {**measured, "step_time_s": step_time}
 
 
+@in_rank_threads  # N ranks x default threads oversubscribe the cores
 def _fsdp2(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     """PyTorch's `fully_shard` on the same blocks."""
     model = build_model(cfg)
@@ -176,6 +186,7 @@ def _fsdp2(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     return {"losses": losses, "step_time_s": step_time, "params": reference.full_parameters(model)}
 
 
+@in_rank_threads  # N ranks x default threads oversubscribe the cores
 def _ddp_sharded_optimizer(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     """ZeRO-1 as an optimizer: DDP's all-reduce, then `ShardedOptimizer` steps and broadcasts."""
     recipe = optimizer_recipe(cfg)
@@ -193,6 +204,7 @@ def _ddp_sharded_optimizer(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     }
 
 
+@in_rank_threads  # N ranks x default threads oversubscribe the cores
 def _ddp_zero_redundancy(cfg: ShardConfig, vocab: int) -> dict[str, torch.Tensor]:
     """PyTorch's own: DistributedDataParallel + ZeroRedundancyOptimizer, same model and data."""
     from torch.distributed.optim import ZeroRedundancyOptimizer

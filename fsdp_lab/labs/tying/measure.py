@@ -13,7 +13,15 @@ from typing import Any
 import torch
 
 from fsdp_lab import reference
-from fsdp_lab.cluster import AttachedCluster, Cluster, borrow, device, rank, world_size
+from fsdp_lab.cluster import (
+    AttachedCluster,
+    Cluster,
+    borrow,
+    device,
+    in_rank_threads,
+    rank,
+    world_size,
+)
 from fsdp_lab.labs.tying.audit import audit_worker
 from fsdp_lab.labs.tying.config import LAB_MODEL, SPIKE_SYSTEMS, WRAPPINGS, TyingConfig
 from fsdp_lab.labs.tying.plans import (
@@ -41,6 +49,7 @@ def preflight(config: TyingConfig) -> None:
             raise ValueError(f"--model {config.model!r}: {exc}") from None
 
 
+@in_rank_threads  # N ranks x default threads oversubscribe the cores
 def verification_worker(
     spec: list, steps: int, lr: float, workload: dict[str, Any]
 ) -> dict[str, Any]:
@@ -104,6 +113,7 @@ def _tied(model: torch.nn.Module) -> bool:
     return model.head.weight is model.tok_emb.weight
 
 
+@in_rank_threads  # N ranks x default threads oversubscribe the cores
 def to_empty_worker(lr: float, workload: dict[str, Any]) -> dict[str, Any]:
     """On every rank: meta build -> to_empty; does the tie survive, does `shard` take the
     model? Then the repair: record on meta, to_empty, retie, *then* initialise (torchtitan's
@@ -180,6 +190,7 @@ def freed_after_forward(model: torch.nn.Module, system: str) -> dict[str, bool] 
     return freed or None
 
 
+@in_rank_threads  # N ranks x default threads oversubscribe the cores
 def spike_worker(config: TyingConfig, system: str, spec: list) -> dict[str, Any]:
     """On every rank: wrap the large-vocabulary TinyGPT with `spec`, train `spike_steps` steps
     under the memory tracker; the trace (`analysis.phase_bytes` reads it), what was built and
