@@ -4,6 +4,7 @@ for the next attempt, with no process left behind."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
@@ -29,6 +30,12 @@ def hangs_on_rank_1(tensor, group):
     out = tensor.clone()
     comm.all_reduce(out, group=group)
     return out / 2
+
+
+def exits_on_rank_1(tensor, group):
+    if rank() == 1:
+        os._exit(3)
+    return tensor
 
 
 def flattens(tensor, group):
@@ -69,6 +76,12 @@ def test_a_hang_on_one_rank_is_reported_with_its_stack_and_the_ranks_come_back(s
     ]
     # The next attempt runs on fresh ranks and passes.
     assert exercises.grade("all_reduce_mean", collectives.all_reduce_mean, short_pool).passed
+
+
+def test_a_rank_that_exits_is_reported_with_its_exit_code(short_pool):
+    v = exercises.grade("all_reduce_mean", exits_on_rank_1, short_pool)
+    assert (v.kind, v.rank, v.score) == ("died", 1, 0)
+    assert "rank 1's process ended (exit code 3)" in v.summary, v.to_text()
 
 
 @pytest.mark.parametrize(

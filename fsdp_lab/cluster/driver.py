@@ -185,7 +185,7 @@ class Cluster:
         if call.deaths:
             r = call.deaths[0]
             code = self._ranks[r].proc.exitcode
-            return RankError(r, f"died while starting ({_how(code)})", exitcode=code)
+            return RankError(r, f"died while starting ({how_it_ended(code)})", exitcode=code)
         return RankError(
             min(call.pending),
             f"ranks {sorted(call.pending)} did not start within "
@@ -266,11 +266,11 @@ class Cluster:
         self._teardown(grace=0)
         raise RankError(
             first.index,
-            f"the rank process died ({_how(code)}) since the last run(), before this call was "
+            f"the rank process died ({how_it_ended(code)}) since the last run(), before this call was "
             "sent." + _death_hint(code) + " All ranks were stopped; the next run() starts "
             "fresh ones.",
             exitcode=code,
-            others=[f"rank {rk.index} died too ({_how(rk.proc.exitcode)})" for rk in later],
+            others=[f"rank {rk.index} died too ({how_it_ended(rk.proc.exitcode)})" for rk in later],
         )
 
     def _finish(self, call: _Call) -> list[Any]:
@@ -294,10 +294,10 @@ class Cluster:
             )
         if call.deaths:
             r, *later = call.deaths
-            others = [f"rank {d} died too ({_how(codes[d])})" for d in later] + others
+            others = [f"rank {d} died too ({how_it_ended(codes[d])})" for d in later] + others
             raise RankError(
                 r,
-                f"the rank process died ({_how(codes[r])}) while running {call.what}."
+                f"the rank process died ({how_it_ended(codes[r])}) while running {call.what}."
                 + _death_hint(codes[r])
                 + after,
                 exitcode=codes[r],
@@ -491,7 +491,8 @@ def _sigint_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
-def _how(code: int | None) -> str:
+def how_it_ended(code: int | None) -> str:
+    """A dead process's exit code in words: "exit code 3", "signal SIGKILL"."""
     if code is not None and code < 0:
         with contextlib.suppress(ValueError):
             return f"signal {signal.Signals(-code).name}"

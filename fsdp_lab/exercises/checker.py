@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_lab.cluster import RankError
+from fsdp_lab.cluster.driver import how_it_ended
 from fsdp_lab.exercises.exercise import Case, Exercise, Mismatch
 from fsdp_lab.exercises.on_rank import HINT_MARK, attempt
 from fsdp_lab.exercises.pool import ClusterPool
@@ -145,8 +146,8 @@ def _rank_failure(
     if exc.exitcode is not None:
         return verdict(
             "died",
-            f"rank {exc.rank}'s process ended ({exc.message.split(')')[0].split('(')[-1]}) "
-            "while running your function.",
+            f"rank {exc.rank}'s process ended ({how_it_ended(exc.exitcode)}) while running "
+            "your function.",
             rank=exc.rank,
             hint="A process dies from os._exit/sys.exit, a signal, or running out of memory: "
             "look for one of those in your function.",

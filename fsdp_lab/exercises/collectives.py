@@ -109,7 +109,7 @@ def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
             {
                 float(size): "SUM where the average was meant: divide the sum by the number "
                 "of ranks in the group.",
-                size / dist_world(case): "divided by the world size, but this group has "
+                size / case.world_size: "divided by the world size, but this group has "
                 f"{size} ranks: use dist.get_world_size(group).",
                 1.0 / size: "divided twice: all_reduce sums; divide once, by the group's size.",
             },
@@ -141,10 +141,6 @@ def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
             ),
         )
     return None
-
-
-def dist_world(case: Case) -> int:
-    return case.world_size
 
 
 def _first(values: list[float]) -> str:
