@@ -14,22 +14,18 @@ Modules, in the order a call travels:
     torchrun.py   AttachedCluster: the same interface under torchrun; borrow() for labs
 """
 
-# First, before this package imports torch itself: the fork server starts importing torch in
-# parallel (launcher.py needs no torch), so by the time a notebook creates its first Cluster
-# the ranks are a fork away.
-from fsdp_lab.cluster import launcher
-
-launcher.warm_up()
-
-from fsdp_lab.cluster.driver import Cluster  # noqa: E402
-from fsdp_lab.cluster.protocol import RankError  # noqa: E402
-from fsdp_lab.cluster.torchrun import (  # noqa: E402
+# Importing this package starts nothing: the fork server ranks are forked from starts with the
+# first Cluster (`launcher.warm_up`), so a command that never starts ranks (`fsdp-lab grade`
+# before its first reference, `--help`) leaves no process behind.
+from fsdp_lab.cluster.driver import Cluster
+from fsdp_lab.cluster.protocol import RankError
+from fsdp_lab.cluster.torchrun import (
     AttachedCluster,
     borrow,
     open_cluster,
     under_torchrun,
 )
-from fsdp_lab.cluster.where import (  # noqa: E402
+from fsdp_lab.cluster.where import (
     BACKENDS,
     device,
     in_rank_threads,

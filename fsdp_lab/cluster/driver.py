@@ -38,6 +38,7 @@ import math
 import multiprocessing.connection as mpc
 import os
 import pickle
+import re
 import shutil
 import signal
 import tempfile
@@ -54,7 +55,7 @@ import psutil
 
 from fsdp_lab.cluster import launcher
 from fsdp_lab.cluster.output import RankOutput
-from fsdp_lab.cluster.protocol import RankError, Reply
+from fsdp_lab.cluster.protocol import RankError, Reply, decode_plain, read_message
 from fsdp_lab.cluster.rank_main import RankSpec, rank_label, rank_main
 from fsdp_lab.cluster.where import resolve_backend
 from fsdp_lab.cores import OversubscribedWarning, available_cores, too_many_ranks
@@ -100,6 +101,9 @@ class Cluster:
         verbose: print a line when ranks start or restart.
         failure_grace: after one rank failed, seconds the others get to answer before they
             count as stuck (a check, whose ranks do little, needs less than a lab).
+        plain_results: accept only plain data as results (numbers, strings, lists, tuples,
+            dicts, tensors), read without running any code the ranks sent: for ranks that run
+            code the driver does not trust.
     """
 
     def __init__(
@@ -111,6 +115,7 @@ class Cluster:
         start_timeout: float = 180.0,
         verbose: bool = True,
         failure_grace: float = FAILURE_GRACE,
+        plain_results: bool = False,
     ) -> None:
         label = rank_label()
         if label is not None:
@@ -126,6 +131,7 @@ class Cluster:
         self.backend = resolve_backend(backend, world_size)
         self.verbose = verbose
         self.failure_grace = check_timeout("failure_grace", failure_grace)
+        self.plain_results = bool(plain_results)
         self.start_seconds: float | None = None
         self._ranks: list[_Rank] = []
         self._calls = itertools.count(1)
@@ -151,7 +157,13 @@ class Cluster:
         try:
             for r in range(self.world_size):
                 spec = RankSpec(
-                    r, self.world_size, self.backend, f"{folder}/store", self.timeout, environ
+                    r,
+                    self.world_size,
+                    self.backend,
+                    f"{folder}/store",
+                    self.timeout,
+                    environ,
+                    self.plain_results,
                 )
                 ours, theirs = launcher.pipe()
                 out_fd, out_w = launcher.os_pipe_for_child()
@@ -162,7 +174,7 @@ class Cluster:
                 for child_end in (theirs, out_w, err_w):
                     child_end.close()
                 ranks.append(_Rank(r, proc, ours, RankOutput(r, out_fd, err_fd)))
-            call = _Call(ranks, 0, "start")
+            call = _Call(ranks, 0, "start", self.plain_results)
             call.wait(time.monotonic() + self.start_timeout)
         except BaseException:  # Ctrl-C while starting, or a failed fork: leave nothing behind
             self._teardown()
@@ -237,7 +249,7 @@ class Cluster:
                 "files, locks, generators or live processes."
             ) from exc
         self._ensure_live_ranks()
-        call = _Call(self._ranks, next(self._calls), what)
+        call = _Call(self._ranks, next(self._calls), what, self.plain_results)
         try:
             call.send(payload)
             call.wait(time.monotonic() + self.timeout, grace=self.failure_grace)
@@ -352,8 +364,8 @@ class Cluster:
 class _Call:
     """One call in flight: sent to every rank, answered (or not) rank by rank."""
 
-    def __init__(self, ranks: list[_Rank], call_id: int, what: str) -> None:
-        self.ranks, self.call_id, self.what = ranks, call_id, what
+    def __init__(self, ranks: list[_Rank], call_id: int, what: str, plain: bool) -> None:
+        self.ranks, self.call_id, self.what, self.plain = ranks, call_id, what, plain
         self.pending = set(range(len(ranks)))
         self.replies: dict[int, Reply] = {}
         self.results: dict[int, Any] = {}
@@ -412,10 +424,12 @@ class _Call:
     def _receive(self, r: int) -> None:
         try:
             with _sigint_held():
-                message = pickle.loads(self.ranks[r].conn.recv_bytes())
+                message = read_message(self.ranks[r].conn.recv_bytes())
         except (EOFError, OSError):
             self._died(r)
             return
+        except pickle.UnpicklingError as exc:  # not a message a rank of ours sends
+            message = ("reply", self.call_id, Reply(ok=False, error=f"sent {exc}"))
         kind = message[0]
         if kind == "reply" and message[1] != self.call_id:
             return  # the late answer to a call that was given up on: dropped, never returned
@@ -427,16 +441,11 @@ class _Call:
             reply = message[2]
         if reply.ok and kind == "reply":
             try:
-                self.results[r] = cloudpickle.loads(reply.result)
+                blob = reply.result
+                self.results[r] = decode_plain(blob) if self.plain else cloudpickle.loads(blob)
             except Exception as exc:
                 reply = Reply(
-                    ok=False,
-                    error=(
-                        f"returned a result this process cannot unpickle ({exc!r}): return "
-                        "plain data (numbers, strings, lists, dicts, tensors), or define its "
-                        "class in the notebook or an importable module"
-                    ),
-                    collectives=reply.collectives,
+                    ok=False, error=_unreadable(exc, self.plain), collectives=reply.collectives
                 )
         self.replies[r] = reply
         self.pending.discard(r)
@@ -449,6 +458,22 @@ class _Call:
         rk.output.drain()
         self.pending.discard(r)
         self.deaths.append(r)
+
+
+def _unreadable(exc: Exception, plain: bool) -> str:
+    """Why a rank's result could not be read here, and what to return instead."""
+    if plain:
+        named = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        what = f" (it holds a {named.group(1)})" if named else ""
+        return (
+            f"returned a result that is not plain data{what}: this Cluster takes numbers, "
+            "strings, lists, tuples, dicts and tensors only"
+        )
+    return (
+        f"returned a result this process cannot unpickle ({exc!r:.300}): return plain data "
+        "(numbers, strings, lists, dicts, tensors), or define its class in the notebook or an "
+        "importable module"
+    )
 
 
 def _has_died(rk: _Rank) -> bool:

@@ -44,9 +44,9 @@ IN_LAUNCHER_ENV = "FSDP_LAB_IN_LAUNCHER"
 def warm_up() -> None:
     """Start the fork server now (it imports torch in the background), if not running yet.
 
-    Returns at once: the server loads torch while the caller goes on (a notebook's import
-    cell, say), so the first `Cluster` waits only for whatever of that import is left.
-    Does nothing inside a rank, inside the fork server, or under torchrun (no ranks to fork).
+    The first `Cluster` calls it; a notebook that wants its ranks a fork away by the time it
+    creates one may call it earlier. Does nothing inside a rank, inside the fork server, or
+    under torchrun (no ranks to fork).
     """
     from multiprocessing import forkserver
 

@@ -13,6 +13,12 @@ Every reply echoes the id of the call it answers, so a reply of a call the drive
 The result travels as its own cloudpickle inside the reply, so a result the driver cannot
 unpickle (a class that exists only on the ranks) is an error of *that* call, not a broken pipe.
 
+Unpickling runs code the pickle names. The driver therefore reads a rank's *messages* with
+`read_message`, which builds tuples, strings, numbers and `Reply` and refuses anything else;
+and a `Cluster(plain_results=True)` reads *results* with `torch.load(weights_only=True)`
+(PyTorch's own restricted unpickler: containers, numbers, strings, tensors), so a rank running
+code the driver does not trust (a learner's, when grading) cannot run code in the driver.
+
 What ranks print does not travel here: their stdout and stderr are pipes the driver reads as
 the bytes arrive (`fsdp_lab.cluster.output`), so output printed before a hang or a death
 reaches the learner.
@@ -20,7 +26,10 @@ reaches the learner.
 
 from __future__ import annotations
 
+import io
+import pickle
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -76,3 +85,31 @@ class RankError(RuntimeError):
         if remote_traceback:
             text += f"\n\n--- traceback on rank {rank} ---\n{remote_traceback.rstrip()}"
         super().__init__(text)
+
+
+class _MessageUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == (__name__, "Reply"):
+            return Reply
+        raise pickle.UnpicklingError(f"a rank sent a {module}.{name}: only replies are read")
+
+
+def read_message(data: bytes) -> Any:
+    """A message from a rank: built from plain values and `Reply`, nothing else."""
+    return _MessageUnpickler(io.BytesIO(data)).load()
+
+
+def encode_plain(value: Any) -> bytes:
+    """A result for a driver that reads plain data only (`decode_plain`)."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def decode_plain(blob: bytes) -> Any:
+    """Containers, numbers, strings and tensors; an UnpicklingError for anything else."""
+    import torch
+
+    return torch.load(io.BytesIO(blob), weights_only=True)

@@ -44,6 +44,7 @@ class RankSpec:
     store_path: str  # a FileStore in a folder only this user can read
     timeout: float
     environ: dict[str, str]  # the driver's environment when the cluster started
+    plain_results: bool = False  # results as plain data (`protocol.encode_plain`)
 
 
 def rank_main(spec: RankSpec, conn: Any, stdout: Any, stderr: Any) -> None:
@@ -73,18 +74,18 @@ def rank_main(spec: RankSpec, conn: Any, stdout: Any, stderr: Any) -> None:
         if message[0] == "stop":
             break
         _, call_id, payload = message
-        _send(conn, ("reply", call_id, _answer(payload)))
+        _send(conn, ("reply", call_id, _answer(payload, spec.plain_results)))
     import torch.distributed as dist
 
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
 
 
-def _answer(payload: bytes) -> Any:
+def _answer(payload: bytes, plain_results: bool) -> Any:
     """Run one call; every outcome, even Ctrl-C, becomes a `Reply` (the loop lives on)."""
     import cloudpickle
 
-    from fsdp_lab.cluster.protocol import Reply
+    from fsdp_lab.cluster.protocol import Reply, encode_plain
 
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
@@ -94,7 +95,7 @@ def _answer(payload: bytes) -> Any:
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # ... and nothing after it
         try:
-            blob = cloudpickle.dumps(result)
+            blob = encode_plain(result) if plain_results else cloudpickle.dumps(result)
         except Exception as exc:
             why = f"returned a result that cannot be pickled to send back ({exc!r})"
             reply = Reply(ok=False, error=why, traceback=traceback.format_exc())

@@ -1,12 +1,15 @@
 """Checking a learner's function: signature, then each case on live ranks, then one verdict.
 
-    grade(exercise, fn, pool)  -> Verdict            (no output: for tests and `fsdp-lab grade`)
+    grade(exercise, fn, pool)  -> Verdict            (no output: for tests and the gallery)
     check(exercise, fn, pool)  -> None, shows the verdict; raises ExerciseFailed if not passed
 
-Each case is one `cluster.run`: every rank runs the exercise's trial, which puts the learner's
-function into the real mechanism and the reference solution into a second copy, and returns what
-it measured; the exercise's judge compares the two in the notebook. The first failing case is
-the verdict. What can go wrong on the ranks is told apart from what `Cluster` reports:
+A case is two runs of the exercise's trial on live ranks, kept apart: the learner's function
+(`run_case`) and the reference solution (`expected_outcomes`, cached in the pool: the reference
+gives the same values every time). Each run returns plain data; the exercise's judge compares
+them. `fsdp-lab grade` makes the two runs in different processes — the learner's in a sandbox
+(`learner_runs`, whose JSON is all that comes back), the reference's in the grader's own ranks —
+and `verdict_of` turns what came back into a verdict there. What can go wrong on the learner's
+ranks is told apart from what `Cluster` reports:
 
 - a rank raised: its traceback, cut to start at the learner's own code when it is in there;
   `WrongOutput` (type/shape/dtype, `on_rank.expect_tensor`) and `NotImplementedError` (the stub
@@ -22,20 +25,25 @@ so the next attempt (or the next submission) gets a working cluster.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from fsdp_lab.cluster import RankError
 from fsdp_lab.cluster.driver import how_it_ended
-from fsdp_lab.exercises.exercise import Case, Exercise, Mismatch
+from fsdp_lab.exercises.exercise import Case, Exercise
 from fsdp_lab.exercises.on_rank import HINT_MARK, attempt
 from fsdp_lab.exercises.pool import ClusterPool
 from fsdp_lab.exercises.verdict import ExerciseFailed, Verdict
 
 DUMP_SHARE = 0.8  # a hung rank writes its stack at this share of the time limit
 MAX_TRACEBACK_LINES = 30
+# What a learner's run may say about itself: each kind is a failed verdict. "passed" and
+# "wrong result" are never taken from a learner's process: only the judge gives them.
+FAILURE_KINDS = ("raised", "hung", "died", "wrong output", "not implemented", "invalid reply")
+TEXT_LIMITS = {"summary": 2_000, "hint": 1_000, "traceback": 12_000}
 
 
 def signature_problem(exercise: Exercise, fn: Any) -> str | None:
@@ -58,29 +66,89 @@ def signature_problem(exercise: Exercise, fn: Any) -> str | None:
     return None
 
 
+def signature_verdict(exercise: Exercise, problem: str) -> Verdict:
+    return Verdict(
+        exercise.name,
+        "wrong signature",
+        str(problem)[: TEXT_LIMITS["summary"]],
+        exercise.points,
+        hint="Keep the stub's first line (def ...) as it was given; write only the body.",
+    )
+
+
 def grade(exercise: Exercise, fn: Any, pool: ClusterPool | None = None) -> Verdict:
     """Check `fn` against `exercise` on every case; the verdict of the first that fails."""
     problem = signature_problem(exercise, fn)
     if problem is not None:
-        return Verdict(
-            exercise.name,
-            "wrong signature",
-            problem,
-            exercise.points,
-            hint="Keep the stub's first line (def ...) as it was given; write only the body.",
-        )
+        return signature_verdict(exercise, problem)
     own = pool is None
     pool = pool or ClusterPool()
-    passed: list[str] = []
     try:
-        for case in exercise.cases:
-            verdict = _one_case(exercise, fn, case, pool, passed)
-            if verdict is not None:
-                return verdict
-            passed.append(case.label)
+        for case in exercise.cases:  # the reference first, on ranks the learner's code has not run
+            expected_outcomes(exercise, case, pool)
+        return verdict_of(
+            exercise,
+            learner_runs(exercise, fn, pool),
+            lambda case: expected_outcomes(exercise, case, pool),
+        )
     finally:
         if own:
             pool.close()
+
+
+def learner_runs(exercise: Exercise, fn: Any, pool: ClusterPool) -> Iterator[dict[str, Any]]:
+    """`fn`'s run of each case, in order, up to the first that fails on the ranks."""
+    for case in exercise.cases:
+        run = run_case(exercise, fn, case, pool)
+        yield run
+        if "failure" in run:
+            return
+
+
+def run_case(exercise: Exercise, fn: Any, case: Case, pool: ClusterPool) -> dict[str, Any]:
+    """One trial of `fn` on the case's ranks: {"outcomes": [per-rank data]} or {"failure": {kind,
+    summary, rank, traceback, hint}} when a rank raised, hung or died."""
+    cluster = pool.cluster(case.world_size)
+    stack_file = os.path.join(pool.stack_dir, f"{exercise.name}.rank{{rank}}.stack")
+    try:
+        texts = cluster.run(
+            attempt, exercise.trial, fn, case, stack_file, pool.time_limit * DUMP_SHARE
+        )
+    except RankError as exc:
+        return {"failure": _rank_failure(exc, exercise, fn, stack_file, case)}
+    try:
+        return {"outcomes": [json.loads(t) for t in texts]}
+    except (TypeError, ValueError) as exc:  # `attempt` itself was replaced on a rank
+        return {"failure": {"kind": "invalid reply", "summary": f"the ranks replied {exc}"}}
+
+
+def expected_outcomes(exercise: Exercise, case: Case, pool: ClusterPool) -> list[Any]:
+    """The reference solution's per-rank outcomes on `case` (run once per pool, then cached)."""
+    key = (exercise.name, case.label)
+    if key not in pool.expected:
+        run = run_case(exercise, exercise.solution, case, pool)
+        if "failure" in run:
+            raise RuntimeError(
+                f"the reference solution of {exercise.name} failed on case {case.label!r}: "
+                f"{run['failure']['summary']}\n{run['failure'].get('traceback', '')}"
+            )
+        pool.expected[key] = run["outcomes"]
+    return pool.expected[key]
+
+
+def verdict_of(
+    exercise: Exercise, runs: Iterable[Any], expected: Callable[[Case], list[Any]]
+) -> Verdict:
+    """The verdict of the learner's `runs` (in case order, as `learner_runs` yields them, maybe
+    read back from a learner's process: anything malformed is that exercise's failure), each
+    judged against `expected(case)`."""
+    passed: list[str] = []
+    runs = iter(runs)
+    for case in exercise.cases:
+        verdict = _case_verdict(exercise, case, next(runs, None), expected, passed)
+        if verdict is not None:
+            return verdict
+        passed.append(case.label)
     return Verdict(
         exercise.name,
         "passed",
@@ -90,8 +158,12 @@ def grade(exercise: Exercise, fn: Any, pool: ClusterPool | None = None) -> Verdi
     )
 
 
-def _one_case(
-    exercise: Exercise, fn: Any, case: Case, pool: ClusterPool, passed: list[str]
+def _case_verdict(
+    exercise: Exercise,
+    case: Case,
+    run: Any,
+    expected: Callable[[Case], list[Any]],
+    passed: list[str],
 ) -> Verdict | None:
     def verdict(kind: str, summary: str, **more: Any) -> Verdict:
         return Verdict(
@@ -104,27 +176,24 @@ def _one_case(
             **more,
         )
 
-    cluster = pool.cluster(case.world_size)
-    stack_file = os.path.join(pool.stack_dir, f"{exercise.name}.rank{{rank}}.stack")
-    try:
-        outcomes = cluster.run(
-            attempt,
-            exercise.trial,
-            fn,
-            exercise.solution,
-            case,
-            stack_file,
-            pool.time_limit * DUMP_SHARE,
+    if run is None:
+        return verdict(
+            "no result",
+            "the grading process ended before this case was run (time limit, exit or crash).",
         )
-    except RankError as exc:
-        return _rank_failure(exc, exercise, fn, stack_file, case, verdict)
-    mismatch = exercise.judge(outcomes, case)
+    if not isinstance(run, dict):
+        return verdict("invalid reply", f"a case's run is a {type(run).__name__}, not a dict")
+    if "failure" in run:
+        return _reported(run["failure"], verdict)
+    outcomes = run.get("outcomes")
+    if not isinstance(outcomes, list) or len(outcomes) != case.world_size:
+        return verdict("invalid reply", f"expected one outcome per rank ({case.world_size})")
+    try:
+        mismatch = exercise.judge(outcomes, expected(case), case)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        return verdict("invalid reply", f"the ranks' outcomes cannot be judged ({exc!r:.200})")
     if mismatch is None:
         return None
-    return _wrong_result(mismatch, verdict)
-
-
-def _wrong_result(mismatch: Mismatch, verdict: Callable[..., Verdict]) -> Verdict:
     return verdict(
         "wrong result",
         mismatch.summary,
@@ -134,60 +203,73 @@ def _wrong_result(mismatch: Mismatch, verdict: Callable[..., Verdict]) -> Verdic
     )
 
 
+def _reported(failure: Any, verdict: Callable[..., Verdict]) -> Verdict:
+    """A failure a learner's run reported about itself, as a verdict: only a failing kind, only
+    strings of bounded length, only an int rank."""
+    if not isinstance(failure, dict) or failure.get("kind") not in FAILURE_KINDS:
+        return verdict("invalid reply", "a failure of an unknown kind was reported")
+    texts = {key: str(failure.get(key) or "")[:limit] for key, limit in TEXT_LIMITS.items()}
+    rank = failure.get("rank")
+    rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+    return verdict(
+        failure["kind"],
+        texts["summary"],
+        rank=rank,
+        hint=texts["hint"],
+        traceback=texts["traceback"],
+    )
+
+
 def _rank_failure(
-    exc: RankError,
-    exercise: Exercise,
-    fn: Any,
-    stack_file: str,
-    case: Case,
-    verdict: Callable[..., Verdict],
-) -> Verdict:
+    exc: RankError, exercise: Exercise, fn: Any, stack_file: str, case: Case
+) -> dict[str, Any]:
+    """What went wrong on the ranks, as a failure record (kind, summary, rank, traceback, hint)."""
     where = _code_file(fn)
+
+    def failure(kind: str, summary: str, hint: str, traceback: str = "", rank: int = exc.rank):
+        return {"kind": kind, "summary": summary, "hint": hint, "traceback": traceback,
+                "rank": rank}  # fmt: skip
+
     if exc.exitcode is not None:
-        return verdict(
+        return failure(
             "died",
             f"rank {exc.rank}'s process ended ({how_it_ended(exc.exitcode)}) while running "
             "your function.",
-            rank=exc.rank,
-            hint="A process dies from os._exit/sys.exit, a signal, or running out of memory: "
+            "A process dies from os._exit/sys.exit, a signal, or running out of memory: "
             "look for one of those in your function.",
         )
     if exc.remote_traceback:
-        tb = _cut(exc.remote_traceback, where)
         last = exc.remote_traceback.strip().splitlines()[-1]
         if "WrongOutput:" in last:
             what, _, hint = last.split("WrongOutput:", 1)[1].strip().partition(HINT_MARK)
-            return verdict(
+            return failure(
                 "wrong output",
                 what,
-                rank=exc.rank,
-                hint=hint or "Return what the docstring says: same shape and dtype as described.",
+                hint or "Return what the docstring says: same shape and dtype as described.",
             )
         if last.startswith("NotImplementedError"):
-            return verdict(
+            return failure(
                 "not implemented",
                 "the function still raises NotImplementedError: write its body.",
-                rank=exc.rank,
-                hint="Replace `raise NotImplementedError()` with your code.",
+                "Replace `raise NotImplementedError()` with your code.",
             )
-        return verdict(
+        return failure(
             "raised",
             f"your function raised on rank {exc.rank}: {last}",
-            rank=exc.rank,
-            traceback=tb,
-            hint="Read the last lines of the traceback: the line of your code that raised.",
+            "Read the last lines of the traceback: the line of your code that raised.",
+            traceback=_cut(exc.remote_traceback, where),
         )
     rank, stack, waiting = _hung_rank(exc.rank, case.world_size, stack_file, where)
     also = ("; " + ", ".join(waiting)) if waiting else ""
-    return verdict(
+    return failure(
         "hung",
         f"rank {rank} did not finish within the time limit{also}. The check stopped every "
         "rank; fresh ones serve the next attempt.",
-        rank=rank,
-        traceback=stack,
-        hint=exercise.hang_hint
+        exercise.hang_hint
         or "A collective that not every rank calls (inside `if rank() == ...`), or with "
         "different sizes on different ranks, waits forever; so does a loop that never ends.",
+        traceback=stack,
+        rank=rank,
     )
 
 

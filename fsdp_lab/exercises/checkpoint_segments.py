@@ -71,7 +71,7 @@ def _measure(n: int, starts_fn: Any, schedule: schedules.Schedule) -> dict[str, 
     }
 
 
-def trial(fn: Any, solution: Any, case: Case) -> dict[str, Any]:
+def trial(fn: Any, case: Case) -> dict[str, Any]:
     n = case.params["layers"]
     k = max(1, round(math.sqrt(n)))
     starts = fn(n)
@@ -90,17 +90,15 @@ def trial(fn: Any, solution: Any, case: Case) -> dict[str, Any]:
         return {"invalid": str(exc), "starts": starts}
     return {
         "store_all": _measure(n, schedules.segment_starts, schedules.store_all),
-        "expected": _measure(n, lambda n_layers, _: solution(n_layers), schedules.segments(k)),
-        "got": _measure(n, given, schedules.segments(k)),
+        "segments": _measure(n, given, schedules.segments(k)),
         "starts": starts,
-        "reference_starts": solution(n),
     }
 
 
-def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
+def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
     n = case.params["layers"]
     k = max(1, round(math.sqrt(n)))
-    first = outcomes[0]
+    first = got_all[0]
     if "invalid" in first:
         starts = first.get("starts")
         looks_like_ends = bool(starts) and starts[-1] == n
@@ -114,20 +112,20 @@ def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
                 else f"Return a list of layer indexes: 0 first, increasing, all below N={n}."
             ),
         )
-    for r, outcome in enumerate(outcomes):
-        if not close(outcome["got"]["grads"], outcome["store_all"]["grads"]):
+    for r, (mine, reference) in enumerate(zip(got_all, expected, strict=True)):
+        if not close(mine["segments"]["grads"], reference["store_all"]["grads"]):
             return Mismatch(
                 f"rank {r}: with your segments the gradients differ from store-all's.",
                 hint="Every layer must belong to exactly one segment: starts 0, k, 2k, ...",
             )
-    plain, exp, got = first["store_all"], first["expected"], first["got"]
+    plain, exp, got = expected[0]["store_all"], expected[0]["segments"], first["segments"]
     if got["peak"] <= exp["peak"] and got["calls"] <= exp["calls"]:
         return None
     starts = first["starts"]
     lengths = [b - a for a, b in zip(starts, [*starts[1:], n], strict=True)]
     predicted = theory.checkpoint_cost(schedules.segments(k), n)
     rows = [
-        ("segment starts", str(first["reference_starts"]), str(starts)),
+        ("segment starts", str(expected[0]["starts"]), str(starts)),
         ("peak activation bytes (measured)", format_bytes(exp["peak"]), format_bytes(got["peak"])),
         ("kept layer inputs (counted)", f"{exp['stored']} (theory {predicted.stored_activations})", str(got["stored"])),
         ("layer calls (counted)", f"{exp['calls']} (theory {predicted.forward_calls})", str(got["calls"])),

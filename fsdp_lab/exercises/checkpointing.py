@@ -75,18 +75,16 @@ def _peek() -> list[float]:
     return values
 
 
-def trial(fn: Any, solution: Any, case: Case) -> dict[str, Any]:
-    k = case.params["segment"]
+def trial(fn: Any, case: Case) -> dict[str, Any]:
     return {
-        "store_all": _train(None, case, None),
-        "expected": _train(solution, case, k),
-        "got": _train(fn, case, k),
+        "store_all": _train(None, case, None),  # what every checkpointed run must reproduce
+        "checkpointed": _train(fn, case, case.params["segment"]),
     }
 
 
-def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
-    for r, outcome in enumerate(outcomes):
-        plain, exp, got = outcome["store_all"], outcome["expected"], outcome["got"]
+def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
+    for r, (mine, reference) in enumerate(zip(got_all, expected, strict=True)):
+        plain, exp, got = reference["store_all"], reference["checkpointed"], mine["checkpointed"]
         if not close(exp["first_grad"], plain["first_grad"]):  # the mechanism itself is broken
             raise AssertionError(f"rank {r}: the reference checkpoint differs from store-all")
         rows = [

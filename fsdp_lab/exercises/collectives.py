@@ -74,25 +74,20 @@ def _train(average: Any, case: Case, group: dist.ProcessGroup, rank_in_group: in
     return {"losses": losses, "weights": weights.tolist(), "first_grad": first_grad.tolist()}
 
 
-def trial(fn: Any, solution: Any, case: Case) -> dict | None:
+def trial(fn: Any, case: Case) -> dict | None:
     members = case.params.get("group") or list(range(dist.get_world_size()))
     group = dist.new_group(members)  # every rank takes part in creating it
     me = dist.get_rank()
     if me not in members:
         return None  # not in the group: nothing to average
-    where = members.index(me)
-    return {
-        "got": _train(fn, case, group, where),
-        "expected": _train(solution, case, group, where),
-    }
+    return _train(fn, case, group, members.index(me))
 
 
-def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
-    ranks = [r for r, o in enumerate(outcomes) if o is not None]
+def judge(got: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
+    ranks = [r for r, o in enumerate(expected) if o is not None]
     size = len(ranks)
-    first = outcomes[ranks[0]]
     for r in ranks[1:]:
-        if not close(outcomes[r]["got"]["weights"], first["got"]["weights"]):
+        if not close(got[r]["weights"], got[ranks[0]]["weights"]):
             return Mismatch(
                 f"after {STEPS} steps rank {ranks[0]} and rank {r} hold different weights: the "
                 "replicas drifted apart.",
@@ -100,11 +95,11 @@ def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
                 "not a reduce to one rank or a local division.",
             )
     for r in ranks:
-        got, exp = outcomes[r]["got"], outcomes[r]["expected"]
-        if close(got["first_grad"], exp["first_grad"]):
+        mine, exp = got[r], expected[r]
+        if close(mine["first_grad"], exp["first_grad"]):
             continue
         hint = ratio_hint(
-            got["first_grad"],
+            mine["first_grad"],
             exp["first_grad"],
             {
                 float(size): "SUM where the average was meant: divide the sum by the number "
@@ -114,22 +109,22 @@ def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
                 1.0 / size: "divided twice: all_reduce sums; divide once, by the group's size.",
             },
         )
-        k = ratio(got["first_grad"], exp["first_grad"])
+        k = ratio(mine["first_grad"], exp["first_grad"])
         factor = f" ({k:.3g}× the reference's)" if k is not None else ""
         return Mismatch(
             f"rank {r}'s averaged gradient in step 1 differs from the reference{factor}; the "
-            f"loss after {STEPS} steps is {got['losses'][-1]:.4g} instead of "
+            f"loss after {STEPS} steps is {mine['losses'][-1]:.4g} instead of "
             f"{exp['losses'][-1]:.4g}.",
             rows=[
                 (
                     "first gradient, first 3 values",
                     _first(exp["first_grad"]),
-                    _first(got["first_grad"]),
+                    _first(mine["first_grad"]),
                 ),
                 (
                     f"loss after {STEPS} steps",
                     f"{exp['losses'][-1]:.6g}",
-                    f"{got['losses'][-1]:.6g}",
+                    f"{mine['losses'][-1]:.6g}",
                 ),
             ],
             hint=hint,
@@ -137,7 +132,7 @@ def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
                 "loss per step, rank " + str(r),
                 "step",
                 "loss",
-                {"reference": exp["losses"], "yours": got["losses"]},
+                {"reference": exp["losses"], "yours": mine["losses"]},
             ),
         )
     return None

@@ -73,7 +73,7 @@ def _chunk_order(got: torch.Tensor, padded: torch.Tensor, shard_numel: int) -> l
     return order
 
 
-def trial(fn: Any, solution: Any, case: Case) -> dict | None:
+def trial(fn: Any, case: Case) -> dict | None:
     members = case.params.get("group") or list(range(dist.get_world_size()))
     group = dist.new_group(members)  # every rank takes part in creating it
     if dist.get_rank() not in members:
@@ -84,44 +84,41 @@ def trial(fn: Any, solution: Any, case: Case) -> dict | None:
     truth = torch.cat([p.detach().reshape(-1) for p in params])  # (numel,): unsharded
     padded = torch.nn.functional.pad(truth, (0, flat.padding))
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(7))
-    out: dict[str, Any] = {"unsharded_forward": model(x).reshape(-1).tolist()}
-    for who, gather in (("expected", solution), ("got", fn)):  # got last: no collective after
-        shard = flat.shard.detach().clone()
-        got = expect_tensor(
-            gather(shard, flat.numel, group),
-            truth,
-            f"the gathered flat tensor ({flat.numel} real elements, the padding stripped)",
-            hint=f"The gather holds {flat.padded_numel} elements: the last {flat.padding} are "
-            f"padding that made the shards equal — return only the first numel={flat.numel}.",
-        )
-        with torch.no_grad():
-            y = torch.func.functional_call(model, flat.unflatten(got), (x,))
-        out[who] = {
-            "values": got.tolist(),
-            "forward": y.reshape(-1).tolist(),
-            "order": _chunk_order(got, padded, flat.shard_numel),
-            "shifted": torch.equal(got, padded[flat.padding :]),
-        }
-    out["numel"], out["padding"], out["shard_numel"] = flat.numel, flat.padding, flat.shard_numel
-    return out
+    gathered = expect_tensor(
+        fn(flat.shard.detach().clone(), flat.numel, group),
+        truth,
+        f"the gathered flat tensor ({flat.numel} real elements, the padding stripped)",
+        hint=f"The gather holds {flat.padded_numel} elements: the last {flat.padding} are "
+        f"padding that made the shards equal — return only the first numel={flat.numel}.",
+    )
+    with torch.no_grad():
+        y = torch.func.functional_call(model, flat.unflatten(gathered), (x,))
+    return {
+        "values": gathered.tolist(),
+        "forward": y.reshape(-1).tolist(),
+        "order": _chunk_order(gathered, padded, flat.shard_numel),
+        "shifted": torch.equal(gathered, padded[flat.padding :]),
+        "unsharded_forward": model(x).reshape(-1).tolist(),
+        "padding": flat.padding,
+    }
 
 
-def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
-    for r, outcome in enumerate(outcomes):
-        if outcome is None:
+def judge(got: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
+    for r, exp in enumerate(expected):
+        if exp is None:
             continue
-        got, exp = outcome["got"], outcome["expected"]
-        if close(got["values"], exp["values"]) and close(
-            got["forward"], outcome["unsharded_forward"]
+        mine = got[r]
+        if close(mine["values"], exp["values"]) and close(
+            mine["forward"], exp["unsharded_forward"]
         ):
             continue
         ranks = list(range(len(exp["order"])))
-        if got["shifted"] and outcome["padding"]:
+        if mine["shifted"] and exp["padding"]:
             hint = (
-                f"You dropped the first {outcome['padding']} elements: the padding sits at the "
+                f"You dropped the first {exp['padding']} elements: the padding sits at the "
                 "END of the gathered tensor (in the last rank's shard); keep the first `numel`."
             )
-        elif sorted(got["order"]) == ranks and got["order"] != ranks:
+        elif sorted(mine["order"]) == ranks and mine["order"] != ranks:
             hint = (
                 "The shards are out of rank order: shard r must land at [r*S, (r+1)*S) whatever "
                 "rank you are — all_gather_into_tensor already puts them there; do not move "
@@ -133,12 +130,12 @@ def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
             f"rank {r} rebuilt other weights than the unsharded model's: its forward with them "
             "differs from the unsharded model's.",
             rows=[
-                ("shards in the result, by rank", str(exp["order"]), str(got["order"])),
-                ("first 3 values", _first(exp["values"]), _first(got["values"])),
+                ("shards in the result, by rank", str(exp["order"]), str(mine["order"])),
+                ("first 3 values", _first(exp["values"]), _first(mine["values"])),
                 (
                     "forward output, first 3",
-                    _first(outcome["unsharded_forward"]),
-                    _first(got["forward"]),
+                    _first(exp["unsharded_forward"]),
+                    _first(mine["forward"]),
                 ),
             ],  # fmt: skip
             hint=hint,

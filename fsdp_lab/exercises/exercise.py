@@ -3,13 +3,21 @@
 A learner writes one small function (the reduce-scatter of a unit's gradient, the recompute of a
 checkpointed segment, ...). The exercise knows how to put that function where the real mechanism
 calls it (`trial`, which runs on every rank), how to tell right from wrong from what the ranks
-measured (`judge`, which runs in the notebook), the cases worth trying (world sizes that divide
-and that do not, tied and untied models, uneven stages) and the classic bugs a learner makes,
-each written out as a wrong version of the solution (`Bug`). The same bugs, switched on in the
-reference mechanism, are the bug gallery (`fsdp_lab.exercises.gallery`).
+measured (`judge`, which runs where the grade is made), the cases worth trying (world sizes that
+divide and that do not, tied and untied models, uneven stages) and the classic bugs a learner
+makes, each written out as a wrong version of the solution (`Bug`). The same bugs, switched on in
+the reference mechanism, are the bug gallery (`fsdp_lab.exercises.gallery`).
 
-    check_<name>(fn) ──▶ signature ──▶ for each case: cluster.run(trial, fn, solution, case)
-                                             └─▶ judge(outcomes, case) ─▶ Mismatch or None
+    check_<name>(fn) ──▶ signature ──▶ for each case:
+        got      = cluster.run(trial, fn, case)         the learner's function, on its ranks
+        expected = cluster.run(trial, solution, case)   the reference, on ranks it never touched
+        judge(got, expected, case) ─▶ Mismatch or None
+
+The learner's run and the reference's run are separate calls, so `fsdp-lab grade` can make them
+in separate processes: the learner's in a sandbox, the reference's in ranks no learner code ever
+ran in (a learner's function that patches `dist.get_world_size` on its rank cannot change the
+reference). What a trial returns is plain data (numbers, strings, lists, dicts): it crosses from
+the learner's processes to the judge as JSON.
 """
 
 from __future__ import annotations
@@ -86,10 +94,13 @@ class Exercise:
             (torch, dist, nn, comm, rank, world_size), put above the stub.
         hints: opened one by one on demand, most general first.
         solution: the reference implementation (never shown in a learner notebook).
-        trial: runs on every rank: ``trial(fn, solution, case) -> plain data`` puts `fn` into the
-            real mechanism, and `solution` into a second copy, and returns what was measured.
-        judge: runs in the notebook: ``judge(outcomes, case) -> Mismatch | None`` from the
-            per-rank outcomes in rank order.
+        trial: runs on every rank: ``trial(fn, case) -> plain data`` puts `fn` into the real
+            mechanism and returns what was measured (the same trial measures the reference,
+            with `solution` as `fn`).
+        judge: runs where the grade is made: ``judge(got, expected, case) -> Mismatch | None``
+            from the learner's and the reference's per-rank outcomes, in rank order. Whatever
+            the judge needs besides the learner's values (a store-all baseline, the unsharded
+            model's forward) it reads from `expected`: only the reference's run is trusted.
         cases: tried in order; the first that fails is the verdict.
         bugs: the classic mistakes this exercise catches.
         points: for nbgrader and `fsdp-lab grade`.
@@ -103,8 +114,8 @@ class Exercise:
     stub: str
     hints: tuple[str, ...]
     solution: Callable[..., Any]
-    trial: Callable[[Callable[..., Any], Callable[..., Any], Case], Any]
-    judge: Callable[[list[Any], Case], Mismatch | None]
+    trial: Callable[[Callable[..., Any], Case], Any]
+    judge: Callable[[list[Any], list[Any], Case], Mismatch | None]
     cases: tuple[Case, ...]
     bugs: tuple[Bug, ...] = ()
     points: int = 2

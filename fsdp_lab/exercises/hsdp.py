@@ -74,26 +74,22 @@ def _all_reduce_on_none(full_grad, shard_group, replicate_group):  # noqa: ANN00
 # -- on every rank ---------------------------------------------------------------------------
 
 
-def trial(fn: Any, solution: Any, case: Case) -> dict:
+def trial(fn: Any, case: Case) -> dict:
     replicas, size = case.params["mesh"]
-    mesh = device_mesh(replicas, size)  # the (replicate, shard) DeviceMesh both runs share
+    mesh = device_mesh(replicas, size)  # the (replicate, shard) DeviceMesh
     across = comm.group_label(mesh.get_group(0)) if replicas > 1 else None
-    out = {
-        "expected": train_with(solution, case, "hybrid", mesh),
-        "got": train_with(fn, case, "hybrid", mesh),
-        "across": across,  # the label of this rank's replicate group in the byte counts
-    }
-    return out
+    # `across`: the label of this rank's replicate group in the byte counts
+    return {**train_with(fn, case, "hybrid", mesh), "across": across}
 
 
 # -- in the notebook -------------------------------------------------------------------------
 
 
-def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
+def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
     replicas, size = case.params["mesh"]
     for s in range(size):  # ranks r·S + s hold the same shard, one per replica
         ranks = [r * size + s for r in range(replicas)]
-        w = [outcomes[g]["got"]["weights"] for g in ranks]
+        w = [got_all[g]["weights"] for g in ranks]
         for g, wg in zip(ranks[1:], w[1:], strict=True):
             if not close(wg, w[0]):
                 return Mismatch(
@@ -102,8 +98,8 @@ def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
                     rows=[
                         (
                             f"rank {q}'s shard after {STEPS} steps, first values",
-                            first(outcomes[q]["expected"]["weights"]),
-                            first(outcomes[q]["got"]["weights"]),
+                            first(expected[q]["weights"]),
+                            first(got_all[q]["weights"]),
                         )
                         for q in (ranks[0], g)
                     ],
@@ -111,11 +107,10 @@ def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
                     "reduce-scatter, all-reduce the chunk across replicate_group.",
                 )
     world = case.world_size
-    for r, o in enumerate(outcomes):
-        got, exp = o["got"], o["expected"]
+    for r, (got, exp) in enumerate(zip(got_all, expected, strict=True)):
         if close(got["first_grad"], exp["first_grad"]):
             continue
-        everyone = [outcomes[q]["expected"]["first_grad"] for q in range(world)]
+        everyone = [expected[q]["first_grad"] for q in range(world)]
         mean = [sum(v) / world for v in zip(*everyone, strict=True)]
         hint = ratio_hint(
             got["first_grad"],
@@ -139,10 +134,10 @@ def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
             hint=hint,
             series=loss_series(r, got, exp),
         )
-    across = outcomes[0]["across"]
+    across = expected[0]["across"]
     if across is not None:
-        got_b = outcomes[0]["got"]["reduce_bytes"].get(across, 0.0)
-        exp_b = outcomes[0]["expected"]["reduce_bytes"].get(across, 0.0)
+        got_b = got_all[0]["reduce_bytes"].get(across, 0.0)
+        exp_b = expected[0]["reduce_bytes"].get(across, 0.0)
         if got_b > 1.5 * exp_b:
             return Mismatch(
                 f"values right, but rank 0 sent {got_b / exp_b:.2g}x the bytes across the "

@@ -220,14 +220,13 @@ def _train_on(grid: list[list[int]], case: Case) -> dict:
     }
 
 
-def trial(fn: Any, solution: Any, case: Case) -> dict:
+def trial(fn: Any, case: Case) -> dict:
     replicas, size = case.params["mesh"]
     world = dist.get_world_size()
     if replicas * size != world:
         raise ValueError(f"case {case.label!r}: mesh {replicas}x{size} on {world} ranks")
-    expected = agreed_layout(solution, world, size)
-    got = agreed_layout(fn, world, size)  # a WrongOutput on every rank, before any group
-    return {"expected": _train_on(expected, case), "got": _train_on(got, case)}
+    grid = agreed_layout(fn, world, size)  # a WrongOutput on every rank, before any group
+    return _train_on(grid, case)
 
 
 # -- in the notebook -------------------------------------------------------------------------
@@ -247,10 +246,9 @@ def _crossing(run: dict, size: int) -> dict[str, float]:
     return out
 
 
-def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
+def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
     replicas, size = case.params["mesh"]
-    for r, o in enumerate(outcomes):
-        got, exp = o["got"], o["expected"]
+    for r, (got, exp) in enumerate(zip(got_all, expected, strict=True)):
         if not (close(got["losses"], exp["losses"]) and close(got["params"], exp["params"])):
             return Mismatch(
                 f"on your mesh, rank {r}'s training differs from the reference mesh's within "
@@ -276,20 +274,20 @@ def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
                     {"reference": exp["losses"], "yours": got["losses"]},
                 ),
             )
-    for r, o in enumerate(outcomes):
-        got, exp = _crossing(o["got"], size), _crossing(o["expected"], size)
+    for r, (mine, theirs) in enumerate(zip(got_all, expected, strict=True)):
+        got, exp = _crossing(mine, size), _crossing(theirs, size)
         if got["shard"] > exp["shard"]:
-            nodes = sorted({g // size for g in _ranks(o["got"]["shard_group"])})
+            nodes = sorted({g // size for g in _ranks(mine["shard_group"])})
             return Mismatch(
-                f"values right, but rank {r}'s shard group ({o['got']['shard_group']}) spans "
+                f"values right, but rank {r}'s shard group ({mine['shard_group']}) spans "
                 f"nodes {nodes}: its all-gathers and reduce-scatters crossed the node boundary, "
                 f"{got['shard']:.0f} bytes in {STEPS} steps where the reference sent "
                 f"{exp['shard']:.0f}.",
                 rows=[
                     (
                         f"rank {r}'s shard group",
-                        o["expected"]["shard_group"],
-                        o["got"]["shard_group"],
+                        theirs["shard_group"],
+                        mine["shard_group"],
                     ),
                     (
                         f"bytes rank {r} sent between nodes in all-gather + reduce-scatter",

@@ -93,17 +93,19 @@ def _measured(fn: Any, pieces: list, peaks: list) -> Any:
     return slice_fn
 
 
-def trial(fn: Any, solution: Any, case: Case) -> dict:
+def trial(fn: Any, case: Case) -> dict:
     shapes = case.params["shapes"]
     model, _ = build_on_meta(lambda: _Weights(shapes))  # names and shapes; no values anywhere
     init = DeterministicInit(SEED)
     rank, world = dist.get_rank(), dist.get_world_size()
-    out: dict[str, Any] = {"names": [n for n, _ in model.named_parameters()]}
-    for who, f in (("got", fn), ("expected", solution)):
-        pieces: list = []
-        peaks: list = []
-        init_param_shards(model, init, rank, world, slice_fn=_measured(f, pieces, peaks))
-        out[who] = {"pieces": pieces, "peaks": peaks}
+    pieces: list = []
+    peaks: list = []
+    init_param_shards(model, init, rank, world, slice_fn=_measured(fn, pieces, peaks))
+    out: dict[str, Any] = {
+        "names": [n for n, _ in model.named_parameters()],
+        "pieces": pieces,
+        "peaks": peaks,
+    }
     if rank == 0:  # the one-process init, whole: what the pieces must add up to
         out["whole"] = [
             init.values(n, tuple(p.shape), 0, p.numel()).tolist()
@@ -131,13 +133,13 @@ def _find(run: list[float], whole: list[float]) -> int | None:
     return None
 
 
-def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
+def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
     world = case.world_size
-    names, wholes = outcomes[0]["names"], outcomes[0]["whole"]
+    names, wholes = expected[0]["names"], expected[0]["whole"]
     for i, (name, whole) in enumerate(zip(names, wholes, strict=True)):
         numel, per = len(whole), -(-len(whole) // world)
-        exp = [o["expected"]["pieces"][i] for o in outcomes]
-        got = [o["got"]["pieces"][i] for o in outcomes]
+        exp = [e["pieces"][i] for e in expected]
+        got = [g["pieces"][i] for g in got_all]
         padded = whole + [0.0] * (per * world - numel)
         assert sum(exp, []) == padded, "the reference does not add up to the one-process init"
         if got == exp:
@@ -188,8 +190,8 @@ def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
     for i, (name, whole) in enumerate(zip(names, wholes, strict=True)):
         numel, per = len(whole), -(-len(whole) // world)
         peaks = {
-            "reference": [o["expected"]["peaks"][i] for o in outcomes],
-            "yours": [o["got"]["peaks"][i] for o in outcomes],
+            "reference": [e["peaks"][i] for e in expected],
+            "yours": [g["peaks"][i] for g in got_all],
         }
         growth = [g / max(e, 1) for g, e in zip(peaks["yours"], peaks["reference"], strict=True)]
         r = max(range(world), key=growth.__getitem__)

@@ -103,17 +103,12 @@ def _run(name: str, retie_fn: Any, units: list) -> dict[str, Any]:
     return out
 
 
-def trial(fn: Any, solution: Any, case: Case) -> dict:
-    p = case.params
-    return {
-        "got": _run(p["model"], fn, p["units"]),
-        "expected": _run(p["model"], solution, p["units"]),
-    }
+def trial(fn: Any, case: Case) -> dict:
+    return _run(case.params["model"], fn, case.params["units"])
 
 
-def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
-    o = outcomes[0]  # every rank materialises the same model
-    got, exp = o["got"], o["expected"]
+def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
+    got, exp = got_all[0], expected[0]  # every rank materialises the same model
     if all(got["tied"]) and got["shard"] is None and close(got["losses"], exp["losses"]):
         return None
     broken = [t for t, ok in zip(got["ties"], got["tied"], strict=True) if not ok]

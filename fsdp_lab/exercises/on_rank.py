@@ -8,11 +8,15 @@ Two things a learner's function can do that a plain `cluster.run` would report b
 - hang (a collective that one rank never calls, a loop that never ends): `attempt` arms
   `faulthandler` to write every thread's stack to a file shortly before the time limit, so the
   verdict can show *where* the rank was stuck, not only that it was.
+
+What a trial measured leaves the rank as a JSON text (`as_json`): plain data, the same whether
+the judge sits in this notebook or in a grading process the learner's code never touched.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -57,24 +61,45 @@ def _expect_tensor(got: Any, like: torch.Tensor, what: str) -> torch.Tensor:
     return got
 
 
+def plain(value: Any) -> Any:
+    """`value` as JSON data: tensors as (nested) lists, tuples as lists; a TypeError for what
+    has no JSON form (a trial must return measurements, not objects)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist()
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"a trial's dict keys must be strings, got {list(value)[:5]}")
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(f"a trial returned {type(value).__name__}, which has no JSON form")
+
+
+def as_json(value: Any) -> str:
+    return json.dumps(plain(value))
+
+
 def attempt(
     trial: Callable[..., Any],
     fn: Callable[..., Any],
-    solution: Callable[..., Any],
     case: Case,
     stack_file: str,
     dump_after: float,
-) -> Any:
-    """Run one trial on this rank; if it is still running after `dump_after` seconds, write
-    every thread's stack to `stack_file` (the driver reads it if the call then times out)."""
+) -> str:
+    """Run one trial on this rank and return what it measured as JSON; if it is still running
+    after `dump_after` seconds, write every thread's stack to `stack_file` (the driver reads it
+    if the call then times out)."""
     from fsdp_lab.cluster import rank, rank_threads
 
     # rank_threads: the cores shared by the ranks. N ranks x torch's default thread count
-    # oversubscribe a laptop's cores and made checks several times slower; the learner's run
-    # and the reference's run in the same rank under the same threads, so values compare.
+    # oversubscribe a laptop's cores and made checks several times slower. Every run (the
+    # learner's, the reference's, in whatever process) uses the same threads, so values compare.
     with open(stack_file.format(rank=rank()), "w") as out, rank_threads():
         faulthandler.dump_traceback_later(dump_after, file=out)
         try:
-            return trial(fn, solution, case)
+            outcome = trial(fn, case)
         finally:
             faulthandler.cancel_dump_traceback_later()
+    return as_json(outcome)

@@ -2,7 +2,8 @@
 
 Starting ranks takes a second or two; a learner who checks an attempt ten times, or `fsdp-lab
 grade` checking a class, should not pay it for every case. A pool starts a cluster of each
-world size on first use and keeps it. A check that hangs or kills a rank costs that cluster its
+world size on first use and keeps it, and keeps the reference solution's outcomes of every case
+it has measured. A check that hangs or kills a rank costs that cluster its
 ranks; `Cluster` starts fresh ones on the next run, so the pool survives for the next attempt.
 """
 
@@ -44,6 +45,9 @@ class ClusterPool:
         self.time_limit = check_timeout("time_limit", time_limit)
         self.backend = backend
         self._clusters: dict[int, Cluster] = {}
+        # (exercise, case label) -> the reference solution's per-rank outcomes: the reference
+        # gives the same values every time, so a pool measures each case once.
+        self.expected: dict[tuple[str, str], list] = {}
         self._folder = tempfile.TemporaryDirectory(prefix="fsdp_lab_check_")
         self.stack_dir = self._folder.name
 
@@ -59,6 +63,7 @@ class ClusterPool:
                     timeout=self.time_limit,
                     verbose=False,
                     failure_grace=FAILURE_GRACE,
+                    plain_results=True,  # a trial returns JSON text: nothing else is read
                 )
             self._warm_up(self._clusters[world_size])
         return self._clusters[world_size]

@@ -28,7 +28,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from fsdp_lab.exercises.exercise import Bug, Case, Exercise, Mismatch
 from fsdp_lab.exercises.judging import series_of
@@ -40,9 +39,9 @@ from fsdp_lab.exercises.pp_seed_stages import (
     first_draws,
     first_row,
     layout,
-    params,
     repeat_mismatch,
     repeated,
+    stage_values,
     vals,
     whole,
 )
@@ -66,38 +65,49 @@ def _global_rng(seed: int, stages: int) -> torch.Tensor:
     return torch.randint(0, 2**62, (stages,))  # the global RNG: `seed` never used
 
 
-def seeds_trial(fn: Any, solution: Any, case: Case) -> dict:
+def seeds_trial(fn: Any, case: Case) -> dict:
     """Strategy (c) with `fn` drawing the seeds: twice with the same seed (the global RNG
-    disturbed differently each time), once with the next seed; the same with the reference."""
+    disturbed differently each time), once with the next seed."""
     config, info = layout(case)
     seed, stages = case.params["seed"], info.stages
-    like = solution(seed, stages)
+    like = torch.empty(stages, dtype=torch.int64)
     got = expect_tensor(fn(seed, stages), like, "the stage seeds")  # on every rank, before
     if bool((got < 0).any()):  # the broadcast: a wrong answer stops every rank alike
         raise WrongOutput(f"the stage seeds must be >= 0, got {got.tolist()}")
     model = whole(case, config)
 
-    def init(draw: Any, base: int, before: int) -> nn.Module:
+    def init(base: int, before: int) -> list:
         torch.manual_seed(before + 101 * info.rank)  # what the program drew before: no matter
-        return rng.per_stage_seed(model, info, base, case_layers(case), stage_seeds=draw)
+        stage = rng.per_stage_seed(model, info, base, case_layers(case), stage_seeds=fn)
+        return stage_values(stage)
 
-    mine, again, next_seed = init(fn, seed, 1), init(fn, seed, 2), init(fn, seed + 1, 1)
-    reference, reference_next = init(solution, seed, 1), init(solution, seed + 1, 1)
     return {
         "stage": info.stage,
         "layers": list(info.layers),
-        "params": compare(mine, dict(params(reference))),
-        "again_equal": all(r[1] for r in compare(again, dict(params(mine)))),
-        "start": first_draws(mine),
-        "start_expected": first_draws(reference),
-        "start_again": first_draws(again),
-        "start_next_seed": first_draws(next_seed),
-        "start_next_expected": first_draws(reference_next),
+        "values": init(seed, 1),
+        "again": init(seed, 2),
+        "next_seed": init(seed + 1, 1),
     }
 
 
-def seeds_judge(outcomes: list[Any], case: Case) -> Mismatch | None:
-    stages = sorted(outcomes, key=lambda o: o["stage"])
+def _seen(got: dict, expected: dict) -> dict:
+    """One stage as the judge reads it: the learner's runs beside the reference's."""
+    return {
+        "stage": expected["stage"],
+        "layers": expected["layers"],
+        "params": compare(got["values"], expected["values"]),
+        "again_equal": all(r[1] for r in compare(got["again"], got["values"])),
+        "start": first_draws(got["values"]),
+        "start_expected": first_draws(expected["values"]),
+        "start_again": first_draws(got["again"]),
+        "start_next_seed": first_draws(got["next_seed"]),
+        "start_next_expected": first_draws(expected["next_seed"]),
+    }
+
+
+def seeds_judge(got: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
+    seen = [_seen(g, e) for g, e in zip(got, expected, strict=True)]
+    stages = sorted(seen, key=lambda o: o["stage"])
     if all(o["again_equal"] and all(r[1] for r in o["params"]) for o in stages):
         return None
     pair = repeated(stages)

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from fsdp_lab import comm
 from fsdp_lab.exercises.exercise import Bug, Case, Exercise, Mismatch
@@ -29,9 +28,9 @@ from fsdp_lab.exercises.pp_seed_stages import (
     first_row,
     label,
     layout,
-    params,
     repeat_mismatch,
     repeated,
+    stage_values,
     whole,
 )
 from fsdp_lab.pipeline import rng
@@ -84,49 +83,56 @@ def _received_not_set(holder, owner, stage, seed, rank_of, device):
         comm.recv(generator_state(device), src=rank_of(holder))  # ... and dropped
 
 
-def hand_over_trial(fn: Any, solution: Any, case: Case) -> dict:
-    """Strategy (d) with `fn` as the hand-over, and with the reference; beside the one-process
-    init (the reference must equal it: that is the mechanism's promise)."""
+def hand_over_trial(fn: Any, case: Case) -> dict:
+    """Strategy (d) with `fn` as the hand-over, beside the one-process init (the reference's
+    run must equal it: that is the mechanism's promise, checked by the judge)."""
     config, info = layout(case)
     seed = case.params["seed"]
     model = whole(case, config)
-
-    def init(step: Any) -> tuple[nn.Module, int]:
-        torch.manual_seed(1000 + info.rank)  # whatever a rank drew before must not matter
-        with comm.CommLog() as log:
-            stage = rng.rng_replay(model, info, seed, case_layers(case), hand_over=step)
-        return stage, len(log.records)  # sends and recvs of generator states
-
-    mine, sent = init(fn)
-    reference, sent_expected = init(solution)
+    torch.manual_seed(1000 + info.rank)  # whatever a rank drew before must not matter
+    with comm.CommLog() as log:
+        stage = rng.rng_replay(model, info, seed, case_layers(case), hand_over=fn)
+    values = stage_values(stage)
     one_process = whole(case, config)
     torch.manual_seed(seed)
     one_process.init_weights()
-    expected = dict(params(one_process))
-    if not all(r[1] for r in compare(reference, expected)):
-        raise RuntimeError(
-            "rng_replay with the reference hand-over differs from the one-process init: a bug "
-            "of fsdp_lab.pipeline.rng, not of the exercise"
-        )
+    mine = {name for name, _ in values}
     return {
         "stage": info.stage,
         "dp": info.dp_rank,
         "layers": list(info.layers),
-        "params": compare(mine, expected),
-        "start": first_draws(mine),
-        "start_expected": first_draws(reference),
-        "messages": sent,
-        "messages_expected": sent_expected,
+        "values": values,
+        "one_process": [(n, v) for n, v in stage_values(one_process) if n in mine],
+        "messages": len(log.records),  # sends and recvs of generator states
     }
 
 
-def hand_over_judge(outcomes: list[Any], case: Case) -> Mismatch | None:
-    every = sorted(outcomes, key=lambda o: (o["dp"], o["stage"]))
+def hand_over_judge(got: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
+    for e in expected:
+        if not all(r[1] for r in compare(e["values"], e["one_process"])):
+            raise RuntimeError(
+                "rng_replay with the reference hand-over differs from the one-process init: a "
+                "bug of fsdp_lab.pipeline.rng, not of the exercise"
+            )
+    seen = [
+        {
+            "stage": e["stage"],
+            "dp": e["dp"],
+            "layers": e["layers"],
+            "params": compare(g["values"], e["one_process"]),
+            "start": first_draws(g["values"]),
+            "start_expected": first_draws(e["values"]),
+            "messages": g["messages"],
+            "messages_expected": e["messages"],
+        }
+        for g, e in zip(got, expected, strict=True)
+    ]
+    every = sorted(seen, key=lambda o: (o["dp"], o["stage"]))
     stages = [o for o in every if o["dp"] == 0]  # the pipelines must agree: one shows them
     if all(r[1] for o in every for r in o["params"]):
         return None
-    sent = sum(o["messages"] for o in outcomes)
-    sent_expected = sum(o["messages_expected"] for o in outcomes)
+    sent = sum(o["messages"] for o in seen)
+    sent_expected = sum(o["messages_expected"] for o in seen)
     messages = ("sends + recvs of a generator state", str(sent_expected), str(sent))
     pair = repeated(stages)
     if pair is not None:

@@ -1,11 +1,12 @@
 """What both pp-seed exercises run and compare: a tiny `PipeGPT` cut into the case's stages, each
-stage's weights in the order the init draws them, and the verdict's rows when one stage repeats
-another's numbers.
+stage's weights in the order the init draws them (`stage_values`, on the ranks), and, where the
+grade is made, the comparisons and the verdict's rows when one stage repeats another's numbers.
 
-The comparisons are exact (`torch.equal`): seeding moves no float through arithmetic, so a right
-stage holds the very bits of the reference, and a wrong one is off by whole draws. A stage's
-*first random tensor* (its first values: `first_draws`) marks where in a random stream the
-stage started reading; two stages that start alike read the same stream.
+The comparisons are exact (list equality of the values, which JSON carries bit for bit):
+seeding moves no float through arithmetic, so a right stage holds the very bits of the
+reference, and a wrong one is off by whole draws. A stage's *first random tensor* (its first
+values: `first_draws`) marks where in a random stream the stage started reading; two stages
+that start alike read the same stream.
 """
 
 from __future__ import annotations
@@ -61,23 +62,28 @@ def params(model: PipeGPT) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def compare(model: PipeGPT, expected: dict[str, torch.Tensor]) -> list[tuple]:
-    """(name, equal, got's first values, expected's first values) per parameter."""
+def stage_values(model: PipeGPT) -> list[tuple[str, list[float]]]:
+    """(name, every value, flattened) of the stage's parameters, in the order the init draws."""
+    return [(name, p.detach().flatten().tolist()) for name, p in params(model) if not p.is_meta]
+
+
+Values = list[tuple[str, list[float]]]
+
+
+def compare(got: Values, expected: Values) -> list[tuple]:
+    """(name, equal, got's first values, expected's first values) per parameter `expected` has
+    (one `got` lacks counts as different)."""
+    mine = dict(got)
     return [
-        (name, torch.equal(p, expected[name]), first_values(p), first_values(expected[name]))
-        for name, p in params(model)
+        (name, mine.get(name) == values, (mine.get(name) or [])[:SHOWN], values[:SHOWN])
+        for name, values in expected
     ]
 
 
-def first_draws(model: PipeGPT) -> tuple[str, list[float]]:
+def first_draws(values: Values) -> tuple[str, list[float]]:
     """The stage's first random tensor (not a LayerNorm's ones) and its first values."""
-    name, p = next((n, p) for n, p in params(model) if p.unique().numel() > 1)
-    return name, p.detach().flatten()[:DRAWS].tolist()
-
-
-def first_values(t: torch.Tensor) -> list[float]:
-    """What a verdict's table shows of a tensor."""
-    return t.detach().flatten()[:SHOWN].tolist()
+    name, v = next((n, v) for n, v in values if len(set(v)) > 1)
+    return name, v[:DRAWS]
 
 
 def vals(values: list[float]) -> str:

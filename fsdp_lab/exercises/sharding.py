@@ -131,16 +131,13 @@ def train_with(step: ReduceStep, case: Case, strategy: str = "full", mesh: Any =
     }
 
 
-def trial(fn: Any, solution: Any, case: Case) -> dict:
-    world = dist.group.WORLD  # a real group object, as the learner's `group`
-
-    def one_replica(step: Any) -> ReduceStep:
-        return lambda full_grad, shard_group, replicate_group: step(full_grad, shard_group)
-
-    return {
-        "expected": train_with(one_replica(solution), case, mesh=world),
-        "got": train_with(one_replica(fn), case, mesh=world),
-    }
+def trial(fn: Any, case: Case) -> dict:
+    # the whole world as the one shard group: the learner's step takes (full_grad, group)
+    return train_with(
+        lambda full_grad, shard_group, replicate_group: fn(full_grad, shard_group),
+        case,
+        mesh=dist.group.WORLD,
+    )
 
 
 # -- in the notebook -------------------------------------------------------------------------
@@ -170,16 +167,13 @@ def loss_series(rank: int, got: dict, exp: dict) -> dict:
     )
 
 
-def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
+def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
     n = case.world_size
-    for r, o in enumerate(outcomes):
-        got, exp = o["got"], o["expected"]
+    for r, (got, exp) in enumerate(zip(got_all, expected, strict=True)):
         if close(got["first_grad"], exp["first_grad"]):
             continue
         other = [
-            q
-            for q in range(n)
-            if q != r and close(got["first_grad"], outcomes[q]["expected"]["first_grad"])
+            q for q in range(n) if q != r and close(got["first_grad"], expected[q]["first_grad"])
         ]
         hint = ratio_hint(
             got["first_grad"],
@@ -205,8 +199,8 @@ def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
             hint=hint,
             series=loss_series(r, got, exp),
         )
-    got_bytes = sum(outcomes[0]["got"]["reduce_bytes"].values())
-    exp_bytes = sum(outcomes[0]["expected"]["reduce_bytes"].values())
+    got_bytes = sum(got_all[0]["reduce_bytes"].values())
+    exp_bytes = sum(expected[0]["reduce_bytes"].values())
     if got_bytes > 1.5 * exp_bytes:
         return Mismatch(
             f"values right, but reducing the gradients moved {got_bytes / exp_bytes:.2g}x the "

@@ -136,8 +136,8 @@ def _train(step: Any, case: Case) -> dict:
     }
 
 
-def trial(fn: Any, solution: Any, case: Case) -> dict:
-    return {"expected": _train(solution, case), "got": _train(fn, case)}
+def trial(fn: Any, case: Case) -> dict:
+    return _train(fn, case)
 
 
 # -- in the notebook -------------------------------------------------------------------------
@@ -186,9 +186,8 @@ def _hint(order: list[str], picks: list[tuple], reference: list[tuple]) -> str:
     )
 
 
-def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
-    for r, o in enumerate(outcomes):
-        got, exp = o["got"], o["expected"]
+def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
+    for r, (got, exp) in enumerate(zip(got_all, expected, strict=True)):
         if not close(got["grad"], exp["grad"]):
             return Mismatch(
                 f"rank {r}'s gradients differ from the reference: a prefetch only moves an "
@@ -230,7 +229,7 @@ def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
         return Mismatch(
             f"values right, but on rank {r} " + "; ".join(parts) + ".",
             rows=rows,
-            hint=_hint(got["forward_order"], got["picks"], exp["picks"]),
+            hint=_hint(exp["forward_order"], got["picks"], exp["picks"]),
             series=series_of(
                 f"gathered parameters during backward, rank {r}",
                 "memory marker",

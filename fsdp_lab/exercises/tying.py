@@ -71,33 +71,31 @@ def _groups(got: Any) -> list[tuple[str, ...]]:
     return [tuple(g) for g in got]
 
 
-def trial(fn: Any, solution: Any, case: Case) -> dict:
+def trial(fn: Any, case: Case) -> dict:
     p = case.params
-    out: dict[str, Any] = {"one_process": tm.one_process(p["model"])}
-    for who, check in (("got", fn), ("expected", solution)):
-        model = tm.build(p["model"])
-        seen: list[tuple[list, list]] = []
+    model = tm.build(p["model"])
+    seen: list[tuple[list, list]] = []
 
-        def checked(m: nn.Module, unit_of: UnitOf, check: Any = check, seen: list = seen) -> list:
-            groups = _groups(check(m, unit_of))
-            units = [[unit_of(n.rpartition(".")[0]) for n in g] for g in groups]
-            seen.append((groups, units))
-            return groups
+    def checked(m: nn.Module, unit_of: UnitOf) -> list:
+        groups = _groups(fn(m, unit_of))
+        units = [[unit_of(n.rpartition(".")[0]) for n in g] for g in groups]
+        seen.append((groups, units))
+        return groups
 
-        try:
-            plan = build_plan(model, p["units"], split_ties=checked)
-            refused = None
-        except PlanError as exc:
-            refused = str(exc)
-        groups, units = seen[0]
-        out[who] = {"reported": groups, "units": units, "refused": refused}
-        if who == "got" and refused is None:  # what the mechanism does with the plan
-            out[who]["run"] = tm.sharded(p["model"], plan)
+    try:
+        plan = build_plan(model, p["units"], split_ties=checked)
+        refused = None
+    except PlanError as exc:
+        refused = str(exc)
+    groups, units = seen[0]
+    out: dict[str, Any] = {"reported": groups, "units": units, "refused": refused}
+    if refused is None:  # what the mechanism does with the plan
+        out["run"] = tm.sharded(p["model"], plan)
     model = tm.build(p["model"])
     out["one_module"] = [  # a tie whose names all lead to one module object (shared)
-        len({id(model.get_submodule(n.rpartition(".")[0])) for n in g}) == 1
-        for g in out["expected"]["reported"]
+        len({id(model.get_submodule(n.rpartition(".")[0])) for n in g}) == 1 for g in groups
     ]
+    out["one_process"] = tm.one_process(p["model"])
     return out
 
 
@@ -109,12 +107,12 @@ def _show(groups: list) -> str:
     return "; ".join("(" + ", ".join(g) + ")" for g in groups) or "none"
 
 
-def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
-    o = outcomes[0]  # every rank checks the same model and plan
-    got, exp, one = o["got"], o["expected"], o["one_process"]
+def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
+    got, exp = got_all[0], expected[0]  # every rank checks the same model and plan
+    one = exp["one_process"]
     missed = [g for g in exp["reported"] if frozenset(g) not in _key(got["reported"])]
     extra = [g for g in got["reported"] if frozenset(g) not in _key(exp["reported"])]
-    through_one = [s for g, s in zip(exp["reported"], o["one_module"], strict=True) if g in missed]
+    through_one = [s for g, s in zip(exp["reported"], exp["one_module"], strict=True) if g in missed]
     if missed and not got["reported"] and not any(through_one):
         hint = (
             "No tie found at all: the two names of a tie are different strings, so group the "

@@ -72,49 +72,39 @@ def _as_units(got: Any) -> Units:
     return [(u,) if isinstance(u, str) else tuple(u) for u in got]
 
 
-def trial(fn: Any, solution: Any, case: Case) -> dict:
+def trial(fn: Any, case: Case) -> dict:
     p = case.params
-    out: dict[str, Any] = {"one_process": tm.one_process(p["model"])}
     model = tm.build(p["model"])
     given = [(u,) if isinstance(u, str) else tuple(u) for u in p["units"]]
     ties = [list(t.modules) for t in find_ties(model)]
-    out["ties"] = ties
-    out["given"] = [[unit_of_module(m, given) for m in t] for t in ties]
-    for who, mend in (("got", fn), ("expected", solution)):
-        returned: list[Units] = []
+    out: dict[str, Any] = {
+        "one_process": tm.one_process(p["model"]),
+        "ties": ties,
+        "given": [[unit_of_module(m, given) for m in t] for t in ties],
+    }
+    returned: list[Units] = []
 
-        def checked(
-            m: nn.Module, units: Units, mend: Any = mend, returned: list = returned
-        ) -> Units:
-            returned.append(_as_units(mend(m, [tuple(u) for u in units])))
-            return returned[-1]
+    def checked(m: nn.Module, units: Units) -> Units:
+        returned.append(_as_units(fn(m, [tuple(u) for u in units])))
+        return returned[-1]
 
-        model = tm.build(p["model"])
-        try:
-            plan = build_plan(model, p["units"], mend_ties=checked)
-        except PlanError as exc:
-            units = returned[0]
-            out[who] = {
-                "units": units,
-                "refused": str(exc),
-                "placed": [[unit_of_module(m, units) for m in t] for t in ties],
-            }
-            continue
-        out[who] = {
-            "units": returned[0],
-            "refused": None,
-            "run": tm.sharded(p["model"], plan, True),
-        }
-    return out
+    model = tm.build(p["model"])
+    try:
+        plan = build_plan(model, p["units"], mend_ties=checked)
+    except PlanError as exc:
+        units = returned[0]
+        placed = [[unit_of_module(m, units) for m in t] for t in ties]
+        return {**out, "units": units, "refused": str(exc), "placed": placed}
+    return {**out, "units": returned[0], "refused": None, "run": tm.sharded(p["model"], plan, True)}
 
 
 def _shown(units: Units) -> str:
     return ", ".join(unit_name(u) for u in units) or "none (all in the root)"
 
 
-def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
-    o = outcomes[0]  # every rank mends the same plan
-    got, exp, one = o["got"], o["expected"], o["one_process"]
+def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
+    got, exp = got_all[0], expected[0]  # every rank mends the same plan
+    one = exp["one_process"]
     rows = [("units", _shown(exp["units"]), _shown(got["units"]))]
     if got["refused"] is not None:
         message = got["refused"]
@@ -126,7 +116,7 @@ def judge(outcomes: list[Any], case: Case) -> Mismatch | None:
         else:
             split = [
                 (t, g, p)
-                for t, g, p in zip(o["ties"], o["given"], got["placed"], strict=True)
+                for t, g, p in zip(exp["ties"], exp["given"], got["placed"], strict=True)
                 if len(set(p)) > 1
             ]
             untouched = [s for s in split if s[1] == s[2]]

@@ -9,7 +9,9 @@ Kinds of verdict: "passed"; "wrong result" (the mechanism ran, a measured value 
 "wrong output" (a returned value of the wrong type, shape or dtype); "raised" (an exception on
 a rank); "hung" (a rank did not finish within the time limit); "died" (a rank process ended);
 "wrong signature"; "not implemented" (the stub is still there); "missing" (a submission
-without the function).
+without the function); "no result" (the grading process ended before the case ran: its time
+limit, an exit, a crash); "invalid reply" (what came back from the learner's processes is not
+what the trial returns: only tampering with the grader produces it).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ KINDS = (
     "wrong signature",
     "not implemented",
     "missing",
+    "no result",
+    "invalid reply",
 )
 
 
