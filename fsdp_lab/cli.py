@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     tour = sub.add_parser("tour", help="run every lab headless; write figures and a summary")
     _common(tour)
     grade = sub.add_parser(
-        "grade", help="grade submitted exercise notebooks or .py files, each in its own process"
+        "grade", help="grade submitted exercise notebooks or .py files, each in a sandbox"
     )
     grade.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="files or folders")
     grade.add_argument("--csv", type=Path, default=None, help="write one row per submission")
@@ -352,8 +352,13 @@ def one_lab(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def grade_command(args: argparse.Namespace) -> dict[str, Any]:
-    """`fsdp-lab grade`: every submission graded in its own process; a table (or JSON), a CSV."""
+    """`fsdp-lab grade`: every submission graded in a sandbox; a table (or JSON), a CSV."""
     from fsdp_lab.exercises import grading
+
+    if args.csv is not None:  # before the first file: a class's grades are never lost at the end
+        problem = grading.check_destination(args.csv)
+        if problem:
+            raise UsageError(problem, "give --csv a file in an existing folder", "fsdp-lab grade")
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -1,14 +1,19 @@
-"""`fsdp-lab grade PATH...`: grade a class's submissions headless, one process per file.
+"""`fsdp-lab grade PATH...`: grade a class's submissions headless, each file in a sandbox.
 
     fsdp-lab grade submitted/                 a table of per-exercise scores and verdicts
     fsdp-lab grade a.ipynb b.py --json        one JSON object: every file's verdicts
     fsdp-lab grade submitted/ --csv grades.csv    one row per submission, for the gradebook
 
-Each file is graded by `python -m fsdp_lab.exercises.submission FILE` in its own process
-group, under a time limit: a submission that hangs, exits or crashes costs only itself (its
-process group is killed, ranks included), and grading goes on with the next file. Bad input is
-a one-line verdict for that file, never the end of the run: a file that is not a notebook or
-Python file, a notebook that cannot be parsed, a folder with no submissions.
+The trust boundary: learner code runs only in the sandboxed child of its own file
+(`submission`, in `sandbox`), which replies with what the learner's function did on its ranks —
+plain JSON, never a pickle, never a verdict. This process, which no learner code ever runs in,
+measures the reference solution on ranks of its own (once per case for the whole class), judges
+each reply against it, and alone builds the rows and writes the gradebook: the student's name
+comes from the path, the score from the judge. Whatever a submission does — print, exit, hang,
+crash, reply garbage, delete files — it is that file's row, and grading goes on.
+
+Every file was read before the first one ran (a submission cannot change or delete another's),
+symlinks leading out of the submitted folder are refused, and names are kept printable.
 """
 
 from __future__ import annotations
@@ -16,86 +21,106 @@ from __future__ import annotations
 import csv
 import json
 import os
-import signal
-import subprocess
-import sys
+import re
 import time
+import unicodedata
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdp_lab.exercises.submission import BadSubmission, code_cells
+from fsdp_lab.exercises import sandbox
+from fsdp_lab.exercises.submission import SUFFIXES
 
-# Starting a grading process and its ranks takes seconds (torch imports): a file gets this
-# much on top of the per-case limit times the number of cases it could run.
+# A file's wall clock: start-up (interpreter, torch, ranks), then the per-case limit for its
+# top-level code and once per exercise it defines (a check stops at the first case that hangs).
 START_ALLOWANCE = 60.0
+MAX_FILE_BYTES = 16 << 20  # a submission larger than this is refused unread
+REPLY_LIMIT = 64 << 20
+MAX_NOTES, NOTE_CHARS = 20, 300
 
 
-def submissions(paths: Iterable[Path]) -> tuple[list[tuple[Path, str]], list[dict[str, Any]]]:
-    """The files to grade, each with its student (folders are searched recursively for
-    notebooks and .py files; under a folder, the student is the first folder below it, as in
-    nbgrader's submitted/<student>/<assignment>/, else the file's name), and a one-line result
-    per path that gives nothing to grade."""
-    files: list[tuple[Path, str]] = []
-    empty: list[dict[str, Any]] = []
-    for path in paths:
-        if path.is_dir():
-            found = sorted(
-                p
-                for p in path.rglob("*")
-                if p.is_file()
-                and not any(part.startswith((".", "__")) for part in p.relative_to(path).parts)
-            )
-            if not found:
-                empty.append({"file": str(path), "error": f"{path}: no files in it"})
-            for p in found:
-                rel = p.relative_to(path)
-                files.append((p, rel.parts[0] if len(rel.parts) > 1 else p.stem))
-        elif path.exists():
-            files.append((path, path.stem))  # any suffix: the grader says what is wrong with it
-        else:
-            empty.append({"file": str(path), "error": f"{path}: no such file or folder"})
-    return files, empty
+@dataclass(frozen=True)
+class Submission:
+    """One file to grade: how it is shown, whose it is, its bytes as read before grading began
+    (or why it cannot be graded)."""
+
+    shown: str
+    student: str
+    name: str
+    content: bytes | None = None
+    error: str | None = None
 
 
-def grade_in_process(path: Path, time_limit: float, only: str | None, budget: float) -> dict:
-    """Grade `path` in a child process of its own; its JSON, or a one-line error."""
-    try:  # a wrong kind of file, or a notebook that does not parse: said at once, no process
-        code_cells(path)
-    except BadSubmission as exc:
-        return {"file": str(path), "error": str(exc)}
-    cmd = [sys.executable, "-m", "fsdp_lab.exercises.submission", str(path)]
-    cmd += ["--time-limit", str(time_limit)] + (["--only", only] if only else [])
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group: killed whole, ranks included
+def printable(text: str) -> str:
+    """`text` with undecodable bytes as \\xNN and control and bidirectional characters escaped,
+    so a file name cannot rewrite the line it is printed on."""
+    text = os.fsencode(text).decode("utf-8", errors="backslashreplace")
+    return "".join(
+        ch.encode("unicode_escape").decode() if unicodedata.category(ch) in ("Cc", "Cf") else ch
+        for ch in text
     )
+
+
+def submissions(paths: Iterable[Path]) -> list[Submission]:
+    """The files to grade, in order, each read now. Folders are searched recursively (without
+    following links) for files; the student is the first folder below the one given, as in
+    nbgrader's submitted/<student>/<assignment>/, else the file's name. A path that gives
+    nothing to grade is a Submission with its error."""
+    found: list[Submission] = []
+    for path in paths:
+        shown = printable(str(path))
+        if path.is_dir() and not path.is_symlink():
+            files = sorted(_walk(path))
+            if not files:
+                found.append(Submission(shown, "", path.name, error=f"{shown}: no files in it"))
+            for p in files:
+                rel = p.relative_to(path)
+                student = rel.parts[0] if len(rel.parts) > 1 else p.stem
+                found.append(_read(p, printable(student), inside=path))
+        elif path.exists() or path.is_symlink():
+            found.append(_read(path, printable(path.stem), inside=None))
+        else:
+            found.append(Submission(shown, "", path.name, error=f"{shown}: no such file or folder"))
+    return found
+
+
+def _walk(folder: Path) -> Iterable[Path]:
+    for root, dirs, files in os.walk(folder):  # links to folders are listed, never followed
+        dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+        for name in [*files, *(d for d in dirs if os.path.islink(os.path.join(root, d)))]:
+            if not name.startswith((".", "__")):
+                yield Path(root, name)
+
+
+def _read(path: Path, student: str, inside: Path | None) -> Submission:
+    shown = printable(str(path))
+    if path.is_symlink():
+        target = path.resolve()
+        if inside is None or not target.is_relative_to(inside.resolve()):
+            return Submission(
+                shown, student, path.name, error=f"{shown}: a link to {printable(str(target))}, "
+                "outside the submitted folder — refused (submit the file itself)"
+            )  # fmt: skip
+    if path.suffix not in SUFFIXES:
+        return Submission(
+            shown, student, path.name,
+            error=f"{printable(path.name)}: not a notebook (.ipynb) or Python file (.py) — "
+            "nothing graded",
+        )  # fmt: skip
     try:
-        out, err = proc.communicate(timeout=budget)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return {
-            "file": str(path),
-            "error": f"{path.name}: grading took over {budget:g} s "
-            "(the submission's own code ran too long?) — stopped",
-        }
-    except BaseException:  # Ctrl-C: no grading process is left behind
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        last = (err.strip().splitlines() or ["no output"])[-1]
-        return {
-            "file": str(path),
-            "error": f"{path.name}: the grading process failed "
-            f"(exit {proc.returncode}): {last[:200]}",
-        }
-    return json.loads(lines[-1])
+        if not path.is_file():
+            raise OSError("not a regular file")
+        with path.open("rb") as f:
+            content = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        return Submission(shown, student, path.name, error=f"{shown}: cannot be read ({exc})")
+    if len(content) > MAX_FILE_BYTES:
+        return Submission(
+            shown, student, path.name,
+            error=f"{shown}: larger than {MAX_FILE_BYTES >> 20} MiB — not graded",
+        )  # fmt: skip
+    return Submission(shown, student, path.name, content=content)
 
 
 def grade_paths(
@@ -105,23 +130,134 @@ def grade_paths(
     progress: Callable[[str], None] = lambda line: None,
 ) -> list[dict[str, Any]]:
     """Every file's result, in order; `progress` gets one line per file as it is graded."""
-    from fsdp_lab.exercises.catalog import EXERCISES, exercise
+    from fsdp_lab.exercises.catalog import exercise
 
     if only is not None:
         exercise(only)  # a name that does not exist: ValueError before anything runs
-    files, results = submissions(paths)
-    for line in results:
-        progress(f"  {line['error']}")
-    most_cases = max(len(e.cases) for e in EXERCISES) * len(EXERCISES)
-    budget = START_ALLOWANCE + time_limit * most_cases
-    for i, (path, student) in enumerate(files, 1):
-        t0 = time.perf_counter()
-        result = {"student": student, **grade_in_process(path, time_limit, only, budget)}
-        results.append(result)
-        progress(
-            f"[{i}/{len(files)}] {path}: {score_line(result)} ({time.perf_counter() - t0:.0f} s)"
-        )
+    todo = submissions(paths)
+    progress(sandbox.sandbox_note())
+    judge = Judge()
+    results = []
+    try:
+        for i, sub in enumerate(todo, 1):
+            t0 = time.perf_counter()
+            result = grade_one(sub, time_limit, only, judge)
+            results.append(result)
+            took = time.perf_counter() - t0
+            progress(f"[{i}/{len(todo)}] {sub.shown}: {score_line(result)} ({took:.0f} s)")
+    finally:
+        judge.close()
     return results
+
+
+def grade_one(sub: Submission, time_limit: float, only: str | None, judge: Judge) -> dict:
+    """One file's row: its verdicts, or the one error that stopped it."""
+    row: dict[str, Any] = {"file": sub.shown, "student": sub.student}
+    if sub.content is None:
+        return {**row, "error": sub.error}
+    from fsdp_lab.exercises.catalog import EXERCISES
+
+    text = sub.content.decode("utf-8", errors="replace")
+    mentioned = [e.name for e in EXERCISES if re.search(rf"\bdef\s+{e.name}\b", text)]
+    checks = 1 if only else len(mentioned)
+    limits = sandbox.Limits(wall_seconds=START_ALLOWANCE + time_limit * (1 + checks))
+    inside = "submission" + Path(sub.name).suffix
+    argv = ["-m", "fsdp_lab.exercises.submission", inside, "--time-limit", str(time_limit)]
+    run = sandbox.run_submission(
+        inside, sub.content, [*argv, *(["--only", only] if only else [])], limits, REPLY_LIMIT
+    )
+    return {**row, **judge.verdicts(read_reply(run), run, only, sub)}
+
+
+def read_reply(run: sandbox.Run) -> dict[str, Any]:
+    """The reply lines a submission's process wrote, gathered; what is not a JSON object of a
+    known form is dropped (it can only cost the file its own grade)."""
+    reply: dict[str, Any] = {"exercises": {}}
+    for line in (run.reply or b"").splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        if isinstance(obj.get("error"), str) and "error" not in reply:
+            reply["error"] = obj["error"]
+        elif isinstance(obj.get("defined"), list) and "defined" not in reply:
+            reply["defined"] = [n for n in obj["defined"] if isinstance(n, str)]
+            notes = obj.get("notes") if isinstance(obj.get("notes"), list) else []
+            reply["notes"] = [printable(str(n))[:NOTE_CHARS] for n in notes[:MAX_NOTES]]
+        elif isinstance(obj.get("exercise"), str):
+            reply["exercises"].setdefault(obj["exercise"], obj)
+    return reply
+
+
+def how_it_stopped(run: sandbox.Run) -> str:
+    """Why a submission's process gave no (full) reply, in one line."""
+    if run.timed_out:
+        return f"stopped at the file's time limit ({run.seconds:.0f} s)"
+    if run.reply is None:
+        return "its reply was larger than allowed and was not read"
+    last = next((ln for ln in reversed(run.stderr.splitlines()) if ln.strip()), "no output")
+    return f"the grading process ended (exit code {run.returncode}): {printable(last)[:200]}"
+
+
+class Judge:
+    """The grader's side: the reference solution on ranks no learner code runs on, and the
+    verdicts made here from a submission's reply."""
+
+    def __init__(self) -> None:
+        self._pool: Any = None
+
+    def expected(self, ex: Any) -> Callable[[Any], list]:
+        from fsdp_lab.exercises.checker import expected_outcomes
+        from fsdp_lab.exercises.pool import ClusterPool
+
+        if self._pool is None:
+            self._pool = ClusterPool()
+        return lambda case: expected_outcomes(ex, case, self._pool)
+
+    def verdicts(
+        self, reply: dict[str, Any], run: sandbox.Run, only: str | None, sub: Submission
+    ) -> dict[str, Any]:
+        from fsdp_lab.exercises.catalog import EXERCISES, LABS
+        from fsdp_lab.exercises.checker import signature_verdict, verdict_of
+        from fsdp_lab.exercises.verdict import Verdict
+
+        if "error" in reply:
+            return {"error": printable(reply["error"])[:NOTE_CHARS]}
+        if "defined" not in reply:
+            return {"error": f"{printable(sub.name)}: no result — {how_it_stopped(run)}"}
+        defined = set(reply["defined"])
+        notes = list(reply["notes"])
+        labs = [lab for lab, group in LABS.items() if any(e.name in defined for e in group)]
+        if not labs:
+            names = ", ".join(e.name for e in EXERCISES)
+            return {
+                "error": f"{printable(sub.name)}: defines none of the exercise functions ({names})",
+                "notes": notes,
+            }
+        verdicts = []
+        stopped = False
+        for ex in (e for lab in labs for e in LABS[lab]):
+            if only is not None and ex.name != only:
+                continue
+            report = reply["exercises"].get(ex.name)
+            if ex.name not in defined:
+                v = Verdict(ex.name, "missing", f"no function {ex.name} in the file", ex.points)
+            elif isinstance(report, dict) and "wrong_signature" in report:
+                v = signature_verdict(ex, report["wrong_signature"])
+            else:
+                runs = report.get("runs") if isinstance(report, dict) else None
+                stopped = stopped or not isinstance(runs, list)
+                v = verdict_of(ex, runs if isinstance(runs, list) else [], self.expected(ex))
+            verdicts.append(v.to_dict())
+        if stopped:
+            notes.append(how_it_stopped(run))
+        return {"verdicts": verdicts, "notes": notes}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
 
 
 def score_line(result: dict[str, Any]) -> str:
@@ -153,27 +289,42 @@ def text_report(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def check_destination(path: Path) -> str | None:
+    """Why `path` cannot take the gradebook (checked before any file is graded), or None."""
+    if path.is_dir():
+        return f"--csv {path}: is a folder; expected a file name (e.g. {path}/grades.csv)"
+    parent = path.parent
+    if not parent.is_dir():
+        return f"--csv {path}: the folder {parent} does not exist; create it first"
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return f"--csv {path}: not writable here; choose a folder you can write to"
+    return None
+
+
+def cell(value: Any) -> Any:
+    """A CSV cell a spreadsheet shows as text: one starting like a formula gets a quote first."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
+
 def write_csv(results: list[dict[str, Any]], path: Path) -> None:
-    """One row per submission: file, student, each exercise's score, total, max,
-    and the error for files that could not be graded."""
+    """One row per submission: file, student, each exercise's score, total, max, and the error
+    for files that could not be graded. Written once, whole (a temporary file renamed)."""
     names: list[str] = []
     for r in results:
         for v in r.get("verdicts", []):
             if v["exercise"] not in names:
                 names.append(v["exercise"])
-    with path.open("w", newline="") as f:
+    partial = path.with_name(f".{path.name}.partial")
+    with partial.open("w", newline="", encoding="utf-8") as f:
         out = csv.writer(f)
         out.writerow(["file", "student", *names, "total", "max", "error"])
         for r in results:
             scores = {v["exercise"]: v["score"] for v in r.get("verdicts", [])}
             points = sum(v["points"] for v in r.get("verdicts", []))
+            row = [r["file"], r.get("student", ""), *[scores.get(n, "") for n in names]]
             out.writerow(
-                [
-                    r["file"],
-                    r.get("student", ""),
-                    *[scores.get(n, "") for n in names],
-                    sum(scores.values()),
-                    points,
-                    r.get("error", ""),
-                ]
+                [cell(c) for c in [*row, sum(scores.values()), points, r.get("error", "")]]
             )
+    os.replace(partial, path)

@@ -1,36 +1,42 @@
-"""One submitted file, graded in this process: read it, run the learner's code, check every
-exercise it defines. `fsdp-lab grade` runs this module once per file, in its own process
-(`python -m fsdp_lab.exercises.submission FILE`), so a submission that hangs, exits or crashes
-the interpreter costs only itself; the JSON object it prints is that file's grades.
+"""One submitted file, run where it can harm nothing: the learner's side of grading.
 
-What counts as the learner's code: in a notebook, every code cell except the checks (nbgrader's
-autograded test cells, or any cell calling `check_...`), with IPython syntax (`%magic`, `!cmd`)
-turned into Python as Jupyter would; in a `.py` file, the whole file. It runs in a fresh
-namespace whose module name is not importable, so the functions travel to the ranks by value,
-as from a notebook.
+`fsdp-lab grade` runs this module once per file, inside the sandbox
+(`fsdp_lab.exercises.sandbox`): ``python -m fsdp_lab.exercises.submission FILE``. It reads the
+file, runs the learner's code, and runs each exercise's trial with the learner's function on
+live ranks — nothing else. It never sees a reference outcome and never makes a verdict: its
+reply (JSON lines on file descriptor 3) says only what the learner's code did, and the grader,
+in a process the learner's code never touched, judges that against the reference.
 
-Which exercises: those of every lab one of whose exercise functions the submission defines. A
-function of that lab that is missing scores 0 with the verdict "missing".
+The reply, one JSON object per line:
+    {"notes": [...], "defined": [names]}               after the learner's code ran
+    {"exercise": name, "runs": [...]}                  an exercise's runs (`checker.run_case`)
+    {"exercise": name, "wrong_signature": "..."}       ... or why it could not be called
+    {"error": "..."}                                   the file cannot be graded at all
+
+What counts as the learner's code: in a notebook, every code cell except nbgrader's locked
+test cells, with the statements that call a `check_...` function removed (the grader runs the
+checks itself), and IPython syntax (`%magic`, `!cmd`) turned into Python as Jupyter would; in
+a `.py` file, the whole file. It runs in a fresh namespace whose module name is not importable,
+so the functions travel to the ranks by value, as from a notebook. Each cell may run for the
+time limit of one case.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
-import io
 import json
 import os
+import signal
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fsdp_lab.exercises.catalog import LABS
-from fsdp_lab.exercises.checker import grade
-from fsdp_lab.exercises.pool import DEFAULT_TIME_LIMIT, ClusterPool
-from fsdp_lab.exercises.verdict import Verdict
-
 SUFFIXES = (".ipynb", ".py")
+REPLY_FD = 3
 
 
 class BadSubmission(Exception):
@@ -46,85 +52,150 @@ def code_cells(path: Path) -> list[str]:
     text = path.read_text(errors="replace")
     if path.suffix == ".py":
         return [text]
-    import nbformat
-    from IPython.core.inputtransformer2 import TransformerManager
-
     try:
-        nb = nbformat.reads(text, as_version=4)
-    except Exception as exc:  # nbformat raises several kinds for a broken file
+        nb = json.loads(text)
+        cells = nb["cells"]
+        if not isinstance(cells, list):
+            raise TypeError("'cells' is not a list")
+    except (ValueError, KeyError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise BadSubmission(f"{path.name}: not a readable notebook ({first[:120]})") from None
+    from IPython.core.inputtransformer2 import TransformerManager
+
     python = TransformerManager()
     blocks = []
-    for cell in nb.cells:
-        if cell.cell_type != "code":
+    for cell in cells:
+        if not isinstance(cell, dict) or cell.get("cell_type") != "code":
             continue
-        meta = cell.metadata.get("nbgrader", {})
-        if meta.get("grade") or "check_" in cell.source:
-            continue  # the checks: the grader runs them itself
-        blocks.append(python.transform_cell(cell.source))
+        meta = cell.get("metadata")
+        nbgrader = meta.get("nbgrader") if isinstance(meta, dict) else None
+        if isinstance(nbgrader, dict) and nbgrader.get("grade") and not nbgrader.get("solution"):
+            continue  # nbgrader's locked test cell: the grader runs the checks itself
+        source = cell.get("source", "")
+        source = "".join(source) if isinstance(source, list) else source
+        if not isinstance(source, str):
+            continue
+        with contextlib.suppress(Exception):  # what IPython cannot read stays as it is
+            source = python.transform_cell(source)
+        blocks.append(without_checks(source))
     return blocks
 
 
-def learner_namespace(blocks: list[str], path: Path) -> tuple[dict[str, Any], list[str]]:
-    """Run the blocks; the names they defined, and one note per block that raised."""
+def without_checks(source: str) -> str:
+    """`source` without its statements that call a `check_...` function (a learner's own
+    `exercises.check_x(x, pool)`); a comment or a name that merely mentions one stays."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return source  # the learner sees the SyntaxError as a note of that cell
+
+    def calls_a_check(node: ast.stmt) -> bool:
+        for call in ast.walk(node):
+            if isinstance(call, ast.Call):
+                f = call.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                if name.startswith("check_"):
+                    return True
+        return False
+
+    lines = source.splitlines(keepends=True)
+    for node in reversed(tree.body):
+        if isinstance(node, ast.Expr | ast.Assign) and calls_a_check(node):
+            end = node.end_lineno or node.lineno
+            lines[node.lineno - 1 : end] = ["pass\n"] * (end - node.lineno + 1)
+    return "".join(lines)
+
+
+class CellTimeout(BaseException):
+    """A cell of the learner's code ran past its time (a BaseException: `except Exception` in
+    the learner's code does not swallow it)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    def stop(signum: int, frame: Any) -> None:
+        raise CellTimeout()
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def learner_namespace(
+    blocks: list[str], path: Path, seconds: float
+) -> tuple[dict[str, Any], list[str]]:
+    """Run the blocks, each for at most `seconds`; the names they defined, and one note per
+    block that raised or ran too long. What they print goes to stderr."""
     namespace: dict[str, Any] = {"__name__": "__submission__", "__file__": str(path)}
     notes = []
     for i, block in enumerate(blocks, 1):
         try:
             code = compile(block, f"{path.name} [cell {i}]", "exec")
-            with contextlib.redirect_stdout(io.StringIO()):
+            with contextlib.redirect_stdout(sys.stderr), time_limit(seconds):
                 exec(code, namespace)  # the learner's own code: that is what grading runs
+        except CellTimeout:
+            notes.append(f"cell {i} ran past {seconds:g} s and was stopped")
         except Exception as exc:
             line = traceback.format_exception_only(type(exc), exc)[-1].strip()
-            notes.append(f"cell {i} raised {line}")
+            notes.append(f"cell {i} raised {line[:300]}")
     return namespace, notes
 
 
-def grade_file(path: Path, pool: ClusterPool, only: str | None = None) -> dict[str, Any]:
-    """{"file", "verdicts": [Verdict.to_dict()], "notes": [...]} or {"file", "error"}."""
+def run_file(path: Path, time_limit_s: float, only: str | None, say: Any) -> None:
+    """Run the learner's code of `path` and the trials of every exercise of the labs it
+    defines a function of; `say(obj)` sends each reply line."""
+    from fsdp_lab.exercises.catalog import EXERCISES, LABS
+
     try:
         blocks = code_cells(path)
     except BadSubmission as exc:
-        return {"file": str(path), "error": str(exc)}
-    namespace, notes = learner_namespace(blocks, path)
-    verdicts: list[Verdict] = []
-    labs = [lab for lab, group in LABS.items() if any(e.name in namespace for e in group)]
-    if not labs:
-        names = ", ".join(e.name for g in LABS.values() for e in g)
-        return {
-            "file": str(path),
-            "error": f"{path.name}: defines none of the exercise functions ({names})",
-            "notes": notes,
-        }
-    for lab in labs:
-        for ex in LABS[lab]:
-            if only is not None and ex.name != only:
+        say({"error": str(exc)})
+        return
+    namespace, notes = learner_namespace(blocks, path, time_limit_s)
+    defined = [e.name for e in EXERCISES if e.name in namespace]
+    say({"notes": notes, "defined": defined})
+    from fsdp_lab.exercises.checker import learner_runs, signature_problem
+    from fsdp_lab.exercises.pool import ClusterPool
+
+    wanted = [
+        e
+        for group in LABS.values()
+        if any(e.name in defined for e in group)
+        for e in group
+        if e.name in defined and (only is None or e.name == only)
+    ]
+    if not wanted:
+        return
+    with ClusterPool(time_limit_s) as pool:
+        for ex in wanted:
+            fn = namespace[ex.name]
+            problem = signature_problem(ex, fn)
+            if problem is not None:
+                say({"exercise": ex.name, "wrong_signature": problem})
                 continue
-            fn = namespace.get(ex.name)
-            if fn is None:
-                verdicts.append(
-                    Verdict(ex.name, "missing", f"no function {ex.name} in the file", ex.points)
-                )
-                continue
-            verdicts.append(grade(ex, fn, pool))
-    return {"file": str(path), "verdicts": [v.to_dict() for v in verdicts], "notes": notes}
+            say({"exercise": ex.name, "runs": list(learner_runs(ex, fn, pool))})
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="grade one submission; print one JSON object")
+    parser = argparse.ArgumentParser(description="run one submission's trials; reply on fd 3")
     parser.add_argument("path", type=Path)
-    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT)
+    parser.add_argument("--time-limit", type=float, default=30.0)
     parser.add_argument("--only", default=None)
     args = parser.parse_args(argv)
-    # Everything the learner's code, the ranks and C libraries print goes to stderr: fd 1 is
-    # pointed there, and the one JSON object goes to a private copy of the real stdout.
-    sys.stdout.flush()
-    private = os.dup(1)
-    os.dup2(2, 1)
-    with contextlib.redirect_stdout(sys.stderr), ClusterPool(args.time_limit) as pool:
-        result = grade_file(args.path, pool, args.only)
-    os.write(private, (json.dumps(result) + "\n").encode())
+    reply = os.fdopen(REPLY_FD, "w")
+    from fsdp_lab.cluster import launcher
+
+    launcher.warm_up()  # the ranks' fork server imports torch while the learner's code runs
+
+    def say(obj: dict[str, Any]) -> None:
+        reply.write(json.dumps(obj) + "\n")
+        reply.flush()
+
+    run_file(args.path, args.time_limit, args.only, say)
     return 0
 
 

@@ -112,7 +112,9 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
     one = exp["one_process"]
     missed = [g for g in exp["reported"] if frozenset(g) not in _key(got["reported"])]
     extra = [g for g in got["reported"] if frozenset(g) not in _key(exp["reported"])]
-    through_one = [s for g, s in zip(exp["reported"], exp["one_module"], strict=True) if g in missed]
+    through_one = [
+        s for g, s in zip(exp["reported"], exp["one_module"], strict=True) if g in missed
+    ]
     if missed and not got["reported"] and not any(through_one):
         hint = (
             "No tie found at all: the two names of a tie are different strings, so group the "

@@ -1,0 +1,329 @@
+"""Where a submission runs when it is graded: a bubblewrap sandbox, limits, and a wall clock.
+
+`fsdp-lab grade` runs each learner's file (its parsing, its top-level code and its ranks) in a
+child process that can harm nothing the grader owns:
+
+- **bubblewrap** (`bwrap`, the sandbox Flatpak uses): the system and Python read-only; as working
+  directory a small private tmpfs holding a read-only copy of the submission and nothing else of
+  the course; a private /tmp; its own PID namespace (every process it starts dies with it:
+  nothing outlives grading); a network namespace with loopback only (gloo's sockets work,
+  nothing leaves the machine); and — when the grader runs as root — an unprivileged user
+  (nobody) without capabilities;
+- **rlimits** on every process it starts: address space, CPU seconds, file size, processes; and
+  the out-of-memory killer's first choice (oom_score_adj 1000), so a runaway submission is
+  what dies, not the grader;
+- **a wall clock** per file: at the limit the whole sandbox is killed;
+- **capped output**: only the last `Limits.output_bytes` of stdout and of stderr are kept, so a
+  submission that prints gigabytes costs the grader a megabyte; the reply (file descriptor 3,
+  a pipe) is read up to `reply_limit` bytes.
+
+Without bwrap (not installed, or the kernel refuses its namespaces) the child runs with the same
+rlimits, in a temporary folder, in a process group of its own that is killed as a whole, and
+whatever it leaves running is found and killed afterwards (the grader is a child subreaper, so
+orphans come back to it); `sandbox_note()` says which of the two the machine gives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+NOBODY = 65534  # the unprivileged user a root grader runs submissions as
+INSIDE = "/sandbox"  # the working directory inside the sandbox
+REPLY_FD = 3  # the child writes its reply here: a pipe to the grader, nothing on disk
+TMPFS = ("--perms", "01777", "--size", str(256 << 20), "--tmpfs")  # a small private folder
+PR_SET_CHILD_SUBREAPER = 36
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one submission may use.
+
+    Args:
+        wall_seconds: the whole run, start-up included; then everything is killed.
+        memory_bytes: address space per process (a rank or the grading process).
+        file_bytes: largest file a process may write.
+        processes: processes and threads of the sandbox's user (when it runs as nobody).
+        output_bytes: the last bytes of stdout and of stderr that are kept.
+    """
+
+    wall_seconds: float
+    memory_bytes: int = 6 << 30
+    file_bytes: int = 64 << 20
+    processes: int = 512
+    output_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class Run:
+    """How a sandboxed run ended: its exit code (None: killed at the wall clock), the kept tails
+    of its output, and what it wrote to its reply channel (None: more than allowed)."""
+
+    returncode: int | None
+    seconds: float
+    stdout: str
+    stderr: str
+    reply: bytes | None
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+
+@functools.cache
+def bwrap() -> str | None:
+    """The bwrap executable, if it is installed and this kernel lets it make its namespaces."""
+    path = shutil.which("bwrap")
+    if path is None:
+        return None
+    probe = [path, *_mounts([]), "--unshare-pid", "--unshare-net", "--", "/bin/true"]
+    try:
+        ok = subprocess.run(probe, capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return path if ok else None
+
+
+def sandbox_note() -> str:
+    """One line: how submissions are contained on this machine."""
+    if bwrap() is not None:
+        who = "as user nobody, " if os.geteuid() == 0 else ""
+        return (
+            f"submissions run in a bubblewrap sandbox ({who}own PID and network namespaces, "
+            "no view of the course folder)"
+        )
+    return (
+        "bubblewrap (bwrap) is not available: submissions run unsandboxed, with your user's "
+        "rights, in a temporary folder and a process group of their own (killed as a whole), "
+        "under rlimits — install bubblewrap (apt-get install bubblewrap) to contain them"
+    )
+
+
+def run_submission(
+    name: str, content: bytes, argv: list[str], limits: Limits, reply_limit: int
+) -> Run:
+    """Run `python argv...` with the submission `name` (a read-only copy of `content`) in its
+    working directory; its reply is what it writes to file descriptor 3.
+
+    Args:
+        name: the submission's file name in the working directory.
+        content: its bytes (read by the grader before any submission ran).
+        argv: the arguments after the Python executable (e.g. ["-m", "module", name]).
+        limits: see `Limits`.
+        reply_limit: a reply longer than this many bytes is not read (`Run.reply` None).
+    """
+    folder = Path(tempfile.mkdtemp(prefix="fsdp_lab_grade_"))
+    try:
+        (folder / name).write_bytes(content)
+        os.chmod(folder, 0o755)  # readable by the sandbox's user; written by no one
+        sandboxed = bwrap() is not None
+        command = _bwrap_command(folder / name, name, argv) if sandboxed else [sys.executable]
+        if not sandboxed:
+            command += argv
+        t0 = time.monotonic()
+        code, out, err, reply = _run_limited(command, limits, folder, sandboxed, reply_limit)
+        return Run(code, time.monotonic() - t0, out, err, reply)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# -- bubblewrap ------------------------------------------------------------------------------
+
+
+def _mounts(extra: list[str]) -> list[str]:
+    """bwrap's arguments for a root with the system (read-only), /dev, /proc, a private /tmp,
+    and each of `extra` read-only at its own path (its parent folders readable)."""
+    args = ["--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
+    for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = f"/{top}"
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    made: set[str] = set()
+    for path in extra:
+        # bwrap makes missing parents mode 0700: readable parents, or nobody cannot reach it
+        for parent in reversed(Path(path).parents):
+            p = str(parent)
+            if p != "/" and p not in made and not p.startswith(("/usr", "/etc")):
+                made.add(p)
+                args += ["--perms", "0755", "--dir", p]
+        args += ["--ro-bind", path, path]
+    return [*args, "--dev", "/dev", "--proc", "/proc", *TMPFS, "/tmp"]
+
+
+def _python_paths() -> list[str]:
+    """What the child's Python reads: its installation, its import path, this package — not the
+    folder grading started in (the course folder, most likely)."""
+    import fsdp_lab
+
+    wanted = {sys.base_prefix, sys.prefix, sys.exec_prefix, str(Path(fsdp_lab.__file__).parent)}
+    wanted |= {p for p in sys.path if p and os.path.isdir(p)}
+    cwd = os.path.realpath(os.getcwd())
+    real = {os.path.realpath(p) for p in wanted}
+    paths = sorted(p for p in real if p != cwd and not p.startswith(("/usr/", "/etc/")))
+    return [p for i, p in enumerate(paths) if not any(p.startswith(q + "/") for q in paths[:i])]
+
+
+def _bwrap_command(submission: Path, name: str, argv: list[str]) -> list[str]:
+    path = bwrap()
+    assert path is not None
+    command = [
+        path,
+        *_mounts(_python_paths()),
+        *(*TMPFS, INSIDE, "--ro-bind", str(submission), f"{INSIDE}/{name}", "--chdir", INSIDE),
+        *("--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"),
+        *("--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv"),
+    ]
+    for key, value in _environment(INSIDE).items():
+        command += ["--setenv", key, value]
+    command.append("--")
+    if os.geteuid() == 0:  # drop root inside: the child runs as nobody, without capabilities
+        command += [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            "--bounding-set=-all",
+            "--inh-caps=-all",
+        ]
+    return [*command, sys.executable, *argv]
+
+
+def _environment(home: str) -> dict[str, str]:
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        "HOME": home,
+        "TMPDIR": "/tmp",
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "MPLCONFIGDIR": f"{home}/.matplotlib",
+    }
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return env
+
+
+# -- running under limits --------------------------------------------------------------------
+
+
+def _run_limited(
+    command: list[str], limits: Limits, folder: Path, sandboxed: bool, reply_limit: int
+) -> tuple[int | None, str, str, bytes | None]:
+    """Start `command` in a session of its own under `limits`; wait up to the wall clock, then
+    kill it whole. Returns the exit code (None: killed), the kept output and the reply."""
+    env = None if sandboxed else {**_environment(str(folder)), "TMPDIR": str(folder)}
+    reply_r, reply_w = os.pipe()
+
+    def apply_limits() -> None:  # in the child, before exec: inherited by all it starts
+        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
+        cpu = int(limits.wall_seconds) + 1
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        # counted per user: it holds the sandbox's nobody (root itself is exempt)
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+        with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")  # out of memory: the submission goes first
+        os.dup2(reply_w, REPLY_FD)
+
+    _become_subreaper()
+    before = _children()
+    try:
+        proc = subprocess.Popen(
+            command,
+            cwd=folder,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            pass_fds=tuple(sorted({reply_w, REPLY_FD})),
+            preexec_fn=apply_limits,
+        )
+    finally:
+        os.close(reply_w)
+    tails = [_Tail(proc.stdout, limits.output_bytes), _Tail(proc.stderr, limits.output_bytes)]
+    reply = _Tail(os.fdopen(reply_r, "rb"), reply_limit, keep="first")
+    try:
+        returncode: int | None = proc.wait(timeout=limits.wall_seconds)
+    except subprocess.TimeoutExpired:
+        returncode = None
+    except BaseException:  # Ctrl-C: nothing of the submission is left behind
+        _kill(proc, before)
+        raise
+    _kill(proc, before)
+    return returncode, tails[0].text(), tails[1].text(), reply.data()
+
+
+def _kill(proc: subprocess.Popen, before: set[int]) -> None:
+    """The child's session, then any orphan of it that came back to this process."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pid in _children() - before:  # orphans reparented here (we are a subreaper)
+        with contextlib.suppress(psutil.Error, ChildProcessError):
+            for p in [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]:
+                p.kill()
+            os.waitpid(pid, 0)
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children()}
+
+
+def _become_subreaper() -> None:
+    """Orphans of what this process starts come back to it (not to init), to be killed."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+class _Tail:
+    """Reads a pipe to its end on a thread, keeping its last (or first) `limit` bytes."""
+
+    def __init__(self, pipe: Any, limit: int, keep: str = "last") -> None:
+        self.limit, self.keep, self.total = limit, keep, 0
+        self.chunks: deque[bytes] = deque()
+        self.kept = 0
+        self.thread = threading.Thread(target=self._drain, args=(pipe,), daemon=True)
+        self.thread.start()
+
+    def _drain(self, pipe: Any) -> None:
+        with contextlib.suppress(OSError, ValueError), pipe:
+            while chunk := os.read(pipe.fileno(), 1 << 16):
+                self.total += len(chunk)
+                if self.keep == "first" and self.kept >= self.limit:
+                    continue  # read on (the writer must not block), keep nothing more
+                self.chunks.append(chunk)
+                self.kept += len(chunk)
+                while self.keep == "last" and self.kept - len(self.chunks[0]) >= self.limit:
+                    self.kept -= len(self.chunks.popleft())
+
+    def data(self) -> bytes | None:
+        """All that was written, or None if it was longer than the limit (keep="first")."""
+        self.thread.join(5.0)
+        return b"".join(self.chunks) if self.total <= self.limit else None
+
+    def text(self) -> str:
+        """The last `limit` bytes as text, with a line saying how much came before."""
+        self.thread.join(5.0)
+        data = b"".join(self.chunks)[-self.limit :]
+        dropped = self.total - len(data)
+        head = f"[... {dropped} earlier bytes not kept ...]\n" if dropped else ""
+        return head + data.decode("utf-8", errors="replace")

@@ -1,0 +1,321 @@
+"""`fsdp-lab grade` as a hostile learner attacks it: a class of submissions, each trying to fake
+its own grade, change another student's, break the whole run or outlive it — graded in one run
+beside honest submissions. Every attack costs at most its own file's grade; the honest students
+keep theirs. (The sandbox's own properties are asserted where bwrap can run: CI installs it.)"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+
+from fsdp_lab.exercises.authoring import FOLDER, notebook_name
+from fsdp_lab.exercises.sandbox import bwrap
+
+FSDP_LAB = [sys.executable, "-m", "fsdp_lab"]
+COLLECTIVES = FOLDER / notebook_name("collectives")
+MARK = "fsdp_lab_test_daemon_mark"  # in the command line of a process a submission leaves
+
+CORRECT = """\
+import torch.distributed as dist
+from fsdp_lab import comm
+
+
+def all_reduce_mean(tensor, group):
+    out = tensor.clone()
+    comm.all_reduce(out, group=group)
+    return out / dist.get_world_size(group)
+"""
+
+SUM_ONLY = """\
+from fsdp_lab import comm
+
+
+def all_reduce_mean(tensor, group):  # wrong: the sum, not the mean
+    out = tensor.clone()
+    comm.all_reduce(out, group=group)
+    return out
+"""
+
+FULL_MARKS = [  # what the grading process used to print for a file that passed everything
+    {"exercise": n, "kind": "passed", "summary": "", "points": 2, "score": 2, "passed": True}
+    for n in ("all_reduce_mean", "gather_shards")
+]
+
+
+def notebook(cells: list[dict]) -> str:
+    return json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5})
+
+
+def code(source: str, **metadata: object) -> dict:
+    return {"cell_type": "code", "source": source, "metadata": metadata, "outputs": []}
+
+
+def write_class(root: Path, csv_path: Path) -> dict[str, Path]:
+    """submitted/<student>/<file>: the honest ones and the attacks, keyed by student."""
+    subs = root / "submitted"
+    victim = subs / "zed" / "ex.py"  # graded last: the attacks aim at her file
+    files = {
+        "alice": ("ex.py", CORRECT),
+        # 1. a full-marks line on stdout, then exit before anything is checked
+        "fake_line": ("ex.py", SUM_ONLY + textwrap.dedent(f"""
+            import json, os
+            print(json.dumps({{"file": __file__, "verdicts": {FULL_MARKS!r}}}), flush=True)
+            os._exit(0)
+            """)),
+        # 2. every comparison made to say "equal"
+        "allclose": ("ex.py", "import torch\ntorch.allclose = lambda *a, **k: True\n" + SUM_ONLY),
+        # 3. the verdict class made to say "passed"
+        "verdict": ("ex.py", SUM_ONLY + textwrap.dedent("""
+            from fsdp_lab.exercises.verdict import Verdict
+            Verdict.passed = property(lambda self: True)
+            Verdict.score = property(lambda self: self.points)
+            """)),
+        # 4. on the rank: the group size the reference will read made 1
+        "world_size": ("ex.py", textwrap.dedent("""
+            import torch.distributed as dist
+            from fsdp_lab import comm
+
+            def all_reduce_mean(tensor, group):
+                dist.get_world_size = lambda group=None: 1
+                out = tensor.clone()
+                comm.all_reduce(out, group=group)
+                return out / dist.get_world_size(group)
+            """)),
+        # 7. a row for another student, in the grading process's own format
+        "forger": ("ex.py", SUM_ONLY + textwrap.dedent(f"""
+            import json
+            print(json.dumps({{"file": {str(subs / 'alice' / 'ex.py')!r}, "student": "alice",
+                              "verdicts": [dict(v, score=0, passed=False, kind="raised")
+                                           for v in {FULL_MARKS!r}]}}), flush=True)
+            """)),
+        # 8. a process in a session of its own, waiting to rewrite the gradebook
+        "daemon": ("ex.py", CORRECT + textwrap.dedent(f"""
+            import subprocess, sys
+            subprocess.Popen([sys.executable, "-c", '''
+            import os, sys, time
+            for _ in range(600):
+                time.sleep(0.1)
+                if os.path.exists({str(csv_path)!r}):
+                    time.sleep(1.0)
+                    open({str(csv_path)!r}, "w").write("file,student,total\\\\nforged,alice,0\\\\n")
+                    sys.exit()
+            ''', "{MARK}"], start_new_session=True)
+            """)),
+        # 9. replies that used to crash the grader: a broken JSON line, a verdict without points
+        "not_json": ("ex.py", SUM_ONLY + "print('{not json', flush=True)\n"),
+        "no_points": ("ex.py", SUM_ONLY + textwrap.dedent("""
+            import json, os
+            print(json.dumps({"file": __file__, "verdicts": [{"exercise": "all_reduce_mean"}]}))
+            os._exit(0)
+            """)),
+        # 9. notebooks with odd cells: nbgrader metadata that is a string, a cell without source
+        "odd_meta": ("ex.ipynb", notebook([code(CORRECT, nbgrader="x")])),
+        "no_source": ("ex.ipynb", notebook([{"cell_type": "code", "metadata": {}}, code(CORRECT)])),
+        # 9. deletes another student's submission before she is graded
+        "deleter": ("ex.py", SUM_ONLY + f"import os\nos.remove({str(victim)!r})\n"),
+        # 10. deletes everything in the folder grading was started in
+        "wiper": ("ex.ipynb", notebook([code(CORRECT), code(textwrap.dedent("""
+            import os, shutil
+            for name in os.listdir("."):
+                shutil.rmtree(name, ignore_errors=True)
+                if os.path.exists(name):
+                    os.remove(name)
+            """))])),
+        # 12. a top-level loop that never ends
+        "loop": ("ex.py", CORRECT + "while True:\n    pass\n"),
+        # 13. 300 MB on stderr, and 20 GB asked for at once
+        "chatty": ("ex.py", CORRECT + textwrap.dedent("""
+            import os
+            chunk = b"x" * (1 << 20)
+            for _ in range(300):
+                os.write(2, chunk)
+            """)),
+        "hog": ("ex.py", CORRECT + "hog = bytearray(20 << 30)\n"),
+        # 14. a correct solution whose cell mentions check_ in a comment
+        "comment": ("ex.ipynb", notebook([code("# my answer to check_all_reduce_mean\n" + CORRECT)])),
+        # 15. a name that a spreadsheet runs as a formula, and one with a right-to-left override
+        "=HYPERLINK(\"x\",\"y\")": ("ex.py", CORRECT),
+        "evil\u202eyp.exe": ("ex.py", CORRECT),
+        "zed": ("ex.py", CORRECT),
+    }
+    paths = {}
+    for student, (name, text) in files.items():
+        path = subs / student / name
+        path.parent.mkdir(parents=True)
+        path.write_text(text)
+        paths[student] = path
+    # 6. a relative symlink to the installed reference module
+    import fsdp_lab.exercises.collectives as reference
+
+    (subs / "linker").mkdir()
+    link = subs / "linker" / "ex.py"
+    link.symlink_to(os.path.relpath(reference.__file__, link.parent))
+    paths["linker"] = link
+    # 9. a file name that is not valid UTF-8
+    (subs / "bytes").mkdir()
+    raw = os.path.join(os.fsencode(subs / "bytes"), b"caf\xe9.py")
+    with open(raw, "w") as f:
+        f.write(CORRECT)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("course")
+    (root / "gradebook.db").write_text("the course's gradebook")
+    (root / "source").mkdir()
+    csv_path = root / "grades.csv"
+    paths = write_class(root, csv_path)
+    command = [*FSDP_LAB, "grade", "submitted", "--only", "all_reduce_mean", "--time-limit", "8",
+               "--json", "--csv", "grades.csv"]  # fmt: skip
+    with subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as popen:  # fmt: skip
+        peak = [0]  # the grading process's own resident memory, sampled while it runs
+
+        def sample() -> None:
+            with contextlib.suppress(psutil.Error):
+                while popen.poll() is None:
+                    peak[0] = max(peak[0], psutil.Process(popen.pid).memory_info().rss)
+                    time.sleep(0.05)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        out, err = popen.communicate(timeout=900)
+        sampler.join()
+    proc = subprocess.CompletedProcess(command, popen.returncode, out, err)
+    print(err[-4000:], f"\npeak RSS of the grading process: {peak[0] >> 20} MiB")
+    time.sleep(3.0)  # time for a process left behind to do its worst
+    rows = list(csv.DictReader(csv_path.open(encoding="utf-8"))) if csv_path.exists() else []
+    return root, paths, proc, rows, peak[0]
+
+
+def by_student(proc) -> dict[str, dict]:
+    return {r["student"]: r for r in json.loads(proc.stdout)["submissions"]}
+
+
+def score(result: dict) -> int | None:
+    return None if "error" in result else sum(v["score"] for v in result["verdicts"])
+
+
+def test_grading_completes_with_one_row_per_file(graded):
+    root, paths, proc, rows, _ = graded
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout)["submissions"]
+    assert len(results) == len(rows) == len(paths) + 1  # + the non-UTF-8 name
+    honest = by_student(proc)
+    assert score(honest["alice"]) == 2 and score(honest["zed"]) == 2
+
+
+def test_no_attack_gets_points_it_did_not_earn(graded):
+    _, _, proc, _, _ = graded
+    got = by_student(proc)
+    for who in ("fake_line", "allclose", "verdict", "world_size", "forger", "not_json",
+                "no_points", "deleter"):  # fmt: skip
+        assert (score(got[who]) or 0) == 0, (who, got[who])  # an error row scores nothing
+    assert "refused" in got["linker"]["error"] and "outside the submitted folder" in got[
+        "linker"
+    ]["error"]
+
+
+def test_a_submission_cannot_change_another_students_row(graded):
+    _, _, proc, rows, _ = graded
+    students = [r["student"] for r in rows]
+    assert students.count("alice") == 1
+    alice = next(r for r in rows if r["student"] == "alice")
+    assert (alice["all_reduce_mean"], alice["total"]) == ("2", "2")
+    assert not [p for p in psutil.process_iter(["cmdline"]) if MARK in " ".join(
+        p.info["cmdline"] or [])]  # fmt: skip
+
+
+def test_odd_files_and_names_are_their_own_rows(graded):
+    root, _, proc, rows, _ = graded
+    got = by_student(proc)
+    assert score(got["odd_meta"]) == 2 and score(got["no_source"]) == 2
+    assert score(got["comment"]) == 2  # its check_ comment did not hide the solution
+    assert score(got["zed"]) == 2  # deleted by another submission before her turn: graded
+    assert score(got["bytes"]) == 2
+    undecodable = next(r for r in rows if r["student"] == "bytes")["file"]
+    assert undecodable.endswith("caf\\xe9.py")
+    # Names are printed, never run: no formula cell, no raw control character.
+    assert all(not r["student"].startswith("=") for r in rows)
+    assert "'=HYPERLINK(\"x\",\"y\")" in [r["student"] for r in rows]
+    assert "evil\\u202eyp.exe" in [r["student"] for r in rows]
+    assert "\u202e" not in proc.stdout + proc.stderr + (root / "grades.csv").read_text()
+
+
+def test_the_course_folder_survives_a_submission_that_wipes_its_folder(graded):
+    root, _, proc, _, _ = graded
+    assert (root / "gradebook.db").read_text() == "the course's gradebook"
+    assert (root / "source").is_dir() and (root / "submitted" / "alice" / "ex.py").exists()
+    assert score(by_student(proc)["wiper"]) == 2
+
+
+def test_limits_stop_a_loop_a_flood_and_a_hog(graded):
+    _, _, proc, _, peak = graded
+    got = by_student(proc)
+    assert any("ran past 8 s" in n for n in got["loop"]["notes"]), got["loop"]
+    assert score(got["loop"]) == 2  # its function still graded after the loop was stopped
+    assert score(got["chatty"]) == 2
+    assert peak < 400 << 20, f"the grader held {peak >> 20} MiB"  # 300 MB on stderr: not kept
+    assert any("MemoryError" in n for n in got["hog"]["notes"]), got["hog"]
+
+
+@pytest.mark.parametrize("where", ["folder", "missing/grades.csv"])
+def test_a_csv_that_cannot_be_written_is_refused_before_grading(tmp_path, where):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "ex.py").write_text(CORRECT)
+    proc = subprocess.run(
+        [*FSDP_LAB, "grade", "s", "--csv", where], cwd=tmp_path, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "[1/" not in proc.stderr  # refused before the first file
+    assert "--csv" in proc.stderr and "hint:" in proc.stderr
+
+
+def test_importing_the_course_tools_starts_no_process():
+    code = (
+        "import psutil, fsdp_lab, fsdp_lab.cluster, fsdp_lab.exercises, fsdp_lab.cli\n"
+        "print(len(psutil.Process().children()))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "0", out.stderr
+
+
+@pytest.mark.skipif(bwrap() is None, reason="bubblewrap cannot run here (CI installs it)")
+def test_the_sandbox_sees_no_course_folder_no_network_and_no_other_process(tmp_path):
+    from fsdp_lab.exercises import sandbox
+
+    probe = textwrap.dedent(f"""
+        import json, os, socket
+        seen = {{
+            "course": os.path.exists({str(tmp_path)!r}),
+            "cwd": sorted(os.listdir(".")),
+            "uid": os.getuid(),
+            "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
+            "interfaces": sorted(n for _, n in socket.if_nameindex()),
+        }}
+        os.write(3, json.dumps(seen).encode())
+        """)
+    run = sandbox.run_submission(
+        "probe.py", probe.encode(), ["probe.py"], sandbox.Limits(wall_seconds=60), 1 << 20
+    )
+    seen = json.loads(run.reply)
+    assert seen["course"] is False and seen["cwd"] == ["probe.py"]
+    assert seen["interfaces"] == ["lo"]
+    assert len(seen["pids"]) <= 3  # bwrap's init, the probe (and bwrap's monitor)
+    if os.geteuid() == 0:
+        assert seen["uid"] == 65534
