@@ -226,6 +226,13 @@ def prepare(name: str, args: argparse.Namespace, out: Path | None, tour: bool = 
     where = f"fsdp-lab {name}"
     if out is not None:
         check_out(out, where)
+    if args.model is not None and "model" in LABS[name].config_class.__dataclass_fields__:
+        from fsdp_lab.model_spec import check_model_apart
+
+        try:  # first, apart: the config below imports the module in this process
+            check_model_apart(args.model)
+        except ValueError as exc:
+            raise usage_error(exc, where) from None
     lab = LABS[name]
     config_cls = lab.config_class
     # The tour runs each lab at a laptop-friendly size (a lab's TOUR, if it has one).
@@ -250,12 +257,11 @@ def prepare(name: str, args: argparse.Namespace, out: Path | None, tour: bool = 
 
     # From here on torch is imported: the lab is going to run.
     from fsdp_lab.cluster import resolve_backend, under_torchrun
-    from fsdp_lab.model_spec import check_model
+    from fsdp_lab.host import check_ranks_fit
 
     try:
-        if args.model is not None and takes_model:  # built on CPU, one forward: see model_spec
-            check_model(args.model)
         if not under_torchrun():  # under torchrun the job's size and devices are given
+            check_ranks_fit(config.world_size)
             resolve_backend(config.backend, config.world_size)
         lab.preflight(config)  # the lab's own checks of this machine (e.g. host memory)
     except ValueError as exc:
@@ -337,7 +343,7 @@ def tour(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def one_lab(args: argparse.Namespace) -> dict[str, Any]:
-    if args.out:
+    if args.out is not None:
         out: Path | None = Path(args.out)
     else:
         out = None if args.json else Path(DEFAULT_OUT) / args.lab
@@ -428,6 +434,8 @@ def _run(argv: list[str]) -> tuple[int, dict[str, Any]]:
         check_lab_name(argv)
         args = build_parser().parse_args(argv)
         where = f"fsdp-lab {args.lab}"
+        if getattr(args, "out", None) == "":  # not "no --out": an empty name is a mistake
+            raise UsageError("--out '': an empty folder name", f"e.g. --out {DEFAULT_OUT}/")
         commands = {"tour": tour, "grade": grade_command, "bugs": bugs_command}
         return 0, commands.get(args.lab, one_lab)(args)
     except UsageError as exc:

@@ -7,6 +7,7 @@ says the same message in flags. Torch-free.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import fields
 from typing import Any
@@ -48,4 +49,42 @@ def check_counts(config: Any, lows: dict[str, int], fixes: dict[str, Any] | None
         fix = (fixes or {}).get(name, defaults[name])
         raise ValueError(
             f"{name}={value!r} is out of range: allowed an int >= {low} ({what}). Fix: {name}={fix}"
+        )
+
+
+def check_ranges(config: Any, ranges: dict[str, tuple[float, float]]) -> None:
+    """Each named field within its (low, high), inclusive — an int for int fields, a finite
+    number for float fields; None passes where None is the default; tuples are checked element
+    by element. A ValueError names the value, the range, what the field is (from the
+    docstring) and the default as the fix. The highs are what a lab can run on one host: a
+    value past them fails at once, not on the ranks after they started."""
+    defaults = {f.name: f.default for f in fields(config)}
+    types = {f.name: str(f.type) for f in fields(config)}
+    helps = field_help(type(config))
+    for name, (low, high) in ranges.items():
+        value = getattr(config, name)
+        if value is None and defaults[name] is None:
+            continue
+        integer = "int" in types[name]
+        values = value if isinstance(value, tuple) else (value,)
+        ok = all(
+            is_int(v, int(low), int(high))
+            if integer
+            else isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            and low <= v <= high
+            for v in values
+        )
+        if ok:
+            continue
+        what = helps.get(name, name).rstrip(".")
+        kind, show = ("an int", "{:,}") if integer else ("a number", "{:g}")
+        fix = defaults[name]
+        if fix is None:  # the nearest allowed value
+            near = value if isinstance(value, int | float) and math.isfinite(value) else low
+            fix = min(max(near, low), high)
+        raise ValueError(
+            f"{name}={value!r} is out of range: allowed {kind} from {show.format(low)} to "
+            f"{show.format(high)} ({what}). Fix: {name}={fix!r}"
         )

@@ -400,3 +400,11 @@ def pipeline_step_bytes(stages: int, tokens: int, dim: int, b: int = 4) -> float
     micro-batch's activations forward and their gradients back — 2(S−1)·tokens·dim·b, whatever
     the number of micro-batches (`fsdp_lab.pipeline.schedule`)."""
     return 2 * (stages - 1) * tokens * dim * b
+
+
+def gpt_parameters(vocab: int, dim: int, layers: int, seq_len: int) -> int:
+    """Parameters of a GPT-2-style decoder (the labs' TinyGPT and PipeGPT): token and position
+    embeddings, and per block attention (4·dim²) and a 4x MLP (8·dim²) with their biases and
+    norms; a tied head adds nothing. Used to refuse a model the host cannot hold before any
+    rank builds it, so a few-percent difference does not matter."""
+    return vocab * dim + seq_len * dim + layers * (12 * dim * dim + 13 * dim) + 2 * dim

@@ -136,6 +136,20 @@ def test_tour_runs_every_lab_with_progress_and_summary(tmp_path):
         (["pp-seed", "--strategies", "replay"], "strategy 'replay' is unknown: allowed"),
         (["pp-seed", "--model", "m:f"], "--model is not used by this lab"),
         (["nonsense"], "invalid choice: 'nonsense'"),
+        # Issue 24: these started the ranks and failed there, or ran.
+        (
+            ["collectives", "--numel", "1000000000000"],
+            "--numel 1000000000000 is out of range: allowed an int from 1 to 67,108,864",
+        ),
+        (["tying", "--dim", "1000000000"], "--dim 1000000000 is out of range: allowed an int"),
+        (["tying", "--vocab", "10000000000"], "--vocab 10000000000 is out of range"),
+        (["shard", "--lr", "nan"], "--lr nan is out of range: allowed a number from 1e-08 to 10"),
+        (["shard", "--lr", "-1"], "--lr -1.0 is out of range"),
+        (["shard", "--lr", "inf"], "--lr inf is out of range"),
+        (["tying", "--layers", "100000"], "--layers 100000 is out of range"),
+        (["tying", "--dim", "16384", "--vocab", "1000000"], "GiB of host memory"),
+        (["collectives", "--world-size", "1000"], "1000 rank processes need about"),
+        (["shard", "--out", ""], "--out '': an empty folder name"),
     ],
 )
 def test_bad_input_is_a_clear_error(capfd, args, message):
@@ -347,6 +361,20 @@ def raises():
     raise RuntimeError("factory exploded on purpose")
 
 
+def exits():
+    import sys
+    sys.exit(0)
+
+
+def exits_hard():
+    os._exit(0)
+
+
+def never_returns():
+    while True:
+        pass
+
+
 NOT_CALLABLE = 3
 """
 
@@ -471,6 +499,10 @@ def test_an_unusable_out_fails_before_any_rank_starts(tmp_path, where):
             ],
         ),
         ("cli_test_models:wrong_vocab", ["30 scores per position, but model.vocab_size is 32"]),
+        # Issue 24: these gave exit code 0 and an empty stdout, or blocked the command forever.
+        ("cli_test_models:exits", ["checking it raised SystemExit"]),
+        ("cli_test_models:exits_hard", ["ended the process (exit status 0)"]),
+        ("cli_test_models:never_returns", ["did not finish within 5 s"]),
         (
             "cli_test_models:not_a_token_model",
             ["forward raised RuntimeError(", "token ids of shape (2, 16)", "(batch, seq, vocab)"],
@@ -479,6 +511,7 @@ def test_an_unusable_out_fails_before_any_rank_starts(tmp_path, where):
 )
 def test_a_bad_model_fails_before_any_rank_starts(tmp_path, monkeypatch, capfd, spec, messages):
     # The driver's check, in this process (the console script's: the bad-spec tests above).
+    monkeypatch.setattr("fsdp_lab.model_spec.CHECK_SECONDS", 5.0)
     (tmp_path / "cli_test_models.py").write_text(MODELS)
     monkeypatch.syspath_prepend(str(tmp_path))
     proc = fsdp_lab_here(capfd, "shard", "--world-size", "1", "--model", spec)

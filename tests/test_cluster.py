@@ -179,3 +179,26 @@ def test_two_clusters_at_once_do_not_collide():
         assert set(a.pids).isdisjoint(b.pids)
         assert a.run(_sum_of_ranks) == [3.0, 3.0]
         assert b.run(_sum_of_ranks) == [3.0, 3.0]
+
+
+class _RunsWhenUnpickled:
+    """A result whose unpickling runs code: writes a file where it is unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_plain_results_cluster_reads_no_code_a_rank_sends(tmp_path):
+    marker = tmp_path / "unpickled-in-the-driver"
+    with Cluster(1, backend="gloo", verbose=False, plain_results=True) as cluster:
+        assert cluster.run(lambda: {"x": [1, 2.5], "t": torch.ones(2)})[0]["x"] == [1, 2.5]
+        with pytest.raises(RankError, match="not plain data"):
+            cluster.run(lambda: _RunsWhenUnpickled(str(marker)))
+        assert cluster.run(lambda: "still usable") == ["still usable"]
+    assert not marker.exists()
+    with Cluster(1, backend="gloo", verbose=False) as cluster:  # the default: cloudpickle
+        cluster.run(lambda: _RunsWhenUnpickled(str(marker)))
+    assert marker.exists()  # what plain_results is for

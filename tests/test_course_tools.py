@@ -160,16 +160,28 @@ def test_nbgrader_generates_the_assignments_and_autogrades_a_submission(tmp_path
     nb = fill(nb, {first.name: "import torch.distributed as dist\n    " + body})
     (course / "submitted" / "alice" / stem).mkdir(parents=True)
     nbformat.write(nb, course / "submitted" / "alice" / stem / COLLECTIVES.name)
+    # Mallory solves nothing and replaces the checks with no-ops in her solution cell: the
+    # autograded cells reload the checks as installed, and she scores nothing.
+    cheat = "".join(  # top-level lines after the stub's body
+        f"\nexercises.check_{e.name} = lambda *a, **k: None" for e in LABS["collectives"]
+    )
+    nb = nbformat.read(course / "release" / stem / COLLECTIVES.name, as_version=4)
+    nb = fill(nb, {first.name: "raise NotImplementedError()" + cheat})
+    (course / "submitted" / "mallory" / stem).mkdir(parents=True)
+    nbformat.write(nb, course / "submitted" / "mallory" / stem / COLLECTIVES.name)
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
         gb.add_student("alice")
-    done = api.autograde(stem, "alice", force=True, create=True)
-    assert done["success"], done.get("log", "") + done.get("error", "")
+        gb.add_student("mallory")
+    for student in ("alice", "mallory"):
+        done = api.autograde(stem, student, force=True, create=True)
+        assert done["success"], done.get("log", "") + done.get("error", "")
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
         sub = gb.find_submission(stem, "alice")
         assert (sub.score, sub.max_score) == (
             first.points,
             sum(e.points for e in LABS["collectives"]),
         )
+        assert gb.find_submission(stem, "mallory").score == 0
 
 
 def test_bugs_lists_every_bug_caught_beside_the_correct_run(tmp_path):

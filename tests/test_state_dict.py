@@ -369,6 +369,60 @@ def test_a_damaged_rank_file_is_refused_on_every_rank(cluster_of, tmp_path, dama
         assert all(d in msg for d in detail), msg
 
 
+def _rewrite_rank_file(folder: Path, rank: int, edit) -> None:
+    """Edit one rank file's payload and record the new file in meta.json, as a save would: the
+    checksums pass, so only a check of the contents against the model can tell."""
+    import hashlib
+
+    path = _rank_files(folder)[rank]
+    payload = torch.load(path, weights_only=True)
+    edit(payload)
+    torch.save(payload, path)
+    data = path.read_bytes()
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"][rank] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def _load_then_compare(folder: str) -> dict:
+    """What load_sharded raised here, and whether this rank's shards were left as they were."""
+    model = _sharded(seed=5)
+    before = [u.flat.shard.clone() for u in sharding_state(model).units]
+    try:
+        load_sharded(model, folder)
+        error = "no error"
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    after = [u.flat.shard for u in sharding_state(model).units]
+    return {"error": error, "untouched": all(map(torch.equal, before, after))}
+
+
+def _shrink(payload):  # one element: copy_ would broadcast it over the whole shard
+    unit = next(iter(payload["shards"]))
+    payload["shards"][unit] = payload["shards"][unit][:1].clone()
+
+
+def _to_double(payload):  # another dtype: copy_ would convert it silently
+    unit = next(iter(payload["shards"]))
+    payload["shards"][unit] = payload["shards"][unit].double()
+
+
+def _drop_unit(payload):  # a unit missing: the copy used to stop halfway, on this rank only
+    del payload["shards"][list(payload["shards"])[-1]]
+
+
+@pytest.mark.parametrize("edit", [_shrink, _to_double, _drop_unit], ids=lambda f: f.__name__)
+def test_shards_unlike_the_model_are_refused_on_every_rank_before_any_copy(
+    cluster_of, tmp_path, edit
+):
+    cluster_of(2).run(_save, str(tmp_path))
+    _rewrite_rank_file(tmp_path, 1, edit)
+    for got in cluster_of(2).run(_load_then_compare, str(tmp_path)):
+        assert got["error"].startswith("CorruptCheckpointError"), got["error"]
+        assert "rank00001.pt" in got["error"] and "Fix:" in got["error"]
+        assert got["untouched"]  # all ranks or none: nothing was copied on either rank
+
+
 @pytest.mark.parametrize(
     "text",
     ["", "{not json", '{"world_size": 2}', "[1, 2]"],

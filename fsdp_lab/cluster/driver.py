@@ -59,6 +59,7 @@ from fsdp_lab.cluster.protocol import RankError, Reply, decode_plain, read_messa
 from fsdp_lab.cluster.rank_main import RankSpec, rank_label, rank_main
 from fsdp_lab.cluster.where import resolve_backend
 from fsdp_lab.cores import OversubscribedWarning, available_cores, too_many_ranks
+from fsdp_lab.host import check_ranks_fit
 
 # After one rank failed, how long the others get to answer before they count as stuck (a rank
 # in a collective with a dead peer would otherwise hold the notebook for the whole timeout).
@@ -126,6 +127,7 @@ class Cluster:
                 "world_size() and device() say where it runs."
             )
         self.world_size = _check_world_size(world_size)
+        check_ranks_fit(world_size)  # before forking hundreds of ranks a host cannot hold
         self.timeout = check_timeout("timeout", timeout)
         self.start_timeout = check_timeout("start_timeout", start_timeout)
         self.backend = resolve_backend(backend, world_size)

@@ -13,13 +13,20 @@ expected vs got, one hint; the traceback of a rank that raised or hung). It rais
 
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Any
 
-from fsdp_lab.exercises.catalog import EXERCISES, LABS, exercise
-from fsdp_lab.exercises.checker import check as _check
-from fsdp_lab.exercises.checker import grade as _grade
-from fsdp_lab.exercises.pool import ClusterPool
-from fsdp_lab.exercises.verdict import ExerciseFailed, Verdict
+if f"{__name__}.checker" in sys.modules:
+    # A reload (the autograded cell of a learner notebook does `importlib.reload(exercises)`):
+    # the checker as installed, whatever a learner's cell replaced in it.
+    importlib.reload(sys.modules[f"{__name__}.checker"])
+
+from fsdp_lab.exercises.catalog import EXERCISES, LABS, exercise  # noqa: E402
+from fsdp_lab.exercises.checker import check as _check  # noqa: E402
+from fsdp_lab.exercises.checker import grade as _grade  # noqa: E402
+from fsdp_lab.exercises.pool import ClusterPool  # noqa: E402
+from fsdp_lab.exercises.verdict import ExerciseFailed, Verdict  # noqa: E402
 
 __all__ = [
     "EXERCISES",

@@ -7,7 +7,10 @@ One notebook per lab, numbered like the lab's own notebook. Each exercise is thr
   (`### BEGIN SOLUTION` / `### END SOLUTION`) holding only `raise NotImplementedError()` —
   the reference solution lives in the package, never in a notebook a learner gets;
 - the check cell, `exercises.check_<name>(<name>, pool)`: an nbgrader autograded test cell
-  with the exercise's points (locked: a learner cannot edit the test).
+  with the exercise's points (locked: a learner cannot edit the test). It reloads
+  `fsdp_lab.exercises` first, so a learner's cell that replaced a check with a no-op does not
+  grade itself (nbgrader runs the learner's code in the kernel the tests run in: see
+  docs/teaching.md for what that cannot protect).
 
 The cells carry nbgrader's metadata (schema 3), so `nbgrader generate_assignment` and
 `autograde` use the notebooks as they are; without nbgrader they are ordinary notebooks, and
@@ -31,6 +34,7 @@ from fsdp_lab.exercises.exercise import Exercise
 FOLDER = Path(__file__).resolve().parents[2] / "notebooks" / "exercises"
 NUMBER = {lab: i for i, lab in enumerate(LABS)}  # 00_collectives ... 06_hsdp, as the labs
 COMMON_IMPORTS = (
+    "import importlib\n\n"
     "import torch\n"
     "import torch.distributed as dist\n"
     "from torch import nn\n"
@@ -84,7 +88,10 @@ def exercise_cells(ex: Exercise, index: int) -> list[Any]:
     )
     code = (ex.setup.strip() + "\n\n\n" if ex.setup.strip() else "") + ex.stub.rstrip() + "\n"
     code += SOLUTION_BODY
-    check = f"exercises.check_{ex.name}({ex.name}, pool)"
+    check = (
+        "exercises = importlib.reload(exercises)  # the checks as installed\n"
+        f"exercises.check_{ex.name}({ex.name}, pool)"
+    )
     return [
         nbformat.v4.new_markdown_cell(statement, metadata=_meta(f"{ex.name}_statement")),
         nbformat.v4.new_code_cell(

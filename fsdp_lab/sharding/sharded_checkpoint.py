@@ -163,6 +163,7 @@ def load_sharded(
                 f"ranks, expected rank {state.rank} of {state.world}: meta.json and the rank "
                 "files come from different saves. Fix: re-save the checkpoint"
             )
+        _check_contents(path, payload, state, model)
         saved.update(payload)
         if optimizer is not None and saved["optimizer"] is None:
             raise ValueError(f"{path} holds no optimizer state: it was saved without optimizer=")
@@ -340,6 +341,39 @@ def _check_fits(
         "and wrap units it was saved with, or save/load a full state dict instead "
         "(full_state_dict / load_full_state_dict): it fits any world size"
     )
+
+
+def _check_contents(path: Path, payload: Any, state: ShardingState, model: nn.Module) -> None:
+    """Every unit's shard and every persistent buffer in `payload`, each of the shape and dtype
+    the model holds: a file whose checksum passes (meta.json rewritten with it) but whose
+    tensors do not fit would otherwise be broadcast or converted into the model silently."""
+    shards, buffers = payload.get("shards"), payload.get("buffers")
+    if not isinstance(shards, dict) or not isinstance(buffers, dict):
+        problem = "it holds no 'shards' and 'buffers' dicts"
+    else:
+        wanted = {u.name: u.flat.shard for u in state.units}
+        wanted_buffers = dict(persistent_buffers(model))
+        problem = _misfit("unit", shards, wanted) or _misfit("buffer", buffers, wanted_buffers)
+    if problem:
+        raise CorruptCheckpointError(
+            f"{path}: {problem}, unlike this model's (written by another model or edited). "
+            "Fix: load it into the model, world size and wrap plan it was saved from, or re-save"
+        )
+
+
+def _misfit(kind: str, got: dict[str, Any], wanted: dict[str, torch.Tensor]) -> str:
+    """The first difference between `got` and the tensors `wanted`, in words ("" if none)."""
+    for name, like in wanted.items():
+        t = got.get(name)
+        if not isinstance(t, torch.Tensor):
+            return f"{kind} {name!r} is missing"
+        if t.shape != like.shape or t.dtype != like.dtype:
+            return (
+                f"{kind} {name!r} is {t.dtype} of shape {tuple(t.shape)}, the model's "
+                f"{like.dtype} of shape {tuple(like.shape)}"
+            )
+    extra = sorted(set(got) - set(wanted))
+    return f"{kind} {extra[0]!r} is not in the model" if extra else ""
 
 
 def _check_file(path: Path, data: bytes, records: list[dict[str, Any]], rank: int) -> None:

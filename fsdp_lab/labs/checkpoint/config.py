@@ -8,8 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fsdp_lab.config_checks import check_ranges
+
 # Where a checkpoint can sit relative to a ZeRO-3 unit (measure.sharded_chain_worker).
 MODES = ("plain", "unit_wraps_checkpoint", "checkpoint_spans_two_units")
+# What one host runs in a lab's time: the schedules sweep every layer count, and the optimal
+# schedule's table grows with N x budget.
+RANGES = {"layers": (1, 512), "dim": (1, 8192), "batch": (1, 8192)}
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class CheckpointConfig:
             raise ValueError(
                 f"layers={self.layers!r}: expected chain lengths, ints >= 1. Fix: layers={fix!r}"
             )
+        check_ranges(self, RANGES)
         top = min(self.layers)  # every argument must fit the shortest chain
         bounds = (("every", 1), ("segment", 1), ("budget", min_budget(top)), ("snapshots", 1))
         for name, low in bounds:

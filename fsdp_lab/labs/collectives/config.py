@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_lab.config_checks import check_ranges
+
 OPS = ("broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+
+
+# What one host runs (each rank holds a few tensors of `numel` fp32 elements).
+RANGES = {"numel": (1, 1 << 26), "repeats": (1, 1000)}
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,7 @@ class CollectivesConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected an int >= 1")
+        check_ranges(self, RANGES)
 
 
 CONFIG = CollectivesConfig

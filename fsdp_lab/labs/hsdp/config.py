@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from fsdp_lab.config_checks import check_counts, is_int
+from fsdp_lab.config_checks import check_counts, check_ranges, is_int
 from fsdp_lab.emulate import parse_rate
 from fsdp_lab.labs.shard.config import DEFAULT_MODEL, check_batch_divides
 
@@ -44,6 +44,19 @@ def parse_mesh(mesh: object, world_size: int) -> tuple[int, int]:
             f"equal the world size. Fix: {fix}, or world_size={r * s}"
         )
     return int(r), int(s)
+
+
+# What one host runs in a lab's time; the network model's inputs as sold.
+RANGES = {
+    "steps": (1, 1000),
+    "global_batch": (1, 4096),
+    "lr": (1e-8, 10.0),
+    "params_b": (1e-3, 1e5),
+    "vram_gb": (1.0, 1e4),
+    "gpus_per_node": (1, 1024),
+    "inter_node_gbit": (1e-3, 1e5),
+    "emulate_steps": (2, 1000),
+}
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,7 @@ class HsdpConfig:
 
     def __post_init__(self) -> None:
         check_counts(self, {"world_size": 1, "steps": 1, "global_batch": 1, "gpus_per_node": 1})
+        check_ranges(self, RANGES)
         mesh = self.mesh if self.mesh is not None else default_mesh(self.world_size)
         object.__setattr__(self, "mesh", parse_mesh(mesh, self.world_size))  # frozen: once
         if self.optimizer not in ("adam", "sgd"):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fsdp_lab.choices import SEEDING_STRATEGIES as STRATEGIES
-from fsdp_lab.config_checks import check_counts, is_int
+from fsdp_lab.config_checks import check_counts, check_ranges, is_int
 
 if TYPE_CHECKING:
     from fsdp_lab.pipeline import PipeGPTConfig
@@ -22,6 +22,26 @@ OPTIMIZERS = {"sgd": 0.1, "adam": 1e-3}  # name -> default learning rate
 _SIZES = {"stages": 1, "world_size": 1, "layers": 1, "dim": 1, "heads": 1, "vocab": 2}
 _SIZES |= {"seq_len": 1, "steps": 1, "microbatches": 1, "global_batch": 1, "seed": 0}
 _SIZES |= {"repeats": 1, "convergence_seeds": 0, "convergence_steps": 1}
+
+
+# What one host runs in a lab's time (the model is also checked whole against host memory).
+RANGES = {
+    "layers": (1, 256),
+    "dim": (1, 8192),
+    "heads": (1, 256),
+    "vocab": (2, 1 << 20),
+    "seq_len": (2, 1 << 16),
+    "steps": (1, 100_000),
+    "microbatches": (1, 1024),
+    "global_batch": (1, 1 << 16),
+    "lr": (1e-8, 10.0),
+    "seed": (0, 2**62),
+    "repeats": (1, 100),
+    "convergence_seeds": (0, 100),
+    "convergence_steps": (1, 100_000),
+    "grow_dims": (1, 8192),
+    "scale_dim": (1, 8192),
+}
 
 
 @dataclass(frozen=True)
@@ -84,6 +104,7 @@ class PPSeedConfig:
     def __post_init__(self) -> None:
         # stages, world_size: None means "the other one"; the fix for them is a pipeline of 2
         check_counts(self, _SIZES, fixes={"stages": 2, "world_size": 2})
+        check_ranges(self, RANGES)
         self._resolve_layout()
         if self.dim % self.heads:
             raise ValueError(

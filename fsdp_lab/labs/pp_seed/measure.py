@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_lab import comm, reference
+from fsdp_lab import comm, reference, theory
 from fsdp_lab.cluster import (
     AttachedCluster,
     Cluster,
@@ -39,6 +39,7 @@ from fsdp_lab.cluster import (
     world_size,
 )
 from fsdp_lab.cores import available_cores
+from fsdp_lab.host import check_fits
 from fsdp_lab.labs.pp_seed import convergence
 from fsdp_lab.labs.pp_seed.config import OPTIMIZERS, PPSeedConfig
 from fsdp_lab.pipeline import (
@@ -51,6 +52,20 @@ from fsdp_lab.pipeline import (
 )
 from fsdp_lab.pipeline.rng import CHECKPOINT_NAME, generator_state, init_stage
 from fsdp_lab.trace import MemoryTracker
+
+
+def preflight(config: PPSeedConfig) -> None:
+    """What `fsdp-lab pp-seed` checks before starting any rank: its PipeGPT (and the widest of
+    `grow_dims`) fits this host, built whole on every rank (seed checkpoint, one-process
+    reference), with gradients and optimizer state: 16 bytes a parameter."""
+    dim = max([config.dim, *config.grow_dims, config.scale_dim or 0])
+    params = theory.gpt_parameters(config.vocab, dim, config.layers, config.seq_len)
+    check_fits(
+        16 * params * (config.world_size + 1),
+        f"vocab={config.vocab}, dim={dim}, layers={config.layers} ({params / 1e6:.0f}M "
+        f"parameters) on {config.world_size} ranks",
+        "smaller --dim/--grow-dims/--vocab/--layers (the defaults fit any laptop)",
+    )
 
 
 def make_optimizer(config: PPSeedConfig, params: Any) -> torch.optim.Optimizer:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from fsdp_lab.choices import SHARDING_STRATEGIES
+from fsdp_lab.config_checks import check_ranges
 
 DEFAULT_MODEL = "fsdp_lab.models:tiny_gpt"
 
@@ -21,6 +22,10 @@ def check_batch_divides(global_batch: int, world_size: int) -> None:
             f"global_batch={global_batch} does not divide over world_size={world_size} ranks: "
             f"allowed world sizes {fits}. Fix: world_size={max(n for n in fits if n <= world_size)}"
         )
+
+
+# What one host runs in a lab's time (a learning rate past 10 only diverges).
+RANGES = {"steps": (1, 1000), "global_batch": (1, 4096), "lr": (1e-8, 10.0)}
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class ShardConfig:
                 raise ValueError(
                     f"{f.name}={value!r}: expected an int >= 1. Fix: {f.name}={f.default}"
                 )
+        check_ranges(self, RANGES)
         if self.free_root and self.strategy != "full":
             raise ValueError(
                 f"free_root=True with strategy={self.strategy!r}: only ZeRO-3 frees units after "

@@ -9,13 +9,27 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from fsdp_lab.config_checks import check_counts
+from fsdp_lab.config_checks import check_counts, check_ranges
 from fsdp_lab.model_spec import load_factory
 
 LAB_MODEL = "fsdp_lab.models:tiny_gpt"
 WRAPPINGS = ("root_unit", "joint_unit")  # the two valid plans: trained, verified, measured
 SPIKE_SYSTEMS = ("fsdp_lab", "fsdp2")  # who shards the model in the spike
 SYSTEM_NAMES = {"fsdp_lab": "fsdp_lab shard", "fsdp2": "FSDP2 fully_shard"}  # as reports say it
+
+
+# What one host runs (the spike's TinyGPT is also checked whole against host memory).
+RANGES = {
+    "steps": (1, 1000),
+    "spike_steps": (1, 1000),
+    "lr": (1e-8, 10.0),
+    "vocab": (2, 1 << 20),
+    "dim": (1, 16384),
+    "layers": (1, 256),
+    "heads": (1, 256),
+    "seq_len": (2, 1 << 16),
+    "batch": (1, 4096),
+}
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,7 @@ class TyingConfig:
     def __post_init__(self) -> None:
         # Every int of this config is a count: one check, its help says what is counted.
         check_counts(self, {f.name: 1 for f in fields(self) if f.type == "int"})
+        check_ranges(self, RANGES)
         if self.dim % self.heads:
             fits = self.heads * max(1, round(self.dim / self.heads))
             raise ValueError(

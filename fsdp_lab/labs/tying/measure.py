@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fsdp_lab import reference
+from fsdp_lab import reference, theory
 from fsdp_lab.cluster import (
     AttachedCluster,
     Cluster,
@@ -22,6 +22,7 @@ from fsdp_lab.cluster import (
     rank,
     world_size,
 )
+from fsdp_lab.host import check_fits
 from fsdp_lab.labs.tying.audit import audit_worker
 from fsdp_lab.labs.tying.config import LAB_MODEL, SPIKE_SYSTEMS, WRAPPINGS, TyingConfig
 from fsdp_lab.labs.tying.plans import (
@@ -41,7 +42,17 @@ from fsdp_lab.wrap import build_plan
 
 
 def preflight(config: TyingConfig) -> None:
-    """What `fsdp-lab tying` checks before starting any rank: ``--model`` has a tie to shard."""
+    """What `fsdp-lab tying` checks before starting any rank: the spike's TinyGPT fits this
+    host (each rank and the one-process run build it whole: fp32 weights, gradients and SGD
+    momentum, 16 bytes a parameter with the gathered copy), and ``--model`` has a tie to
+    shard."""
+    params = theory.gpt_parameters(config.vocab, config.dim, config.layers, config.seq_len)
+    check_fits(
+        16 * params * (config.world_size + 1),
+        f"vocab={config.vocab}, dim={config.dim}, layers={config.layers} "
+        f"({params / 1e6:.0f}M parameters) on {config.world_size} ranks",
+        "vocab=32768, dim=256, layers=4 (the defaults)",
+    )
     if config.model is not None:
         try:
             tie_plans(load_factory(config.model)())
