@@ -8,7 +8,8 @@
 # machine without one, a CPU machine gets the CPU build pinned as torch==2.13.0+cpu — the
 # "+cpu" local version cannot match the multi-gigabyte CUDA wheel on PyPI, so that wheel is
 # never pulled by accident; a machine with an NVIDIA driver gets the regular (CUDA) wheel.
-# Python: the `python3` on PATH, or $PYTHON. Graphviz's `dot`: apt-get when root (or sudo).
+# Python: the `python3` on PATH, or $PYTHON. Graphviz's `dot` and bubblewrap's `bwrap`: apt-get
+# when root (or sudo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -26,6 +27,20 @@ if ! command -v dot >/dev/null 2>&1; then
       || say "could not install graphviz: diagrams will show their DOT source instead"
   else
     say "graphviz's dot not found and apt-get unavailable: diagrams will show their DOT source"
+  fi
+fi
+
+# 1a. bubblewrap (`bwrap`) for `fsdp-lab grade`: each submission runs in its sandbox (without
+#     it, grading says so and runs submissions unsandboxed, with your rights).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || command -v sudo >/dev/null 2>&1; }; then
+    SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+    say "installing bubblewrap (bwrap) with apt-get"
+    $SUDO apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
+      || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq bubblewrap >/dev/null; } \
+      || say "could not install bubblewrap: fsdp-lab grade will run submissions unsandboxed"
+  else
+    say "bubblewrap (bwrap) not found and apt-get unavailable: fsdp-lab grade runs unsandboxed"
   fi
 fi
 

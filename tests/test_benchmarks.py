@@ -179,3 +179,12 @@ def test_parity_table_rows_and_every_diff_within_fp32_tolerance(tmp_path):
                 assert cell["note"], row
             elif cell["max_abs_diff"] > FP32_TOLERANCE:  # only where PyTorch itself departs
                 assert cell["system_vs_single"] > FP32_TOLERANCE, (column, row)
+
+
+def test_bench_grade_prints_seconds_per_file_and_the_points_given():
+    proc = _run_benchmark(
+        "bench_grade.py", "--files", "1", "--repeats", "1", "--lab", "collectives"
+    )
+    assert "points given per run: [4]" in proc.stdout, proc.stdout  # both exercises passed
+    assert re.search(r"^\| this checkout \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", proc.stdout, re.M)
+    assert "load average at start" in proc.stdout and "load average at the end" in proc.stdout

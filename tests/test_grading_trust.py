@@ -16,7 +16,6 @@ import threading
 import time
 from pathlib import Path
 
-import nbformat
 import psutil
 import pytest
 
@@ -69,21 +68,31 @@ def write_class(root: Path, csv_path: Path) -> dict[str, Path]:
     files = {
         "alice": ("ex.py", CORRECT),
         # 1. a full-marks line on stdout, then exit before anything is checked
-        "fake_line": ("ex.py", SUM_ONLY + textwrap.dedent(f"""
+        "fake_line": (
+            "ex.py",
+            SUM_ONLY
+            + textwrap.dedent(f"""
             import json, os
             print(json.dumps({{"file": __file__, "verdicts": {FULL_MARKS!r}}}), flush=True)
             os._exit(0)
-            """)),
+            """),
+        ),
         # 2. every comparison made to say "equal"
         "allclose": ("ex.py", "import torch\ntorch.allclose = lambda *a, **k: True\n" + SUM_ONLY),
         # 3. the verdict class made to say "passed"
-        "verdict": ("ex.py", SUM_ONLY + textwrap.dedent("""
+        "verdict": (
+            "ex.py",
+            SUM_ONLY
+            + textwrap.dedent("""
             from fsdp_lab.exercises.verdict import Verdict
             Verdict.passed = property(lambda self: True)
             Verdict.score = property(lambda self: self.points)
-            """)),
+            """),
+        ),
         # 4. on the rank: the group size the reference will read made 1
-        "world_size": ("ex.py", textwrap.dedent("""
+        "world_size": (
+            "ex.py",
+            textwrap.dedent("""
             import torch.distributed as dist
             from fsdp_lab import comm
 
@@ -92,16 +101,24 @@ def write_class(root: Path, csv_path: Path) -> dict[str, Path]:
                 out = tensor.clone()
                 comm.all_reduce(out, group=group)
                 return out / dist.get_world_size(group)
-            """)),
+            """),
+        ),
         # 7. a row for another student, in the grading process's own format
-        "forger": ("ex.py", SUM_ONLY + textwrap.dedent(f"""
+        "forger": (
+            "ex.py",
+            SUM_ONLY
+            + textwrap.dedent(f"""
             import json
-            print(json.dumps({{"file": {str(subs / 'alice' / 'ex.py')!r}, "student": "alice",
+            print(json.dumps({{"file": {str(subs / "alice" / "ex.py")!r}, "student": "alice",
                               "verdicts": [dict(v, score=0, passed=False, kind="raised")
                                            for v in {FULL_MARKS!r}]}}), flush=True)
-            """)),
+            """),
+        ),
         # 8. a process in a session of its own, waiting to rewrite the gradebook
-        "daemon": ("ex.py", CORRECT + textwrap.dedent(f"""
+        "daemon": (
+            "ex.py",
+            CORRECT
+            + textwrap.dedent(f"""
             import subprocess, sys
             subprocess.Popen([sys.executable, "-c", '''
             import os, sys, time
@@ -112,41 +129,63 @@ def write_class(root: Path, csv_path: Path) -> dict[str, Path]:
                     open({str(csv_path)!r}, "w").write("file,student,total\\\\nforged,alice,0\\\\n")
                     sys.exit()
             ''', "{MARK}"], start_new_session=True)
-            """)),
+            """),
+        ),
         # 9. replies that used to crash the grader: a broken JSON line, a verdict without points
         "not_json": ("ex.py", SUM_ONLY + "print('{not json', flush=True)\n"),
-        "no_points": ("ex.py", SUM_ONLY + textwrap.dedent("""
+        "no_points": (
+            "ex.py",
+            SUM_ONLY
+            + textwrap.dedent("""
             import json, os
             print(json.dumps({"file": __file__, "verdicts": [{"exercise": "all_reduce_mean"}]}))
             os._exit(0)
-            """)),
+            """),
+        ),
         # 9. notebooks with odd cells: nbgrader metadata that is a string, a cell without source
         "odd_meta": ("ex.ipynb", notebook([code(CORRECT, nbgrader="x")])),
         "no_source": ("ex.ipynb", notebook([{"cell_type": "code", "metadata": {}}, code(CORRECT)])),
         # 9. deletes another student's submission before she is graded
         "deleter": ("ex.py", SUM_ONLY + f"import os\nos.remove({str(victim)!r})\n"),
         # 10. deletes everything in the folder grading was started in
-        "wiper": ("ex.ipynb", notebook([code(CORRECT), code(textwrap.dedent("""
+        "wiper": (
+            "ex.ipynb",
+            notebook(
+                [
+                    code(CORRECT),
+                    code(
+                        textwrap.dedent("""
             import os, shutil
             for name in os.listdir("."):
                 shutil.rmtree(name, ignore_errors=True)
                 if os.path.exists(name):
                     os.remove(name)
-            """))])),
+            """)
+                    ),
+                ]
+            ),
+        ),
         # 12. a top-level loop that never ends
         "loop": ("ex.py", CORRECT + "while True:\n    pass\n"),
         # 13. 300 MB on stderr, and 20 GB asked for at once
-        "chatty": ("ex.py", CORRECT + textwrap.dedent("""
+        "chatty": (
+            "ex.py",
+            CORRECT
+            + textwrap.dedent("""
             import os
             chunk = b"x" * (1 << 20)
             for _ in range(300):
                 os.write(2, chunk)
-            """)),
+            """),
+        ),
         "hog": ("ex.py", CORRECT + "hog = bytearray(20 << 30)\n"),
         # 14. a correct solution whose cell mentions check_ in a comment
-        "comment": ("ex.ipynb", notebook([code("# my answer to check_all_reduce_mean\n" + CORRECT)])),
+        "comment": (
+            "ex.ipynb",
+            notebook([code("# my answer to check_all_reduce_mean\n" + CORRECT)]),
+        ),
         # 15. a name that a spreadsheet runs as a formula, and one with a right-to-left override
-        "=HYPERLINK(\"x\",\"y\")": ("ex.py", CORRECT),
+        '=HYPERLINK("x","y")': ("ex.py", CORRECT),
         "evil\u202eyp.exe": ("ex.py", CORRECT),
         "zed": ("ex.py", CORRECT),
     }
@@ -224,9 +263,10 @@ def test_no_attack_gets_points_it_did_not_earn(graded):
     for who in ("fake_line", "allclose", "verdict", "world_size", "forger", "not_json",
                 "no_points", "deleter"):  # fmt: skip
         assert (score(got[who]) or 0) == 0, (who, got[who])  # an error row scores nothing
-    assert "refused" in got["linker"]["error"] and "outside the submitted folder" in got[
-        "linker"
-    ]["error"]
+    assert (
+        "refused" in got["linker"]["error"]
+        and "outside the submitted folder" in got["linker"]["error"]
+    )
 
 
 def test_a_submission_cannot_change_another_students_row(graded):
@@ -250,7 +290,7 @@ def test_odd_files_and_names_are_their_own_rows(graded):
     assert undecodable.endswith("caf\\xe9.py")
     # Names are printed, never run: no formula cell, no raw control character.
     assert all(not r["student"].startswith("=") for r in rows)
-    assert "'=HYPERLINK(\"x\",\"y\")" in [r["student"] for r in rows]
+    assert '\'=HYPERLINK("x","y")' in [r["student"] for r in rows]
     assert "evil\\u202eyp.exe" in [r["student"] for r in rows]
     assert "\u202e" not in proc.stdout + proc.stderr + (root / "grades.csv").read_text()
 
@@ -319,3 +359,30 @@ def test_the_sandbox_sees_no_course_folder_no_network_and_no_other_process(tmp_p
     assert len(seen["pids"]) <= 3  # bwrap's init, the probe (and bwrap's monitor)
     if os.geteuid() == 0:
         assert seen["uid"] == 65534
+
+
+def test_without_bwrap_a_process_left_behind_is_found_and_killed(monkeypatch):
+    """The fallback: no sandbox, but the limits, and nothing outlives the file (the grader is a
+    child subreaper, so an orphan in a session of its own comes back to it and is killed)."""
+    from fsdp_lab.exercises import sandbox
+
+    monkeypatch.setattr(sandbox, "bwrap", lambda: None)
+    assert "not available" in sandbox.sandbox_note()
+    probe = textwrap.dedent("""
+        import os, subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                 start_new_session=True)
+        os.write(3, str(child.pid).encode())
+        hog = None
+        try:
+            hog = bytearray(20 << 30)
+        except MemoryError:
+            os.write(3, b" MemoryError")
+        """)
+    run = sandbox.run_submission(
+        "probe.py", probe.encode(), ["probe.py"], sandbox.Limits(wall_seconds=60), 1 << 20
+    )
+    pid, said = run.reply.decode().split(" ", 1)
+    assert said == "MemoryError"  # the address-space limit holds without the sandbox too
+    time.sleep(0.5)
+    assert not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == "zombie"

@@ -25,6 +25,7 @@ import re
 import time
 import unicodedata
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,10 @@ def grade_paths(
     todo = submissions(paths)
     progress(sandbox.sandbox_note())
     judge = Judge()
+    # The reference of every exercise the class mentions, measured while the first files run.
+    for name in dict.fromkeys(n for sub in todo for n in mentioned(sub)):
+        if only is None or name == only:
+            judge.prepare(exercise(name))
     results = []
     try:
         for i, sub in enumerate(todo, 1):
@@ -155,18 +160,24 @@ def grade_one(sub: Submission, time_limit: float, only: str | None, judge: Judge
     row: dict[str, Any] = {"file": sub.shown, "student": sub.student}
     if sub.content is None:
         return {**row, "error": sub.error}
-    from fsdp_lab.exercises.catalog import EXERCISES
 
-    text = sub.content.decode("utf-8", errors="replace")
-    mentioned = [e.name for e in EXERCISES if re.search(rf"\bdef\s+{e.name}\b", text)]
-    checks = 1 if only else len(mentioned)
+    checks = 1 if only else len(mentioned(sub))
     limits = sandbox.Limits(wall_seconds=START_ALLOWANCE + time_limit * (1 + checks))
     inside = "submission" + Path(sub.name).suffix
     argv = ["-m", "fsdp_lab.exercises.submission", inside, "--time-limit", str(time_limit)]
+    argv += ["--name", printable(sub.name)]
     run = sandbox.run_submission(
         inside, sub.content, [*argv, *(["--only", only] if only else [])], limits, REPLY_LIMIT
     )
     return {**row, **judge.verdicts(read_reply(run), run, only, sub)}
+
+
+def mentioned(sub: Submission) -> list[str]:
+    """The exercises whose names appear in a submission's text (what it may define)."""
+    from fsdp_lab.exercises.catalog import EXERCISES
+
+    text = (sub.content or b"").decode("utf-8", errors="replace")
+    return [e.name for e in EXERCISES if re.search(rf"\b{e.name}\b", text)]
 
 
 def read_reply(run: sandbox.Run) -> dict[str, Any]:
@@ -202,19 +213,32 @@ def how_it_stopped(run: sandbox.Run) -> str:
 
 
 class Judge:
-    """The grader's side: the reference solution on ranks no learner code runs on, and the
+    """The grader's side: the reference solution on ranks no learner code runs on (measured on
+    a thread of its own, one exercise after another, while the submissions run), and the
     verdicts made here from a submission's reply."""
 
     def __init__(self) -> None:
         self._pool: Any = None
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
+        self._futures: dict[str, Future] = {}
 
-    def expected(self, ex: Any) -> Callable[[Any], list]:
+    def prepare(self, ex: Any) -> Future:
+        """Start measuring `ex`'s reference on every case (once)."""
+        if ex.name not in self._futures:
+            self._futures[ex.name] = self._worker.submit(self._measure, ex)
+        return self._futures[ex.name]
+
+    def _measure(self, ex: Any) -> dict[str, list]:
         from fsdp_lab.exercises.checker import expected_outcomes
         from fsdp_lab.exercises.pool import ClusterPool
 
         if self._pool is None:
             self._pool = ClusterPool()
-        return lambda case: expected_outcomes(ex, case, self._pool)
+        return {case.label: expected_outcomes(ex, case, self._pool) for case in ex.cases}
+
+    def expected(self, ex: Any) -> Callable[[Any], list]:
+        future = self.prepare(ex)
+        return lambda case: future.result()[case.label]
 
     def verdicts(
         self, reply: dict[str, Any], run: sandbox.Run, only: str | None, sub: Submission
@@ -256,6 +280,7 @@ class Judge:
         return {"verdicts": verdicts, "notes": notes}
 
     def close(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
         if self._pool is not None:
             self._pool.close()
 

@@ -43,11 +43,13 @@ class BadSubmission(Exception):
     """The file cannot be graded at all (not a notebook or Python file, unparsable)."""
 
 
-def code_cells(path: Path) -> list[str]:
-    """The learner's code of `path`, as Python source blocks, in order."""
+def code_cells(path: Path, name: str | None = None) -> list[str]:
+    """The learner's code of `path`, as Python source blocks, in order (`name`: the file's name
+    in messages, when it was copied under another)."""
+    name = name or path.name
     if path.suffix not in SUFFIXES:
         raise BadSubmission(
-            f"{path.name}: not a notebook (.ipynb) or Python file (.py) — nothing graded"
+            f"{name}: not a notebook (.ipynb) or Python file (.py) — nothing graded"
         )
     text = path.read_text(errors="replace")
     if path.suffix == ".py":
@@ -59,7 +61,7 @@ def code_cells(path: Path) -> list[str]:
             raise TypeError("'cells' is not a list")
     except (ValueError, KeyError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise BadSubmission(f"{path.name}: not a readable notebook ({first[:120]})") from None
+        raise BadSubmission(f"{name}: not a readable notebook ({first[:120]})") from None
     from IPython.core.inputtransformer2 import TransformerManager
 
     python = TransformerManager()
@@ -126,7 +128,7 @@ def time_limit(seconds: float) -> Iterator[None]:
 
 
 def learner_namespace(
-    blocks: list[str], path: Path, seconds: float
+    blocks: list[str], path: Path, seconds: float, name: str | None = None
 ) -> tuple[dict[str, Any], list[str]]:
     """Run the blocks, each for at most `seconds`; the names they defined, and one note per
     block that raised or ran too long. What they print goes to stderr."""
@@ -134,7 +136,7 @@ def learner_namespace(
     notes = []
     for i, block in enumerate(blocks, 1):
         try:
-            code = compile(block, f"{path.name} [cell {i}]", "exec")
+            code = compile(block, f"{name or path.name} [cell {i}]", "exec")
             with contextlib.redirect_stdout(sys.stderr), time_limit(seconds):
                 exec(code, namespace)  # the learner's own code: that is what grading runs
         except CellTimeout:
@@ -145,17 +147,17 @@ def learner_namespace(
     return namespace, notes
 
 
-def run_file(path: Path, time_limit_s: float, only: str | None, say: Any) -> None:
+def run_file(path: Path, time_limit_s: float, only: str | None, say: Any, name: str) -> None:
     """Run the learner's code of `path` and the trials of every exercise of the labs it
-    defines a function of; `say(obj)` sends each reply line."""
+    defines a function of; `say(obj)` sends each reply line; `name` is the file's in messages."""
     from fsdp_lab.exercises.catalog import EXERCISES, LABS
 
     try:
-        blocks = code_cells(path)
+        blocks = code_cells(path, name)
     except BadSubmission as exc:
         say({"error": str(exc)})
         return
-    namespace, notes = learner_namespace(blocks, path, time_limit_s)
+    namespace, notes = learner_namespace(blocks, path, time_limit_s, name)
     defined = [e.name for e in EXERCISES if e.name in namespace]
     say({"notes": notes, "defined": defined})
     from fsdp_lab.exercises.checker import learner_runs, signature_problem
@@ -185,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", type=Path)
     parser.add_argument("--time-limit", type=float, default=30.0)
     parser.add_argument("--only", default=None)
+    parser.add_argument("--name", default=None, help="the file's name in messages")
     args = parser.parse_args(argv)
     reply = os.fdopen(REPLY_FD, "w")
     from fsdp_lab.cluster import launcher
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         reply.write(json.dumps(obj) + "\n")
         reply.flush()
 
-    run_file(args.path, args.time_limit, args.only, say)
+    run_file(args.path, args.time_limit, args.only, say, args.name or args.path.name)
     return 0
 
 
