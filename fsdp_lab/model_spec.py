@@ -24,7 +24,7 @@ value (``.item()``, a mask test, an init function without a meta kernel, a facto
 weights) fails on meta. The ranks build the model whole anyway, and the shard lab's
 single-process reference builds it on this same CPU, so the check adds no new kind of cost.
 It runs twice: on the driver before any rank starts (`check_model_apart`: `check_model` in a
-forked child under a time limit, so a module or factory that exits the process or never returns
+child process under a time limit, so a module or factory that exits the process or never returns
 is one line and exit code 2 too), and on rank 0 before anything is sharded (`check_on_rank0`:
 the model where it really trains — its device, its process). Each check uses a model built for it alone and
 thrown away, under a forked RNG, so nothing it does reaches the lab's numbers.
@@ -44,10 +44,7 @@ import functools
 import importlib
 import json
 import os
-import select
-import signal
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -244,54 +241,52 @@ def check_forward(model: Any, spec: str, seq_len: int = SEQ_LEN) -> int:
     return vocab_size_of(model, out)
 
 
+def _check_and_send(spec: str, conn: Any) -> None:
+    """In the child: check, and say how it went (any exception, SystemExit included)."""
+    try:
+        answer: list[Any] = ["ok", check_model(spec)]
+    except ValueError as exc:
+        answer = ["error", str(exc)]
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt: the module's own doing
+        answer = ["error", f"--model {spec!r}: checking it raised {_one_line(exc)}. Fix: the "
+                  "module and its factory must return, not end the process"]  # fmt: skip
+    conn.send(json.dumps(answer))
+
+
 @functools.cache  # the tour asks once per lab that takes --model
 def check_model_apart(spec: str, timeout: float | None = None) -> int:
-    """`check_model(spec)` in a forked child: its vocab, or a ValueError — also when importing
+    """`check_model(spec)` in a child process: its vocab, or a ValueError — also when importing
     the module, building or running the model exits the process (``sys.exit``, ``os._exit``)
     or does not return within `timeout` seconds (default `CHECK_SECONDS`; the child is then
-    killed)."""
+    killed). The child is forked from the ranks' fork server (torch imported, no threads: a
+    fork of this process could deadlock on a lock another thread holds)."""
+    from fsdp_lab.cluster import launcher
+
     timeout = CHECK_SECONDS if timeout is None else timeout
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: check, say how it went, and leave without running any cleanup
-        os.close(read_end)
-        try:
-            answer: list[Any] = ["ok", check_model(spec)]
-        except ValueError as exc:
-            answer = ["error", str(exc)]
-        except BaseException as exc:  # SystemExit, KeyboardInterrupt: the module's own doing
-            answer = ["error", f"--model {spec!r}: checking it raised {_one_line(exc)}. Fix: "
-                      "the module and its factory must return, not end the process"]  # fmt: skip
-        os.write(write_end, json.dumps(answer).encode())
-        os._exit(0)
-    os.close(write_end)
-    data, deadline, timed_out = b"", time.monotonic() + timeout, False
+    ours, theirs = launcher.pipe()
+    child = launcher.start_process(_check_and_send, (spec, theirs), name="fsdp_lab-model-check")
+    theirs.close()
     try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([read_end], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                break
-            chunk = os.read(read_end, 1 << 16)
-            if not chunk:
-                break
-            data += chunk
-        timed_out = time.monotonic() >= deadline and not data
+        answered = ours.poll(timeout)
+        data = ours.recv() if answered else None
+    except EOFError:  # the child ended without a word
+        data = None
     finally:
-        os.close(read_end)
-        if timed_out:
-            os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-    if timed_out:
+        if child.is_alive() and data is None:
+            child.kill()
+        child.join(5.0)
+        ours.close()
+    if not answered:
         raise ValueError(
             f"--model {spec!r}: importing, building or running the model did not finish within "
             f"{timeout:g} s. Fix: `python -c 'import {spec.partition(':')[0]}'` and calling the "
             "factory should return in seconds (a loop that never ends? input()?)"
         )
-    if not data:
+    if data is None:
         raise ValueError(
             f"--model {spec!r}: importing or building the model ended the process (exit status "
-            f"{os.waitstatus_to_exitcode(status)}) instead of returning a model. Fix: remove "
-            "sys.exit / os._exit from the module and its factory"
+            f"{child.exitcode}) instead of returning a model. Fix: remove sys.exit / os._exit "
+            "from the module and its factory"
         )
     kind, value = json.loads(data)
     if kind == "error":

@@ -67,34 +67,31 @@ def write_class(root: Path, csv_path: Path) -> dict[str, Path]:
     victim = subs / "zed" / "ex.py"  # graded last: the attacks aim at her file
     files = {
         "alice": ("ex.py", CORRECT),
-        # 1. a full-marks line on stdout, then exit before anything is checked
+        # 1 and 9. a full-marks line, then a verdict without points, on stdout; then an exit
+        # before anything is checked
         "fake_line": (
             "ex.py",
             SUM_ONLY
             + textwrap.dedent(f"""
             import json, os
             print(json.dumps({{"file": __file__, "verdicts": {FULL_MARKS!r}}}), flush=True)
+            print(json.dumps({{"file": __file__, "verdicts": [{{"exercise": "all_reduce_mean"}}]}}))
             os._exit(0)
             """),
         ),
-        # 2. every comparison made to say "equal"
-        "allclose": ("ex.py", "import torch\ntorch.allclose = lambda *a, **k: True\n" + SUM_ONLY),
-        # 3. the verdict class made to say "passed"
-        "verdict": (
-            "ex.py",
-            SUM_ONLY
-            + textwrap.dedent("""
-            from fsdp_lab.exercises.verdict import Verdict
-            Verdict.passed = property(lambda self: True)
-            Verdict.score = property(lambda self: self.points)
-            """),
-        ),
-        # 4. on the rank: the group size the reference will read made 1
-        "world_size": (
+        # 2, 3 and 4. every comparison made to say "equal", the verdict class made to say
+        # "passed", and, on the rank, the group size the reference would read made 1
+        "patcher": (
             "ex.py",
             textwrap.dedent("""
+            import torch
             import torch.distributed as dist
             from fsdp_lab import comm
+            from fsdp_lab.exercises.verdict import Verdict
+
+            torch.allclose = lambda *a, **k: True
+            Verdict.passed = property(lambda self: True)
+            Verdict.score = property(lambda self: self.points)
 
             def all_reduce_mean(tensor, group):
                 dist.get_world_size = lambda group=None: 1
@@ -103,7 +100,8 @@ def write_class(root: Path, csv_path: Path) -> dict[str, Path]:
                 return out / dist.get_world_size(group)
             """),
         ),
-        # 7. a row for another student, in the grading process's own format
+        # 7 and 9. a row for another student, in the grading process's own format; a line that
+        # is not JSON
         "forger": (
             "ex.py",
             SUM_ONLY
@@ -112,14 +110,16 @@ def write_class(root: Path, csv_path: Path) -> dict[str, Path]:
             print(json.dumps({{"file": {str(subs / "alice" / "ex.py")!r}, "student": "alice",
                               "verdicts": [dict(v, score=0, passed=False, kind="raised")
                                            for v in {FULL_MARKS!r}]}}), flush=True)
+            print("{{not json", flush=True)
             """),
         ),
-        # 8. a process in a session of its own, waiting to rewrite the gradebook
+        # 8 and 9. a process in a session of its own, waiting to rewrite the gradebook; another
+        # student's submission deleted before she is graded
         "daemon": (
             "ex.py",
             CORRECT
             + textwrap.dedent(f"""
-            import subprocess, sys
+            import os, subprocess, sys
             subprocess.Popen([sys.executable, "-c", '''
             import os, sys, time
             for _ in range(600):
@@ -129,24 +129,21 @@ def write_class(root: Path, csv_path: Path) -> dict[str, Path]:
                     open({str(csv_path)!r}, "w").write("file,student,total\\\\nforged,alice,0\\\\n")
                     sys.exit()
             ''', "{MARK}"], start_new_session=True)
+            os.remove({str(victim)!r})
             """),
         ),
-        # 9. replies that used to crash the grader: a broken JSON line, a verdict without points
-        "not_json": ("ex.py", SUM_ONLY + "print('{not json', flush=True)\n"),
-        "no_points": (
-            "ex.py",
-            SUM_ONLY
-            + textwrap.dedent("""
-            import json, os
-            print(json.dumps({"file": __file__, "verdicts": [{"exercise": "all_reduce_mean"}]}))
-            os._exit(0)
-            """),
+        # 9 and 14. a notebook with odd cells (no source; nbgrader metadata that is a string),
+        # and a correct solution whose cell mentions check_ in a comment
+        "odd": (
+            "ex.ipynb",
+            notebook(
+                [
+                    {"cell_type": "code", "metadata": {}},
+                    code("x = 1", nbgrader="x"),
+                    code("# my answer to check_all_reduce_mean\n" + CORRECT),
+                ]
+            ),
         ),
-        # 9. notebooks with odd cells: nbgrader metadata that is a string, a cell without source
-        "odd_meta": ("ex.ipynb", notebook([code(CORRECT, nbgrader="x")])),
-        "no_source": ("ex.ipynb", notebook([{"cell_type": "code", "metadata": {}}, code(CORRECT)])),
-        # 9. deletes another student's submission before she is graded
-        "deleter": ("ex.py", SUM_ONLY + f"import os\nos.remove({str(victim)!r})\n"),
         # 10. deletes everything in the folder grading was started in
         "wiper": (
             "ex.ipynb",
@@ -167,8 +164,8 @@ def write_class(root: Path, csv_path: Path) -> dict[str, Path]:
         ),
         # 12. a top-level loop that never ends
         "loop": ("ex.py", CORRECT + "while True:\n    pass\n"),
-        # 13. 300 MB on stderr, and 20 GB asked for at once
-        "chatty": (
+        # 13. 300 MB on stderr, then 20 GB asked for at once
+        "hog": (
             "ex.py",
             CORRECT
             + textwrap.dedent("""
@@ -176,17 +173,13 @@ def write_class(root: Path, csv_path: Path) -> dict[str, Path]:
             chunk = b"x" * (1 << 20)
             for _ in range(300):
                 os.write(2, chunk)
+            hog = bytearray(20 << 30)
             """),
         ),
-        "hog": ("ex.py", CORRECT + "hog = bytearray(20 << 30)\n"),
-        # 14. a correct solution whose cell mentions check_ in a comment
-        "comment": (
-            "ex.ipynb",
-            notebook([code("# my answer to check_all_reduce_mean\n" + CORRECT)]),
-        ),
-        # 15. a name that a spreadsheet runs as a formula, and one with a right-to-left override
-        '=HYPERLINK("x","y")': ("ex.py", CORRECT),
-        "evil\u202eyp.exe": ("ex.py", CORRECT),
+        # 15. a name a spreadsheet runs as a formula, and one with a right-to-left override (as
+        # files of a kind that is not graded: their rows are made without running anything)
+        '=HYPERLINK("x","y")': ("ex.txt", CORRECT),
+        "evil\u202eyp.exe": ("ex.txt", CORRECT),
         "zed": ("ex.py", CORRECT),
     }
     paths = {}
@@ -260,8 +253,7 @@ def test_grading_completes_with_one_row_per_file(graded):
 def test_no_attack_gets_points_it_did_not_earn(graded):
     _, _, proc, _, _ = graded
     got = by_student(proc)
-    for who in ("fake_line", "allclose", "verdict", "world_size", "forger", "not_json",
-                "no_points", "deleter"):  # fmt: skip
+    for who in ("fake_line", "patcher", "forger"):
         assert (score(got[who]) or 0) == 0, (who, got[who])  # an error row scores nothing
     assert (
         "refused" in got["linker"]["error"]
@@ -282,8 +274,7 @@ def test_a_submission_cannot_change_another_students_row(graded):
 def test_odd_files_and_names_are_their_own_rows(graded):
     root, _, proc, rows, _ = graded
     got = by_student(proc)
-    assert score(got["odd_meta"]) == 2 and score(got["no_source"]) == 2
-    assert score(got["comment"]) == 2  # its check_ comment did not hide the solution
+    assert score(got["odd"]) == 2  # odd cells skipped; its check_ comment hid nothing
     assert score(got["zed"]) == 2  # deleted by another submission before her turn: graded
     assert score(got["bytes"]) == 2
     undecodable = next(r for r in rows if r["student"] == "bytes")["file"]
@@ -307,9 +298,8 @@ def test_limits_stop_a_loop_a_flood_and_a_hog(graded):
     got = by_student(proc)
     assert any("ran past 8 s" in n for n in got["loop"]["notes"]), got["loop"]
     assert score(got["loop"]) == 2  # its function still graded after the loop was stopped
-    assert score(got["chatty"]) == 2
     assert peak < 400 << 20, f"the grader held {peak >> 20} MiB"  # 300 MB on stderr: not kept
-    assert any("MemoryError" in n for n in got["hog"]["notes"]), got["hog"]
+    assert score(got["hog"]) == 2 and any("MemoryError" in n for n in got["hog"]["notes"])
 
 
 @pytest.mark.parametrize("where", ["folder", "missing/grades.csv"])

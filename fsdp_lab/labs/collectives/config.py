@@ -10,7 +10,7 @@ OPS = ("broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_redu
 
 
 # What one host runs (each rank holds a few tensors of `numel` fp32 elements).
-RANGES = {"numel": (1, 1 << 26), "repeats": (1, 1000)}
+RANGES = {"numel": (1, 1 << 26), "repeats": (1, 1_000_000)}
 
 
 @dataclass(frozen=True)

@@ -48,14 +48,14 @@ def parse_mesh(mesh: object, world_size: int) -> tuple[int, int]:
 
 # What one host runs in a lab's time; the network model's inputs as sold.
 RANGES = {
-    "steps": (1, 1000),
+    "steps": (1, 100_000),
     "global_batch": (1, 4096),
     "lr": (1e-8, 10.0),
     "params_b": (1e-3, 1e5),
     "vram_gb": (1.0, 1e4),
     "gpus_per_node": (1, 1024),
     "inter_node_gbit": (1e-3, 1e5),
-    "emulate_steps": (2, 1000),
+    "emulate_steps": (2, 100_000),
 }
 
 

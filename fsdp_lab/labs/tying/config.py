@@ -20,8 +20,8 @@ SYSTEM_NAMES = {"fsdp_lab": "fsdp_lab shard", "fsdp2": "FSDP2 fully_shard"}  # a
 
 # What one host runs (the spike's TinyGPT is also checked whole against host memory).
 RANGES = {
-    "steps": (1, 1000),
-    "spike_steps": (1, 1000),
+    "steps": (1, 100_000),
+    "spike_steps": (1, 100_000),
     "lr": (1e-8, 10.0),
     "vocab": (2, 1 << 20),
     "dim": (1, 16384),
