@@ -36,6 +36,16 @@ def context() -> Any:
     return ctx
 
 
+def preload(*modules: str) -> None:
+    """Have the fork server import `modules` too, if it has not started yet (else nothing):
+    for a caller whose ranks all need them (the checks: every exercise, torch._dynamo, which
+    the first optimizer step imports), one import in the server instead of one per rank."""
+    from multiprocessing import forkserver
+
+    if server_pid() is None and not getattr(forkserver._forkserver, "_forkserver_alive_fd", None):
+        PRELOAD.extend(m for m in modules if m not in PRELOAD)
+
+
 # Set in the fork server's environment (and so in every rank forked from it): those
 # processes import this package too, and must not start a fork server of their own.
 IN_LAUNCHER_ENV = "FSDP_LAB_IN_LAUNCHER"

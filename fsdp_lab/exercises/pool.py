@@ -13,7 +13,7 @@ import tempfile
 import warnings
 from types import TracebackType
 
-from fsdp_lab.cluster import Cluster
+from fsdp_lab.cluster import Cluster, launcher
 from fsdp_lab.cluster.driver import check_timeout
 from fsdp_lab.cores import OversubscribedWarning
 
@@ -43,6 +43,9 @@ class ClusterPool:
 
     def __init__(self, time_limit: float = DEFAULT_TIME_LIMIT, backend: str = "gloo") -> None:
         self.time_limit = check_timeout("time_limit", time_limit)
+        # Every rank of a check imports every exercise and takes an optimizer step: done once in
+        # the fork server the ranks come from, when the pool is the first to start ranks.
+        launcher.preload("fsdp_lab.exercises.catalog", "torch._dynamo")
         self.backend = backend
         self._clusters: dict[int, Cluster] = {}
         # (exercise, case label) -> the reference solution's per-rank outcomes: the reference

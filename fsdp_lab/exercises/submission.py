@@ -192,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     reply = os.fdopen(REPLY_FD, "w")
     from fsdp_lab.cluster import launcher
 
-    launcher.warm_up()  # the ranks' fork server imports torch while the learner's code runs
+    # The ranks' fork server imports torch and every exercise while the learner's code runs.
+    launcher.preload("fsdp_lab.exercises.catalog", "torch._dynamo")
+    launcher.warm_up()
 
     def say(obj: dict[str, Any]) -> None:
         reply.write(json.dumps(obj) + "\n")
