@@ -242,3 +242,65 @@ def test_keeping_the_root_is_compared_from_the_measurement_both_ways():
 
     lower = report.root_kept_report(kept, _root_run(False, optimizer_state=20))
     assert "It lowered the peak model state by 40 B." in lower and "did **not**" not in lower
+
+
+# -- notebook 01's sentences on what fills each strategy's peak (issue 25, item 1) ------------
+
+PSI = 53_440  # TinyGPT's parameters: 4Ψ = 208.75 KiB
+
+
+def _run_at_peak(strategy: str, n: int, held: dict, prefetch: bool = True):
+    """A shard-lab result whose memory trace peaks once, holding `held` (bytes by category)."""
+    from fsdp_lab.labs.contract import LabResult
+    from fsdp_lab.labs.shard.analysis import MODEL_STATE
+
+    trace = {
+        "t": [0.0, 1.0],
+        "bytes": {c: [0, held.get(c, 0)] for c in MODEL_STATE},
+        "markers": [{"t": 0.5, "label": "reduce-scatter blocks.3"}],
+    }
+    units = [
+        {"name": "root", "padded_numel": 2624, "element_size": 4},
+        *({"name": f"blocks.{i}", "padded_numel": 12704, "element_size": 4} for i in range(4)),
+    ]
+    theory = {"psi": PSI, "psi_padded": PSI, "bytes_per_element": 4, "largest_unit_bytes": 50816}
+    return LabResult(
+        "shard",
+        {"memory_traces": [trace], "theory": theory, "world_size": n, "units": units,
+         "config": {"prefetch": prefetch}, "strategy": strategy},
+    )  # fmt: skip
+
+
+def test_peak_explanations_say_what_the_table_shows_both_ways():
+    from fsdp_lab.labs.shard.report import peak_explanations
+
+    whole, own = 4 * PSI, 4 * PSI // 2
+    ddp = {"parameters": whole, "gradients": whole, "optimizer_state": 2 * whole + 208}
+    text = peak_explanations({"none": _run_at_peak("none", 2, ddp)})
+    assert "nothing is gathered (`comm_buffers` 0 B)" in text and "exactly 4Ψ" in text
+    assert "208 B beyond 8Ψ" in text
+    # If DDP's parameters were filed under comm_buffers, the sentence would say so instead.
+    moved = {**ddp, "parameters": 0, "comm_buffers": whole}
+    text = peak_explanations({"none": _run_at_peak("none", 2, moved)})
+    assert "nothing is gathered" not in text and "`comm_buffers` holds 208.75 KiB" in text
+
+    zero1 = {
+        "parameters": own,
+        "gradients": whole,
+        "optimizer_state": 2 * own,
+        "comm_buffers": whole,
+    }
+    text = peak_explanations({"optimizer": _run_at_peak("optimizer", 2, zero1)})
+    assert "gradients exactly 4Ψ (208.75 KiB)" in text and "under" not in text
+    fewer = {**zero1, "gradients": whole - 16_916}
+    text = peak_explanations({"optimizer": _run_at_peak("optimizer", 2, fewer)})
+    assert "16.52 KiB under 4Ψ" in text and "already been reduce-scattered" in text
+
+    full = {"parameters": own, "gradients": own, "optimizer_state": 2 * own}
+    three = {**full, "comm_buffers": 2624 * 4 + 2 * 12704 * 4}
+    text = peak_explanations({"full": _run_at_peak("full", 2, three)})
+    assert "the root unit (10.25 KiB) and 2 block(s)" in text and "prefetched" in text
+    text = peak_explanations({"full": _run_at_peak("full", 2, three, prefetch=False)})
+    assert "prefetched" not in text
+    odd = {**full, "comm_buffers": 12704 * 4 + 7}
+    assert "the root unit" not in peak_explanations({"full": _run_at_peak("full", 2, odd)})

@@ -365,3 +365,87 @@ def timeline_report(result: LabResult) -> str:
     from fsdp_lab.trace.timeline import time_shares
 
     return timeline_sentence(time_shares(result["timelines"]))
+
+
+def _versus(x: float, ref: float, name: str) -> str:
+    """`x` against `ref` in words: "exactly 4Ψ (208.75 KiB)", "192.23 KiB, 16.52 KiB under 4Ψ"."""
+    if x == ref:
+        return f"exactly {name} ({format_bytes(ref)})"
+    side = "under" if x < ref else "over"
+    return f"{format_bytes(x)}, {format_bytes(abs(x - ref))} {side} {name} ({format_bytes(ref)})"
+
+
+def _at_peak(result: LabResult, rank: int) -> tuple[dict[str, float], str]:
+    """The model-state categories at the moment the model state peaked on `rank`, and the last
+    marker before that moment."""
+    trace = result["memory_traces"][rank]
+    totals = model_state_bytes(trace)
+    i = max(range(len(totals)), key=totals.__getitem__)
+    before = [m["label"] for m in trace["markers"] if m["t"] <= trace["t"][i]][-1:] or ["-"]
+    return {c: trace["bytes"][c][i] for c in MODEL_STATE}, before[0]
+
+
+def peak_explanations(runs: dict[str, LabResult], rank: int = 0) -> str:
+    """Markdown bullets, one per strategy: what rank `rank` held at its peak beside what the
+    formula counts — every clause a comparison of two numbers from the run."""
+    bullets = []
+    for strategy, r in runs.items():
+        at, event = _at_peak(r, rank)
+        t, n = r["theory"], r["world_size"]
+        whole = t["psi"] * t["bytes_per_element"]  # 4Ψ: the unsharded parameters
+        gathered = t["psi_padded"] * t["bytes_per_element"]  # a gathered copy, padding too
+        own = gathered / n  # this rank's shard, 4Ψ/N
+        state = 2 * (whole if strategy == "none" else own)  # Adam's two moments
+        p, g, o, c = (at[k] for k in ("parameters", "gradients", "optimizer_state", "comm_buffers"))
+        copy = "4Ψ" if gathered == whole else "4Ψ and its padding"
+        extra = o - state
+        adam = (
+            f"optimizer state {format_bytes(o)}, {format_bytes(extra)} beyond 8Ψ"
+            + ("" if strategy == "none" else "/N")
+            + " (Adam's `step` counters: a 4-byte scalar per parameter tensor)"
+            if 0 < extra < 0.01 * state
+            else f"optimizer state {_versus(o, state, '8Ψ' if strategy == 'none' else '8Ψ/N')}"
+        )
+        if strategy == "none":
+            held = (
+                f"its `parameters` are the whole model, {_versus(p, whole, '4Ψ')}, its own "
+                "storage"
+                + (
+                    ", and nothing is gathered (`comm_buffers` 0 B)"
+                    if c == 0
+                    else f", and `comm_buffers` holds {format_bytes(c)}"
+                )
+            )
+            grads = f"gradients {_versus(g, whole, '4Ψ')}"
+        elif strategy in ("optimizer", "grad_op"):
+            held = (
+                f"its `parameters` are this rank's shard, {_versus(p, own, '4Ψ/N')}, kept beside "
+                f"the gathered full copy in `comm_buffers`, {_versus(c, gathered, copy)}: the "
+                "formula counts the replicated weights once, the rank holds both"
+            )
+            counted = (whole, "4Ψ") if strategy == "optimizer" else (own, "4Ψ/N")
+            grads = f"gradients {_versus(g, *counted)}"
+            if g < counted[0]:
+                grads += (
+                    f" — at the moment of the peak (after {event}) some units' gradients had "
+                    "already been reduce-scattered to their shards"
+                )
+        else:
+            units = {u["name"]: u["padded_numel"] * u["element_size"] for u in r["units"]}
+            root = units.get("root", 0)
+            block = max((b for name, b in units.items() if name != "root"), default=0)
+            k = (c - root) / block if block else 0
+            if block and k == int(k) and k >= 1:
+                what = f"the root unit ({format_bytes(root)}) and {int(k)} block(s) of "
+                what += f"{format_bytes(block)}: the block computing"
+                prefetched = int(k) == 2 and r["config"]["prefetch"]
+                what += ", and the next one, prefetched" if prefetched else ""
+            else:
+                what = f"{c / max(block, 1):.2f}× the largest block ({format_bytes(block)})"
+            held = (
+                f"`comm_buffers` holds {format_bytes(c)} at the peak (after {event}): {what}; "
+                f"the formula counts one gathered unit, {format_bytes(t['largest_unit_bytes'])}"
+            )
+            grads = f"gradients {_versus(g, own, '4Ψ/N')}"
+        bullets.append(f"- **{strategy}**: {held}; {grads}; {adam}.")
+    return "\n".join(bullets)
