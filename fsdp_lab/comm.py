@@ -6,7 +6,7 @@ took. While a `fsdp_lab.trace.Timeline` is active it also adds a "comm" span, so
 communication can be drawn side by side.
 
 Bytes moved per rank follow the bandwidth-optimal (ring) algorithms, the convention of
-nccl-tests' "bus bandwidth" and of the theory in DESIGN.md, with N the group size:
+nccl-tests' "bus bandwidth" and of `fsdp_lab.theory`, with N the group size:
 
     all_gather_into_tensor   (N-1)/N x output bytes     each rank receives N-1 shards
     reduce_scatter_tensor    (N-1)/N x input bytes      each rank sends N-1 partial shards

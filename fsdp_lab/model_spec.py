@@ -1,4 +1,4 @@
-"""``--model module:factory``: load the factory, and check DESIGN.md's contract before sharding.
+"""``--model module:factory``: load the factory, and check the README's contract before sharding.
 
 The contract: ``factory()``, called with no arguments, returns a `torch.nn.Module` that maps a
 LongTensor of token ids ``(batch, seq)`` to a tensor of logits ``(batch, seq, vocab)``; the labs

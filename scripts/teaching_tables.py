@@ -7,7 +7,7 @@ check takes — written from the exercises and from a run, never typed.
 
 Blocks live between `<!-- generated: NAME (python scripts/teaching_tables.py) -->` and
 `<!-- end generated -->`. The catalog block (labs, points, cases, bugs) follows from the code,
-so tests/test_course_docs.py checks it is current. The times block is a measurement: it says on
+so tests/test_course_tools.py checks it is current. The times block is a measurement: it says on
 what machine and when, and moves with the machine; the test checks only that it covers every
 exercise.
 """

@@ -189,6 +189,9 @@ def test_explorer_note_follows_the_bytes():
 def test_textbook_verdicts_on_counts_as_the_schedules_make_them():
     text = textbook.textbook_verdicts(chains_result())
     assert "mixes two schemes" in text
+    # a checkpoint every k layers, rerun once per segment: the segments row's own counts
+    first = text.splitlines()[0]
+    assert "`segments(4)` kept 7 inputs for 28 calls at N = 16" in first and "under 2N" in first
     assert "3.25·N calls at N = 16" in text and "4.00·N calls at N = 32" in text
     assert "the calls per layer grew with N" in text
     assert "under 2N calls at every N" in text and "one extra forward at most, O(N)" in text
@@ -203,6 +206,7 @@ def test_textbook_verdicts_turn_with_the_numbers():
     text = textbook.textbook_verdicts(result)
     assert "did not grow with N" in text and "grew with N" not in text
     assert "not under 2N calls everywhere" in text and "more than one extra forward" in text
+    assert "under 2N" not in text.splitlines()[0] and "more measured here" in text
     assert "is wrong" not in text and "made no fewer calls than segments(k)" in text
 
 

@@ -301,7 +301,7 @@ def test_pp_seed_json_has_the_issue_keys_per_strategy(capfd, tmp_path):
 
 # A `--model` module written for these tests: one well-behaved model whose forward is noisy
 # (print, and raw writes to fd 1 that bypass Python's sys.stdout), and factories that break
-# DESIGN.md's --model contract in each way the driver must catch before starting ranks.
+# The README's --model contract in each way the driver must catch before starting ranks.
 MODELS = """
 import os
 from dataclasses import dataclass

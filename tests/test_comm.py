@@ -72,7 +72,7 @@ def test_values_and_bytes_of_every_collective(cluster_of, n):
         ]
         expected_ops += ["all_gather_into_tensor"] + (["send", "recv"] if n > 1 else [])
         assert ops == expected_ops
-        # Ring-algorithm bytes per rank, written out from DESIGN.md's formulas.
+        # Ring-algorithm bytes per rank, written out from `fsdp_lab.theory`'s formulas.
         moved = [rec["bytes"] for rec in res["log"]["records"]]
         expected = [12 * (n - 1), 12 * (n - 1), 2 * (n - 1) / n * 40, 16 if n > 1 else 0]
         expected += [12 * (n - 1)] + ([8, 8] if n > 1 else [])

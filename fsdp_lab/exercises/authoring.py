@@ -48,6 +48,12 @@ def notebook_name(lab: str) -> str:
     return f"{NUMBER[lab]:02d}_{lab.replace('-', '_')}.ipynb"
 
 
+def lab_notebook_name(lab: str) -> str:
+    """The lab's own notebook in notebooks/ (the one with the lab's number)."""
+    (path,) = sorted(FOLDER.parent.glob(f"{NUMBER[lab]:02d}_*.ipynb"))
+    return path.name
+
+
 def _meta(
     grade_id: str,
     *,
@@ -117,7 +123,7 @@ def lab_notebook(lab: str) -> Any:
         f"SOLUTION marks), then run the check cell below it. A function that raises, hangs or returns the wrong shape is "
         f"reported as such, and the ranks survive for your next attempt.\n\n"
         f"{len(group)} exercises, {total} points. The lab notebook "
-        f"`notebooks/{notebook_name(lab)}` shows the mechanism these steps belong to."
+        f"`notebooks/{lab_notebook_name(lab)}` shows the mechanism these steps belong to."
     )
     setup = (
         COMMON_IMPORTS + "\n\n"

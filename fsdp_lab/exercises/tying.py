@@ -192,9 +192,10 @@ SPLIT_TIES = Exercise(
     statement=(
         "A tied weight is **one** `nn.Parameter` reached under two names (GPT's "
         "`tok_emb.weight` and `head.weight`). A wrap unit gathers, updates and frees its own "
-        "copy of every parameter it holds, so a plan that puts the owners of a tie in "
-        "different units would train two copies that drift apart: `build_plan` must refuse it "
-        "before sharding. Write `split_ties(model, unit_of)`: return, for every Parameter "
+        "copy of every parameter it holds, so a mechanism that accepted a plan putting the "
+        "owners of a tie in different units would train two copies that drift apart (notebook "
+        "03's audit shows, on your torch, which of PyTorch's FSDPs does so silently and which "
+        "refuse): `build_plan` must refuse it before sharding. Write `split_ties(model, unit_of)`: return, for every Parameter "
         "reached under two or more names whose owning modules fall in different units, the "
         "tuple of all its names (an empty list: the plan is safe). `unit_of(module_name)` gives "
         "the unit of a module (`'head'` for `'head.weight'`'s owner; `''` is the root unit)."

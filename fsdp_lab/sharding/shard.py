@@ -17,7 +17,7 @@ soon as it is initialised; or each shard generated directly).
 in (recorded on the first step, used to prefetch), and the end-of-backward callback that
 finalizes every unit.
 
-Strategies (DESIGN.md, Ψ parameters, N ranks, fp32 Adam):
+Strategies (`fsdp_lab.theory`; Ψ parameters, N ranks, fp32 Adam):
 
     "none"       DDP: replicated, gradients all-reduced                  16Ψ per rank
     "optimizer"  ZeRO-1: optimizer state sharded, full gradients kept   8Ψ + 8Ψ/N

@@ -11,8 +11,10 @@ whether the recompute costs an extra all-gather.
 [Note: the textbook table] Course notes write "store all O(N) memory / O(N) compute; recompute
 all O(1) / O(N²); checkpoint every C layers O(C) / O(N²/C); √N: O(√N) / O(N√N), theoretically
 optimal". The "every C layers" row mixes two schemes: O(C) memory and O(N²/C) compute are C
-checkpoints N/C layers apart, each layer rebuilt from its nearest one (our `every(C)`);
-checkpoints every C layers are N/C of them (O(N/C) memory, O(N·C) calls). The √N row gives
+checkpoints N/C layers apart, each layer rebuilt from its nearest one (our `every(C)`); a
+checkpoint every C layers costs what its recompute makes of it — rebuilt layer by layer from the
+nearest one, O(N/C) memory and O(N·C) calls; rerun once per segment (Chen et al.'s
+`segments(C)`), ⌈N/C⌉ + C − 1 kept inputs and under 2N calls. The √N row gives
 Chen et al.'s memory but not their compute: their segments (`segments(k)`, O(N/k + k) kept)
 are recomputed once each — one extra forward, under 2N calls; O(N√N) is what every(√N)
 costs. Nor is it optimal: at equal kept inputs `optimal(b)` never makes more calls, and

@@ -108,11 +108,25 @@ def textbook_verdicts(result: LabResult) -> str:
             f"{r['forward_calls'] / n:.2f}·N calls"
         ),
     )
+    rerun_once = all(by_n[n]["segments"]["forward_calls"] < 2 * n for n in ns)
+    segments = _listing(
+        by_n,
+        "segments",
+        lambda r, n: (
+            f"`{r['schedule']}` kept {r['stored_activations']} inputs for "
+            f"{r['forward_calls']} calls"
+        ),
+    )
     out.append(
         '**"Checkpoint every C layers: O(C) memory, O(N²/C) compute" mixes two schemes.** '
         "Its memory and compute are those of *C checkpoints*, N/C layers apart, each layer "
-        "rebuilt from its nearest one (`every(C)`); checkpoints *every C layers* are N/C of them "
-        f"— O(N/C) memory, O(N·C) calls. Measured: {listing}; the calls per layer {trend}."
+        f"rebuilt from its nearest one (`every(C)`). Measured: {listing}; the calls per layer "
+        f"{trend}. A checkpoint *every C layers* costs what its recompute makes of it: rebuilt "
+        "layer by layer from the nearest checkpoint each time (`every(N/C)`), N/C + 1 inputs "
+        "and O(N·C) calls; rerun once per segment, its activations kept for that segment's "
+        "backward (Chen et al.'s `segments(C)`, the row below), ⌈N/C⌉ + C − 1 inputs and "
+        + ("under 2N calls" if rerun_once else "one extra forward in theory, more measured here")
+        + f" — measured: {segments}."
     )
 
     seg = [by_n[n]["segments"]["forward_calls"] / n for n in ns]

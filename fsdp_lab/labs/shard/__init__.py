@@ -5,7 +5,7 @@ One run: the same model and data trained three ways —
   2. `fsdp_lab.shard` on N ranks, one strategy     (ours: every byte counted, memory traced)
   3. PyTorch's `fully_shard` (FSDP2) on N ranks    (the real thing)
 — then compared parameter by parameter, and our measured memory and bytes per step set
-beside DESIGN.md's formulas (Ψ parameters, N ranks, b bytes per element).
+beside the formulas of `fsdp_lab.theory` (Ψ parameters, N ranks, b bytes per element).
 
 With strategy="optimizer" (ZeRO-1 as a whole-model transformation) the run also trains ZeRO-1
 as an optimizer: DDP (``shard(strategy="none")``) + `ShardedOptimizer`, PyTorch's

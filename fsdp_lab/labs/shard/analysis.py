@@ -1,5 +1,5 @@
 """Lab 01, the verdicts: does ours train like one process and like FSDP2, and do its measured
-memory and bytes per step equal DESIGN.md's formulas (`theory.sharding_step`)?
+memory and bytes per step equal the formulas of `fsdp_lab.theory` (`sharding_step`)?
 
 Pure functions of what `measure.py` brought back; no rank is needed to run or test them.
 """

@@ -37,7 +37,7 @@ class ShardConfig:
     prefetch: overlap the next unit's all-gather with the current unit's compute (on by
         default).
     model: "module:factory" returning a token model (default: TinyGPT with a tied head).
-    optimizer: "adam" (16 B/param of model state, DESIGN.md's formulas) or "sgd" (momentum).
+    optimizer: "adam" (16 B/param of model state, `fsdp_lab.theory`) or "sgd" (momentum).
     lr: learning rate.
     global_batch: sequences per step over all ranks (must divide by world_size).
     compare_fsdp2: also train PyTorch's fully_shard on the same model and data (and, beside

@@ -1,0 +1,67 @@
+"""What the learner reads cites only what the learner has: every file path and notebook name in
+the README, docs/, the notebooks and the package's own text exists in this repository; nothing
+cites the team's notes (DESIGN.md) or its issue tracker."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PATH = re.compile(
+    r"(?<![\w/.<])((?:notebooks|fsdp_lab|docs|scripts|benchmarks|tests)/[\w./-]*\w\.(?:ipynb|py|md|sh|json|yml|toml))"
+)
+NOTEBOOK = re.compile(r"(?<![\w/])(\d\d_[a-z_]+\.ipynb)")
+TRACKER = re.compile(r"\b(?:issue|Issue) \d+\b")
+
+
+def _reader_texts() -> dict[str, str]:
+    """README, docs and every notebook's cells: what a learner reads."""
+    texts = {"README.md": (ROOT / "README.md").read_text()}
+    texts |= {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "docs").glob("*.md")}
+    for nb in sorted((ROOT / "notebooks").rglob("*.ipynb")):
+        cells = json.loads(nb.read_text())["cells"]
+        texts[str(nb.relative_to(ROOT))] = "\n".join("".join(c["source"]) for c in cells)
+    return texts
+
+
+def _package_texts() -> dict[str, str]:
+    files = [
+        *(ROOT / "fsdp_lab").rglob("*.py"),
+        *(ROOT / "scripts").glob("*"),
+        *(ROOT / "tests").glob("*.py"),
+    ]
+    return {str(p.relative_to(ROOT)): p.read_text() for p in files if p.is_file()}
+
+
+def _missing(text: str) -> list[str]:
+    notebooks = {p.name for p in (ROOT / "notebooks").rglob("*.ipynb")}
+    gone = [p for p in PATH.findall(text) if not (ROOT / p).exists()]
+    return gone + [n for n in NOTEBOOK.findall(text) if n not in notebooks]
+
+
+@pytest.mark.parametrize("name", sorted(_reader_texts()))
+def test_what_a_learner_reads_names_only_files_that_exist(name):
+    text = _reader_texts()[name]
+    assert not _missing(text), f"{name} names files this repository does not have"
+    assert "DESIGN.md" not in text
+    assert not TRACKER.findall(text), f"{name} cites the issue tracker"
+
+
+def test_the_package_cites_no_file_it_does_not_have():
+    for name, text in _package_texts().items():
+        if name == "tests/test_references.py":
+            continue
+        assert "DESIGN.md" not in text, name
+        assert not _missing(text), (name, _missing(text))
+
+
+def test_the_guard_would_catch_a_wrong_name():
+    assert _missing("see `notebooks/01_shard.ipynb` and 02_checkpointing.ipynb") == [
+        "notebooks/01_shard.ipynb",  # it is notebooks/exercises/01_shard.ipynb
+        "02_checkpointing.ipynb",
+    ]
+    assert _missing("see `notebooks/01_sharding.ipynb`, fsdp_lab/theory.py") == []
