@@ -12,7 +12,8 @@ materialise only each rank's shard and initialise it so that all ranks agree.
 Ordinary init cannot do that shard by shard: ``manual_seed(s); kaiming_uniform_(w)`` draws
 from one sequential stream, so a rank that initialises only its rows gets the *first* rows'
 values, and a shard along dim 1 even gets a wider bound (lab 04 measures both). FSDP1's fix
-is ``sync_module_states``: rank 0 initialises and broadcasts.
+is ``sync_module_states``: every rank initialises each unit whole, then rank 0's values are
+broadcast over the others' (``shard(sync_module_states=True)`` here: rank 0 alone initialises).
 The fix here is counter-based (Salmon et al. 2011, "Parallel random numbers: as easy as 1,
 2, 3", the idea behind Philox and JAX's PRNG): `DeterministicInit` makes element i of
 parameter `name` a pure function of (seed, name, i), so any rank computes any slice alone:

@@ -170,8 +170,9 @@ def seeds_judge(got: list[Any], expected: list[Any], case: Case) -> Mismatch | N
                         vals(there["start_next_seed"][1]),
                     ),
                 ],
-                hint="seed + stage makes neighbouring seeds overlap: draw the stage seeds from "
-                "a generator seeded with `seed` instead of adding the stage.",
+                hint="seed + stage (torchtitan's `seed + pp_rank`) keeps the stages of one run "
+                "distinct, but neighbouring base seeds overlap — a seed sweep shares weights: "
+                "draw the stage seeds from a generator seeded with `seed` instead.",
                 series=series_of(
                     f"first values: seed {seed + 1}'s stage {s} repeats seed {seed}'s stage {s + 1}",
                     "value index",
@@ -247,8 +248,9 @@ STAGE_SEEDS = Exercise(
             "seed-plus-stage",
             "seed + stage",
             _seed_plus_stage,
-            "the stages differ, but the run with the next base seed draws on stage 0 what this "
-            "run drew on stage 1: two experiments share weights",
+            "the stages differ (torchtitan's `seed + pp_rank` does the same), but the run with "
+            "the next base seed draws on stage 0 what this run drew on stage 1: two experiments "
+            "share weights",
         ),
         Bug(
             "global-rng",

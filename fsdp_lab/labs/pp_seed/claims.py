@@ -13,16 +13,13 @@ time curve against the noise it was measured in. Each is built from the result a
 from __future__ import annotations
 
 from fsdp_lab.labs.contract import LabResult
-from fsdp_lab.labs.pp_seed.pictures import EXACT, label
+from fsdp_lab.labs.pp_seed.pictures import EXACT_SEEDING, label
 from fsdp_lab.labs.pp_seed.tables import ms
 from fsdp_lab.labs.pp_seed.timing import TREND_TOLERANCE
 from fsdp_lab.labs.pp_seed.words import join, labels, verb
 
 _DID = {"grows": "grew", "falls": "fell", "flat": "stayed flat"}
-_ONE_AT_A_TIME = {  # who makes the exact init's draws, by construction
-    "seed_checkpoint": "rank 0 draws them all under (a)",
-    "rng_replay": "the stages draw them in turn under (d)",
-}
+_ONE_AT_A_TIME = {"rng_replay": "the stages draw them in turn under (d)"}  # by construction
 
 
 def scaling_sentence(result: LabResult) -> str:
@@ -44,7 +41,7 @@ def scaling_sentence(result: LabResult) -> str:
         f"{moved} (a move counts only beyond {TREND_TOLERANCE:.0%} and beyond the spread of "
         "the repeats)."
     )
-    exact = [s for s in EXACT if s in trends]
+    exact = [s for s in EXACT_SEEDING if s in trends]
     flat = [s for s in exact if trends[s]["wall"] == "flat"]
     fell = [s for s in exact if trends[s]["wall"] == "falls"]
     grew = [s for s in exact if trends[s]["wall"] == "grows"]
