@@ -288,3 +288,11 @@ def test_every_measured_row_is_one_point_at_its_calls_and_bytes():
     points = {tuple(c.get_offsets()[0]) for c in fig.axes[0].collections}
     rows = [r for chain in chains.values() for r in chain["rows"]]
     assert points == {(r["forward_calls"], r["peak_activation_bytes"]) for r in rows}
+
+
+def test_regime_sentence_says_which_dominates_both_ways():
+    wide = LabResult("checkpoint", {"config": {"batch": 256, "dim": 32}})
+    assert "activations, not weights, dominate" in report.regime_sentence(wide)
+    narrow = LabResult("checkpoint", {"config": {"batch": 64, "dim": 128}})  # the CLI's defaults
+    text = report.regime_sentence(narrow)
+    assert "activations do not dominate here" in text and "16,512" in text

@@ -82,3 +82,48 @@ def test_no_notebook_types_a_measured_figure_in_its_prose_or_comments():
                 text = "\n".join(line.split("#", 1)[1] for line in text.splitlines() if "#" in line)
             found += [f"{path.name} cell {i}: {m}" for m in MEASURED.findall(text)]
     assert not found, found
+
+
+def _notebook_settings(path: Path) -> tuple[str, dict]:
+    """The first `...Config(...)` call of a lab notebook's code, its keywords evaluated (a
+    `WORLD_SIZE` set before it resolved)."""
+    import ast
+    import json
+
+    env: dict = {}
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        source = re.sub(r"^[%!].*$", "", "".join(cell["source"]), flags=re.M)
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "WORLD_SIZE":
+                env["WORLD_SIZE"] = ast.literal_eval(node.value)
+            name = getattr(getattr(node, "func", None), "attr", "")
+            if isinstance(node, ast.Call) and name.endswith("Config"):
+                expr = lambda v: eval(compile(ast.Expression(v), "nb", "eval"), {}, dict(env))  # noqa: E731
+                return name, {k.arg: expr(k.value) for k in node.keywords}
+    raise AssertionError(f"{path.name}: no lab config")
+
+
+def test_the_readme_runs_each_lab_as_its_notebook_does():
+    from dataclasses import asdict
+
+    from fsdp_lab.cli import build_parser
+    from fsdp_lab.labs.options import config_overrides
+    from fsdp_lab.labs.registry import LABS
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- notebook settings -->", 1)[1].split("<!-- end notebook", 1)[0]
+    commands = [line.split()[1:] for line in block.splitlines() if line.startswith("fsdp-lab")]
+    notebooks = sorted((ROOT / "notebooks").glob("0[0-6]_*.ipynb"))
+    assert [c[0] for c in commands] == list(LABS) and len(notebooks) == len(LABS)
+    for argv, path in zip(commands, notebooks, strict=True):
+        lab = LABS[argv[0]]
+        name, kwargs = _notebook_settings(path)
+        assert name == lab.config_class.__name__, path.name
+        args = build_parser().parse_args(argv)
+        overrides = config_overrides(args, lab.config_class)
+        if args.world_size is not None:
+            overrides["world_size"] = args.world_size
+        from_readme = asdict(lab.config_class(**overrides))
+        assert from_readme == asdict(lab.config_class(**kwargs)), path.name

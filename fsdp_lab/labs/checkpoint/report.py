@@ -130,6 +130,26 @@ def activation_growth(result: LabResult) -> str:
     )
 
 
+def regime_sentence(result: LabResult) -> str:
+    """Whether this run's activations or its weights are the larger, from its config: the
+    regime every later sentence about activation memory is printed in."""
+    config = result["config"]
+    act, weights = config["batch"] * config["dim"], config["dim"] * config["dim"] + config["dim"]
+    if act > weights:
+        return (
+            f"In this run each activation tensor ({config['batch']} × {config['dim']} = "
+            f"{act:,} values) is larger than a layer's weights and bias ({weights:,}): as in a "
+            "transformer, whose batch × sequence tokens outnumber the hidden size, activations, "
+            "not weights, dominate — what checkpointing saves."
+        )
+    return (
+        f"In this run a layer's weights and bias ({weights:,} values) are at least as large as "
+        f"each activation tensor ({config['batch']} × {config['dim']} = {act:,}): activations "
+        "do not dominate here, so checkpointing (which saves activations only) saves little of "
+        "the peak, and the weights' gradients weigh as much as what it saves."
+    )
+
+
 def gradient_note(result: LabResult) -> str:
     """Whether every schedule's gradients equal store-all's, from the measured differences."""
     rows = [r for chain in result["chains"].values() for r in chain["rows"]]
