@@ -13,6 +13,7 @@ time curve against the noise it was measured in. Each is built from the result a
 from __future__ import annotations
 
 from fsdp_lab.labs.contract import LabResult
+from fsdp_lab.labs.pp_seed.convergence import MIN_SEEDS
 from fsdp_lab.labs.pp_seed.pictures import EXACT_SEEDING, label
 from fsdp_lab.labs.pp_seed.tables import ms
 from fsdp_lab.labs.pp_seed.timing import TREND_TOLERANCE
@@ -80,7 +81,7 @@ def scaling_sentence(result: LabResult) -> str:
 
 def convergence_sentence(result: LabResult) -> str:
     """The claim "same seed on every stage harms convergence" against the trainings on the
-    learnable task: shown only beyond the spread between seeds of the unsplit init."""
+    learnable task: shown only when the paired 95 % interval of the difference excludes 0."""
     c = result["convergence"]
     k, diffs = len(c["seeds"]), c["diffs"]
     setting = f"Measured ({k} seed{'s' if k > 1 else ''}, {c['steps']} steps each)"
@@ -89,36 +90,34 @@ def convergence_sentence(result: LabResult) -> str:
         f"{max(c['final']['unsplit']):.3f}; the task's floor is {c['entropy_floor']:.3f}, "
         f"guessing gives ln V = {c['uniform_loss']:.3f}."
     )
-    spread = f"the {c['seed_spread']:.4f} spread between seeds of the unsplit init"
     along = ", ".join(f"step {end} {gap:+.4f}" for end, gap in c["gap_along"])
     floor += f" The gap (same_seed - unsplit, mean over seeds) along the run: {along}."
+    interval = c.get("interval")
+    if interval is None:
+        return (
+            f"{setting}: the same-seed init ended {c['mean_diff']:+.4f} from the unsplit init "
+            f"on average; with fewer than {MIN_SEEDS} seeds there is no interval to judge it "
+            "by, so this says nothing about convergence (run more seeds)." + floor
+        )
+    lo, hi = interval
+    stated = (
+        f"the same-seed init ended {c['mean_diff']:+.4f} from the unsplit init on average "
+        f"({min(diffs):+.4f} to {max(diffs):+.4f} seed by seed); paired by seed, the 95 % "
+        f"interval of that difference (Student's t, {k - 1} degrees of freedom) is "
+        f"[{lo:+.4f}, {hi:+.4f}]"
+    )
     if c["harm_shown"]:
         return (
-            f"{setting}: the same-seed init ended higher at every seed, by {c['mean_diff']:.4f} "
-            f"on average, more than {spread}: here the same seed on every stage did harm "
+            f"{setting}: {stated}, above 0: here the same seed on every stage did harm "
             "convergence." + floor
         )
     if c["help_shown"]:
         return (
-            f"{setting}: the same-seed init ended lower at every seed, by {-c['mean_diff']:.4f} "
-            f"on average, more than {spread}: here it did not harm convergence." + floor
+            f"{setting}: {stated}, below 0: here it did not harm convergence — it helped." + floor
         )
-    if k < 2:
-        return (
-            f"{setting}: the same-seed init ended {c['mean_diff']:+.4f} from the unsplit init; "
-            "with one seed there is no spread between seeds to set that against, so it says "
-            "nothing about convergence." + floor
-        )
-    consistent = (
-        " It ended higher at every seed, but by less than another seed moves the unsplit init."
-        if c["worse_every_seed"]
-        else ""
-    )
     return (
-        f"{setting}: at this scale the harm does not show. The same-seed init ended "
-        f"{c['mean_diff']:+.4f} from the unsplit init on average ({min(diffs):+.4f} to "
-        f"{max(diffs):+.4f} seed by seed), against {spread}: a difference this experiment "
-        "cannot tell from the luck of the draw." + consistent + floor
+        f"{setting}: inconclusive — {stated}, which includes 0: this run cannot tell the "
+        "same-seed init from the unsplit one; more seeds narrow the interval." + floor
     )
 
 

@@ -114,8 +114,12 @@ def compare(config: PPSeedConfig, curves: dict[str, dict[int, list[float]]]) -> 
         config: the lab's config (the task's vocabulary, the steps).
         curves: init -> seed -> loss per step.
 
-    "Shown" means: same_seed ended higher at every seed, and on average by more than the spread
-    (max - min) of the unsplit init's final losses over the seeds, the luck of the draw.
+    The test, stated: the seeds pair the two inits (each seed: the same batches for both), so
+    the per-seed differences d = same_seed - unsplit are what varies; "shown" means their 95 %
+    confidence interval (Student's t, k - 1 degrees of freedom, k >= `MIN_SEEDS`) lies wholly
+    above 0 (harm) or below 0 (help); otherwise the run is inconclusive at its number of seeds.
+    A rule against the range of one init's losses (max - min) is not used: the range grows
+    with the number of seeds, so the verdict would flip as seeds are added.
     """
     seeds = sorted(curves["unsplit"])
     final = {init: [final_loss(curves[init][s]) for s in seeds] for init in INITS}
@@ -134,8 +138,7 @@ def compare(config: PPSeedConfig, curves: dict[str, dict[int, list[float]]]) -> 
     ]
     diffs = [b - a for a, b in zip(final["unsplit"], final["same_seed"], strict=True)]
     spread = max(final["unsplit"]) - min(final["unsplit"])
-    worse, better = all(d > 0 for d in diffs), all(d < 0 for d in diffs)
-    beyond = abs(mean(diffs)) > spread
+    interval = paired_interval(diffs)
     return {
         "seeds": seeds,
         "steps": config.convergence_steps,
@@ -147,8 +150,28 @@ def compare(config: PPSeedConfig, curves: dict[str, dict[int, list[float]]]) -> 
         "diffs": diffs,
         "mean_diff": mean(diffs),
         "gap_along": gap_along,
-        "worse_every_seed": worse,
+        "worse_every_seed": all(d > 0 for d in diffs),
         "seed_spread": spread,
-        "harm_shown": worse and beyond and len(seeds) > 1,
-        "help_shown": better and beyond and len(seeds) > 1,
+        "interval": interval,  # the mean difference's 95 % interval, None below MIN_SEEDS
+        "harm_shown": interval is not None and interval[0] > 0,
+        "help_shown": interval is not None and interval[1] < 0,
     }
+
+
+# Student's t at 97.5 % (a two-sided 95 % interval) by degrees of freedom; 1.96 beyond 30.
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+        2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+MIN_SEEDS = 3  # with 2, the interval is ±12.7 standard errors: it can show nothing
+
+
+def paired_interval(diffs: list[float]) -> list[float] | None:
+    """The 95 % confidence interval of the mean of `diffs` (Student's t), or None for fewer
+    than `MIN_SEEDS` values."""
+    k = len(diffs)
+    if k < MIN_SEEDS:
+        return None
+    m = mean(diffs)
+    sd = math.sqrt(sum((d - m) ** 2 for d in diffs) / (k - 1))
+    half = (T975[k - 2] if k - 1 <= len(T975) else 1.96) * sd / math.sqrt(k)
+    return [m - half, m + half]
