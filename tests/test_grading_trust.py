@@ -47,6 +47,21 @@ def all_reduce_mean(tensor, group):  # wrong: the sum, not the mean
     return out
 """
 
+# A reply written straight to the grading process's fd 3, then an exit: what a learner who
+# read the protocol can send (`extra`: one more line before the exercise's).
+REPLY = """
+import json, os
+BIG = {{"first_grad": [10**400], "weights": [0.0], "losses": [0.0]}}
+NESTED = {{"first_grad": [0.0], "weights": [0.0], "losses": [0.0]}}
+for _ in range(400):
+    NESTED = {{"losses": [NESTED]}}
+os.write(3, (json.dumps({{"notes": [], "defined": ["all_reduce_mean"]}}) + "\\n").encode())
+{extra}
+os.write(3, (json.dumps({{"exercise": "all_reduce_mean", "runs": {runs}}}) + "\\n").encode())
+os._exit(0)
+"""
+DEEP = 'os.write(3, ("[" * 200000 + "]" * 200000 + "\\n").encode())'
+
 FULL_MARKS = [  # what the grading process used to print for a file that passed everything
     {"exercise": n, "kind": "passed", "summary": "", "points": 2, "score": 2, "passed": True}
     for n in ("all_reduce_mean", "gather_shards")
@@ -66,6 +81,9 @@ def write_class(root: Path, csv_path: Path) -> dict[str, Path]:
     subs = root / "submitted"
     victim = subs / "zed" / "ex.py"  # graded last: the attacks aim at her file
     files = {
+        # found by a hostile review: an empty file, done before the grader's reference ranks
+        # were up, once made the grader kill them as if they were the submission's orphans
+        "a_empty": ("ex.py", ""),
         "alice": ("ex.py", CORRECT),
         # 1 and 9. a full-marks line, then a verdict without points, on stdout; then an exit
         # before anything is checked
@@ -180,14 +198,36 @@ def write_class(root: Path, csv_path: Path) -> dict[str, Path]:
         # files of a kind that is not graded: their rows are made without running anything)
         '=HYPERLINK("x","y")': ("ex.txt", CORRECT),
         "evil\u202eyp.exe": ("ex.txt", CORRECT),
+        # replies the grader once crashed on (a hostile review): nested past Python's stack, an
+        # integer no float holds, curves nested 800 deep; and a message that rewrites the
+        # terminal. Each reaches the judge on its own file (a verdict stops at the first case).
+        "reply_deep": ("ex.py", REPLY.format(runs='[{"outcomes": [BIG, BIG]}]', extra=DEEP)),
+        "reply_nested": ("ex.py", REPLY.format(runs='[{"outcomes": [NESTED] * 3}]', extra="")),
+        "reply_ansi": (
+            "ex.py",
+            REPLY.format(
+                runs='[{"failure": {"kind": "raised", "summary": "\\x1b[2J\\x1b[8mhidden"}}]',
+                extra="",
+            ),
+        ),
         "zed": ("ex.py", CORRECT),
     }
-    paths = {}
+    paths, paths_extra = {}, {}
     for student, (name, text) in files.items():
         path = subs / student / name
         path.parent.mkdir(parents=True)
         path.write_text(text)
         paths[student] = path
+    # links to a peer's file: a symbolic one inside the folder, a hard one
+    (subs / "peerlink").mkdir()
+    (subs / "peerlink" / "mine.py").symlink_to(os.path.join("..", "alice", "ex.py"))
+    (subs / "hardlink").mkdir()
+    (root / "outside.py").write_text(CORRECT)
+    os.link(root / "outside.py", subs / "hardlink" / "mine.py")
+    (subs / "looper").mkdir()
+    (subs / "looper" / "loop.py").symlink_to("loop.py")
+    for who, name in (("peerlink", "mine.py"), ("hardlink", "mine.py"), ("looper", "loop.py")):
+        paths_extra[who] = subs / who / name
     # 6. a relative symlink to the installed reference module
     import fsdp_lab.exercises.collectives as reference
 
@@ -200,7 +240,7 @@ def write_class(root: Path, csv_path: Path) -> dict[str, Path]:
     raw = os.path.join(os.fsencode(subs / "bytes"), b"caf\xe9.py")
     with open(raw, "w") as f:
         f.write(CORRECT)
-    return paths
+    return {**paths, **paths_extra}
 
 
 @pytest.fixture(scope="module")
@@ -255,10 +295,14 @@ def test_no_attack_gets_points_it_did_not_earn(graded):
     got = by_student(proc)
     for who in ("fake_line", "patcher", "forger"):
         assert (score(got[who]) or 0) == 0, (who, got[who])  # an error row scores nothing
-    assert (
-        "refused" in got["linker"]["error"]
-        and "outside the submitted folder" in got["linker"]["error"]
-    )
+    for who in ("linker", "peerlink", "looper", "hardlink"):  # links: to a peer, to anything
+        assert "link" in got[who]["error"] and "refused" in got[who]["error"], got[who]
+    for who, kind in (("reply_deep", "invalid reply"), ("reply_nested", "invalid reply"),
+                      ("reply_ansi", "raised")):  # fmt: skip
+        verdict = got[who]["verdicts"][0]
+        assert (verdict["kind"], verdict["score"]) == (kind, 0), got[who]
+    assert "\\x1b[2J" in got["reply_ansi"]["verdicts"][0]["summary"]  # escaped, never run
+    assert score(got["a_empty"]) is None and "defines none" in got["a_empty"]["error"]
 
 
 def test_a_submission_cannot_change_another_students_row(graded):
@@ -330,8 +374,10 @@ def test_the_sandbox_sees_no_course_folder_no_network_and_no_other_process(tmp_p
     from fsdp_lab.exercises import sandbox
 
     probe = textwrap.dedent(f"""
-        import json, os, socket
+        import ctypes, json, os, socket
+        shmget = ctypes.CDLL(None, use_errno=True).shmget
         seen = {{
+            "shm": shmget(0, 64 << 20, 0o1600),  # IPC_PRIVATE, IPC_CREAT: 64 MiB
             "course": os.path.exists({str(tmp_path)!r}),
             "cwd": sorted(os.listdir(".")),
             "uid": os.getuid(),
@@ -340,8 +386,9 @@ def test_the_sandbox_sees_no_course_folder_no_network_and_no_other_process(tmp_p
         }}
         os.write(3, json.dumps(seen).encode())
         """)
+    (tmp_path / "probe.py").write_text(probe)
     run = sandbox.run_submission(
-        "probe.py", probe.encode(), ["probe.py"], sandbox.Limits(wall_seconds=60), 1 << 20
+        tmp_path / "probe.py", "probe.py", ["probe.py"], sandbox.Limits(wall_seconds=60), 1 << 20
     )
     seen = json.loads(run.reply)
     assert seen["course"] is False and seen["cwd"] == ["probe.py"]
@@ -349,9 +396,10 @@ def test_the_sandbox_sees_no_course_folder_no_network_and_no_other_process(tmp_p
     assert len(seen["pids"]) <= 3  # bwrap's init, the probe (and bwrap's monitor)
     if os.geteuid() == 0:
         assert seen["uid"] == 65534
+        assert seen["shm"] == -1  # System V shared memory, which no rlimit counts, is capped
 
 
-def test_without_bwrap_a_process_left_behind_is_found_and_killed(monkeypatch):
+def test_without_bwrap_a_process_left_behind_is_found_and_killed(monkeypatch, tmp_path):
     """The fallback: no sandbox, but the limits, and nothing outlives the file (the grader is a
     child subreaper, so an orphan in a session of its own comes back to it and is killed)."""
     from fsdp_lab.exercises import sandbox
@@ -369,10 +417,42 @@ def test_without_bwrap_a_process_left_behind_is_found_and_killed(monkeypatch):
         except MemoryError:
             os.write(3, b" MemoryError")
         """)
+    (tmp_path / "probe.py").write_text(probe)
+    helpers = {launcher_pid() for _ in [0]}
     run = sandbox.run_submission(
-        "probe.py", probe.encode(), ["probe.py"], sandbox.Limits(wall_seconds=60), 1 << 20
+        tmp_path / "probe.py", "probe.py", ["probe.py"], sandbox.Limits(wall_seconds=60), 1 << 20
     )
     pid, said = run.reply.decode().split(" ", 1)
     assert said == "MemoryError"  # the address-space limit holds without the sandbox too
     time.sleep(0.5)
     assert not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == "zombie"
+    # the grader's own helpers (the fork server its reference ranks come from) were spared
+    assert all(psutil.pid_exists(p) for p in helpers | {launcher_pid()} if p)
+
+
+def launcher_pid() -> int | None:
+    from fsdp_lab.cluster import launcher
+
+    return launcher.server_pid()
+
+
+def test_a_reply_is_read_within_bounds_whatever_it_holds():
+    from fsdp_lab.exercises.grading import MAX_NOTES, NOTE_CHARS, read_reply
+    from fsdp_lab.exercises.sandbox import Run
+
+    def run(reply: bytes) -> Run:
+        return Run(0, 1.0, "", "", reply)
+
+    flood = b"\n" * 30_000_000 + b'{"notes": [], "defined": ["x"]}\n'
+    assert "defined" not in read_reply(run(flood))  # only the first lines are read
+    note = json.dumps({"notes": ["\x1b[2J" + "n" * 1_000_000] * (MAX_NOTES + 5), "defined": []})
+    notes = read_reply(run(note.encode()))["notes"]
+    assert len(notes) == MAX_NOTES and all(len(n) <= NOTE_CHARS for n in notes)
+    assert all("\x1b" not in n for n in notes)
+
+
+def test_a_path_the_system_cannot_take_is_a_row_not_a_crash(tmp_path):
+    from fsdp_lab.exercises.grading import submissions
+
+    (row,) = submissions([tmp_path / ("x" * 5000 + ".py")], tmp_path)
+    assert row.copy is None and "name too long" in row.error.lower()

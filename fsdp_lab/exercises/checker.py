@@ -36,7 +36,7 @@ from fsdp_lab.cluster.driver import how_it_ended
 from fsdp_lab.exercises.exercise import Case, Exercise
 from fsdp_lab.exercises.on_rank import HINT_MARK, attempt
 from fsdp_lab.exercises.pool import ClusterPool
-from fsdp_lab.exercises.verdict import ExerciseFailed, Verdict
+from fsdp_lab.exercises.verdict import ExerciseFailed, Verdict, printable
 
 DUMP_SHARE = 0.8  # a hung rank writes its stack at this share of the time limit
 MAX_TRACEBACK_LINES = 30
@@ -44,6 +44,10 @@ MAX_TRACEBACK_LINES = 30
 # "wrong result" are never taken from a learner's process: only the judge gives them.
 FAILURE_KINDS = ("raised", "hung", "died", "wrong output", "not implemented", "invalid reply")
 TEXT_LIMITS = {"summary": 2_000, "hint": 1_000, "traceback": 12_000}
+MAX_DEPTH = 12  # the deepest a trial's outcome nests (dicts of lists of pairs of lists ...)
+# What judging data a learner's process sent can raise: that exercise's "invalid reply".
+MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, ArithmeticError,
+             RecursionError)  # fmt: skip
 
 
 def signature_problem(exercise: Exercise, fn: Any) -> str | None:
@@ -70,7 +74,7 @@ def signature_verdict(exercise: Exercise, problem: str) -> Verdict:
     return Verdict(
         exercise.name,
         "wrong signature",
-        str(problem)[: TEXT_LIMITS["summary"]],
+        printable(str(problem)[: TEXT_LIMITS["summary"]]),
         exercise.points,
         hint="Keep the stub's first line (def ...) as it was given; write only the body.",
     )
@@ -166,10 +170,16 @@ def _case_verdict(
     passed: list[str],
 ) -> Verdict | None:
     def verdict(kind: str, summary: str, **more: Any) -> Verdict:
+        # Every text may carry what a learner's code chose (a name, a message): printable.
+        if "rows" in more:
+            more["rows"] = [tuple(printable(str(c)) for c in row) for row in more["rows"]]
+        for key in ("hint", "traceback"):
+            if key in more:
+                more[key] = printable(str(more[key]), keep_newlines=key == "traceback")
         return Verdict(
             exercise.name,
             kind,
-            summary,
+            printable(str(summary)),
             exercise.points,
             case=case.label,
             passed_cases=list(passed),
@@ -188,9 +198,11 @@ def _case_verdict(
     outcomes = run.get("outcomes")
     if not isinstance(outcomes, list) or len(outcomes) != case.world_size:
         return verdict("invalid reply", f"expected one outcome per rank ({case.world_size})")
+    if not _shallow(outcomes, MAX_DEPTH):
+        return verdict("invalid reply", f"the outcomes nest deeper than {MAX_DEPTH} levels")
     try:
         mismatch = exercise.judge(outcomes, expected(case), case)
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+    except MALFORMED as exc:
         return verdict("invalid reply", f"the ranks' outcomes cannot be judged ({exc!r:.200})")
     if mismatch is None:
         return None
@@ -201,6 +213,18 @@ def _case_verdict(
         hint=mismatch.hint,
         series=mismatch.series,
     )
+
+
+def _shallow(data: Any, limit: int) -> bool:
+    """No list or dict in `data` nests deeper than `limit` (walked without recursion)."""
+    todo = [(data, 0)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict | list):
+            if depth >= limit:
+                return False
+            todo += [(x, depth + 1) for x in (item.values() if isinstance(item, dict) else item)]
+    return True
 
 
 def _reported(failure: Any, verdict: Callable[..., Verdict]) -> Verdict:

@@ -12,8 +12,9 @@ each reply against it, and alone builds the rows and writes the gradebook: the s
 comes from the path, the score from the judge. Whatever a submission does — print, exit, hang,
 crash, reply garbage, delete files — it is that file's row, and grading goes on.
 
-Every file was read before the first one ran (a submission cannot change or delete another's),
-symlinks leading out of the submitted folder are refused, and names are kept printable.
+Every file is copied into the grader's private folder before the first one runs (a submission
+cannot change or delete another's), links are refused (a link can name another student's file,
+or anything the grader may read), and names and the text of verdicts are kept printable.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import csv
 import json
 import os
 import re
+import stat
+import tempfile
 import time
-import unicodedata
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,55 +34,53 @@ from typing import Any
 
 from fsdp_lab.exercises import sandbox
 from fsdp_lab.exercises.submission import SUFFIXES
+from fsdp_lab.exercises.verdict import printable
 
 # A file's wall clock: start-up (interpreter, torch, ranks), then the per-case limit for its
 # top-level code and once per exercise it defines (a check stops at the first case that hangs).
 START_ALLOWANCE = 60.0
 MAX_FILE_BYTES = 16 << 20  # a submission larger than this is refused unread
-REPLY_LIMIT = 64 << 20
+REPLY_LIMIT = 8 << 20  # a whole class's correct reply is about 4 MB (all 15 exercises)
+MAX_REPLY_LINES = 100  # a reply is a header and a line per exercise
 MAX_NOTES, NOTE_CHARS = 20, 300
 
 
 @dataclass(frozen=True)
 class Submission:
-    """One file to grade: how it is shown, whose it is, its bytes as read before grading began
-    (or why it cannot be graded)."""
+    """One file to grade: how it is shown, whose it is, its copy made before grading began (in
+    the grader's private folder; or why it cannot be graded)."""
 
     shown: str
     student: str
     name: str
-    content: bytes | None = None
+    copy: Path | None = None
     error: str | None = None
 
 
-def printable(text: str) -> str:
-    """`text` with undecodable bytes as \\xNN and control and bidirectional characters escaped,
-    so a file name cannot rewrite the line it is printed on."""
-    text = os.fsencode(text).decode("utf-8", errors="backslashreplace")
-    return "".join(
-        ch.encode("unicode_escape").decode() if unicodedata.category(ch) in ("Cc", "Cf") else ch
-        for ch in text
-    )
-
-
-def submissions(paths: Iterable[Path]) -> list[Submission]:
-    """The files to grade, in order, each read now. Folders are searched recursively (without
-    following links) for files; the student is the first folder below the one given, as in
-    nbgrader's submitted/<student>/<assignment>/, else the file's name. A path that gives
-    nothing to grade is a Submission with its error."""
+def submissions(paths: Iterable[Path], snapshot: Path) -> list[Submission]:
+    """The files to grade, in order, each copied now into `snapshot` (a folder only the grader
+    can read). Folders are searched recursively (without following links) for files; the
+    student is the first folder below the one given, as in nbgrader's
+    submitted/<student>/<assignment>/, else the file's name. A path that gives nothing to grade
+    is a Submission with its error."""
     found: list[Submission] = []
     for path in paths:
         shown = printable(str(path))
-        if path.is_dir() and not path.is_symlink():
+        try:
+            is_folder = path.is_dir() and not path.is_symlink()
+        except OSError as exc:  # a name longer than the system allows, ...
+            found.append(Submission(shown, "", path.name, error=f"{shown}: {exc.strerror}"))
+            continue
+        if is_folder:
             files = sorted(_walk(path))
             if not files:
                 found.append(Submission(shown, "", path.name, error=f"{shown}: no files in it"))
             for p in files:
                 rel = p.relative_to(path)
                 student = rel.parts[0] if len(rel.parts) > 1 else p.stem
-                found.append(_read(p, printable(student), inside=path))
+                found.append(_read(p, printable(student), snapshot / str(len(found))))
         elif path.exists() or path.is_symlink():
-            found.append(_read(path, printable(path.stem), inside=None))
+            found.append(_read(path, printable(path.stem), snapshot / str(len(found))))
         else:
             found.append(Submission(shown, "", path.name, error=f"{shown}: no such file or folder"))
     return found
@@ -94,34 +94,36 @@ def _walk(folder: Path) -> Iterable[Path]:
                 yield Path(root, name)
 
 
-def _read(path: Path, student: str, inside: Path | None) -> Submission:
+def _read(path: Path, student: str, copy: Path) -> Submission:
+    """`path` copied to `copy`, or why it is not graded: a link (its target may be another
+    student's file, or anything the grader can read), a file of another kind, too large, or
+    unreadable."""
     shown = printable(str(path))
-    if path.is_symlink():
-        target = path.resolve()
-        if inside is None or not target.is_relative_to(inside.resolve()):
-            return Submission(
-                shown, student, path.name, error=f"{shown}: a link to {printable(str(target))}, "
-                "outside the submitted folder — refused (submit the file itself)"
-            )  # fmt: skip
-    if path.suffix not in SUFFIXES:
-        return Submission(
-            shown, student, path.name,
-            error=f"{printable(path.name)}: not a notebook (.ipynb) or Python file (.py) — "
-            "nothing graded",
-        )  # fmt: skip
+
+    def refused(why: str) -> Submission:
+        return Submission(shown, student, path.name, error=f"{shown}: {why}")
+
     try:
-        if not path.is_file():
-            raise OSError("not a regular file")
-        with path.open("rb") as f:
-            content = f.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        return Submission(shown, student, path.name, error=f"{shown}: cannot be read ({exc})")
-    if len(content) > MAX_FILE_BYTES:
-        return Submission(
-            shown, student, path.name,
-            error=f"{shown}: larger than {MAX_FILE_BYTES >> 20} MiB — not graded",
-        )  # fmt: skip
-    return Submission(shown, student, path.name, content=content)
+        if path.is_symlink():
+            return refused("a symbolic link — refused (submit the file itself)")
+        if path.suffix not in SUFFIXES:
+            return Submission(
+                shown, student, path.name,
+                error=f"{printable(path.name)}: not a notebook (.ipynb) or Python file (.py) — "
+                "nothing graded",
+            )  # fmt: skip
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            return refused("not a regular file — nothing graded")
+        if info.st_nlink > 1:
+            return refused("a hard link to another file — refused (submit the file itself)")
+        if info.st_size > MAX_FILE_BYTES:
+            return refused(f"larger than {MAX_FILE_BYTES >> 20} MiB — not graded")
+        with path.open("rb") as f, copy.open("wb") as out:
+            out.write(f.read(MAX_FILE_BYTES + 1)[:MAX_FILE_BYTES])
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a link loop, on some Pythons
+        return refused(f"cannot be read ({printable(str(exc))[:200]})")
+    return Submission(shown, student, path.name, copy=copy)
 
 
 def grade_paths(
@@ -135,7 +137,8 @@ def grade_paths(
 
     if only is not None:
         exercise(only)  # a name that does not exist: ValueError before anything runs
-    todo = submissions(paths)
+    snapshot = tempfile.TemporaryDirectory(prefix="fsdp_lab_submissions_")  # mode 0700
+    todo = submissions(paths, Path(snapshot.name))
     progress(sandbox.sandbox_note())
     judge = Judge()
     # The reference of every exercise the class mentions, measured while the first files run.
@@ -152,13 +155,14 @@ def grade_paths(
             progress(f"[{i}/{len(todo)}] {sub.shown}: {score_line(result)} ({took:.0f} s)")
     finally:
         judge.close()
+        snapshot.cleanup()
     return results
 
 
 def grade_one(sub: Submission, time_limit: float, only: str | None, judge: Judge) -> dict:
     """One file's row: its verdicts, or the one error that stopped it."""
     row: dict[str, Any] = {"file": sub.shown, "student": sub.student}
-    if sub.content is None:
+    if sub.copy is None:
         return {**row, "error": sub.error}
 
     checks = 1 if only else len(mentioned(sub))
@@ -167,7 +171,7 @@ def grade_one(sub: Submission, time_limit: float, only: str | None, judge: Judge
     argv = ["-m", "fsdp_lab.exercises.submission", inside, "--time-limit", str(time_limit)]
     argv += ["--name", printable(sub.name)]
     run = sandbox.run_submission(
-        inside, sub.content, [*argv, *(["--only", only] if only else [])], limits, REPLY_LIMIT
+        sub.copy, inside, [*argv, *(["--only", only] if only else [])], limits, REPLY_LIMIT
     )
     return {**row, **judge.verdicts(read_reply(run), run, only, sub)}
 
@@ -176,7 +180,7 @@ def mentioned(sub: Submission) -> list[str]:
     """The exercises whose names appear in a submission's text (what it may define)."""
     from fsdp_lab.exercises.catalog import EXERCISES
 
-    text = (sub.content or b"").decode("utf-8", errors="replace")
+    text = sub.copy.read_bytes().decode("utf-8", errors="replace") if sub.copy else ""
     return [e.name for e in EXERCISES if re.search(rf"\b{e.name}\b", text)]
 
 
@@ -184,19 +188,21 @@ def read_reply(run: sandbox.Run) -> dict[str, Any]:
     """The reply lines a submission's process wrote, gathered; what is not a JSON object of a
     known form is dropped (it can only cost the file its own grade)."""
     reply: dict[str, Any] = {"exercises": {}}
-    for line in (run.reply or b"").splitlines():
+    for line in (run.reply or b"").split(b"\n", MAX_REPLY_LINES)[:MAX_REPLY_LINES]:
         try:
             obj = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
             continue
         if not isinstance(obj, dict):
             continue
         if isinstance(obj.get("error"), str) and "error" not in reply:
-            reply["error"] = obj["error"]
+            reply["error"] = obj["error"][:NOTE_CHARS]
         elif isinstance(obj.get("defined"), list) and "defined" not in reply:
             reply["defined"] = [n for n in obj["defined"] if isinstance(n, str)]
             notes = obj.get("notes") if isinstance(obj.get("notes"), list) else []
-            reply["notes"] = [printable(str(n))[:NOTE_CHARS] for n in notes[:MAX_NOTES]]
+            reply["notes"] = [
+                printable(str(n)[:NOTE_CHARS])[:NOTE_CHARS] for n in notes[:MAX_NOTES]
+            ]
         elif isinstance(obj.get("exercise"), str):
             reply["exercises"].setdefault(obj["exercise"], obj)
     return reply

@@ -49,6 +49,11 @@ INSIDE = "/sandbox"  # the working directory inside the sandbox
 REPLY_FD = 3  # the child writes its reply here: a pipe to the grader, nothing on disk
 TMPFS = ("--perms", "01777", "--size", str(256 << 20), "--tmpfs")  # a small private folder
 PR_SET_CHILD_SUBREAPER = 36
+SHM_BYTES = 32 << 20  # System V shared memory the sandbox may hold in all
+SHM_LIMITS = (
+    f"echo {SHM_BYTES} > /proc/sys/kernel/shmmax && "
+    f"echo {SHM_BYTES // 4096} > /proc/sys/kernel/shmall && "
+)
 
 
 @dataclass(frozen=True)
@@ -116,26 +121,26 @@ def sandbox_note() -> str:
 
 
 def run_submission(
-    name: str, content: bytes, argv: list[str], limits: Limits, reply_limit: int
+    submission: Path, name: str, argv: list[str], limits: Limits, reply_limit: int
 ) -> Run:
-    """Run `python argv...` with the submission `name` (a read-only copy of `content`) in its
-    working directory; its reply is what it writes to file descriptor 3.
+    """Run `python argv...` with `submission` as `name` (a read-only copy) in its working
+    directory; its reply is what it writes to file descriptor 3.
 
     Args:
-        name: the submission's file name in the working directory.
-        content: its bytes (read by the grader before any submission ran).
+        submission: the file, as the grader copied it before any submission ran.
+        name: its file name in the working directory.
         argv: the arguments after the Python executable (e.g. ["-m", "module", name]).
         limits: see `Limits`.
         reply_limit: a reply longer than this many bytes is not read (`Run.reply` None).
     """
     folder = Path(tempfile.mkdtemp(prefix="fsdp_lab_grade_"))
     try:
-        (folder / name).write_bytes(content)
-        os.chmod(folder, 0o755)  # readable by the sandbox's user; written by no one
         sandboxed = bwrap() is not None
-        command = _bwrap_command(folder / name, name, argv) if sandboxed else [sys.executable]
-        if not sandboxed:
-            command += argv
+        if sandboxed:
+            command = _bwrap_command(submission, name, argv)
+        else:  # the best without a sandbox: a folder of its own with a copy
+            shutil.copyfile(submission, folder / name)
+            command = [sys.executable, *argv]
         t0 = time.monotonic()
         code, out, err, reply = _run_limited(command, limits, folder, sandboxed, reply_limit)
         return Run(code, time.monotonic() - t0, out, err, reply)
@@ -195,6 +200,9 @@ def _bwrap_command(submission: Path, name: str, argv: list[str]) -> list[str]:
         command += ["--setenv", key, value]
     command.append("--")
     if os.geteuid() == 0:  # drop root inside: the child runs as nobody, without capabilities
+        # First, still root in the sandbox's own IPC namespace: cap System V shared memory,
+        # which no rlimit counts (a segment outlives its process until the namespace dies).
+        command += ["/bin/sh", "-c", SHM_LIMITS + 'exec "$@"', "sh"]
         command += [
             "setpriv",
             f"--reuid={NOBODY}",
@@ -243,8 +251,13 @@ def _run_limited(
             f.write("1000")  # out of memory: the submission goes first
         os.dup2(reply_w, REPLY_FD)
 
-    _become_subreaper()
-    before = _children()
+    before = None
+    if not sandboxed:  # the grader's own helpers must exist before: they are not orphans
+        from fsdp_lab.cluster import launcher
+
+        launcher.warm_up()
+        _become_subreaper()
+        before = _children()
     try:
         proc = subprocess.Popen(
             command,
@@ -272,11 +285,16 @@ def _run_limited(
     return returncode, tails[0].text(), tails[1].text(), reply.data()
 
 
-def _kill(proc: subprocess.Popen, before: set[int]) -> None:
-    """The child's session, then any orphan of it that came back to this process."""
+def _kill(proc: subprocess.Popen, before: set[int] | None) -> None:
+    """The child's session, then (without a sandbox) any orphan of it that came back to this
+    process: a child of ours that was not there before the submission started. `before` is
+    None in a sandbox, whose PID namespace dies with it — and this process's own helpers (the
+    grader's reference ranks' fork server) must never be taken for orphans."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    if before is None:
+        return
     for pid in _children() - before:  # orphans reparented here (we are a subreaper)
         with contextlib.suppress(psutil.Error, ChildProcessError):
             for p in [*psutil.Process(pid).children(recursive=True), psutil.Process(pid)]:

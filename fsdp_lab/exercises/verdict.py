@@ -16,6 +16,8 @@ what the trial returns: only tampering with the grader produces it).
 
 from __future__ import annotations
 
+import os
+import unicodedata
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -34,6 +36,18 @@ KINDS = (
     "no result",
     "invalid reply",
 )
+
+
+def printable(text: str, keep_newlines: bool = False) -> str:
+    """`text` with undecodable bytes as \\xNN and control and bidirectional characters escaped,
+    so no name or message can rewrite the line (or the terminal) it is printed on."""
+    text = os.fsencode(text).decode("utf-8", errors="backslashreplace")
+    return "".join(
+        ch
+        if unicodedata.category(ch) not in ("Cc", "Cf") or (keep_newlines and ch == "\n")
+        else ch.encode("unicode_escape").decode()
+        for ch in text
+    )
 
 
 @dataclass(frozen=True)
