@@ -14,7 +14,8 @@ optimal". The "every C layers" row mixes two schemes: O(C) memory and O(N²/C) c
 checkpoints N/C layers apart, each layer rebuilt from its nearest one (our `every(C)`); a
 checkpoint every C layers costs what its recompute makes of it — rebuilt layer by layer from the
 nearest one, O(N/C) memory and O(N·C) calls; rerun once per segment (Chen et al.'s
-`segments(C)`), ⌈N/C⌉ + C − 1 kept inputs and under 2N calls. The √N row gives
+`segments(C)`), ⌈N/C⌉ + C − 1 kept inputs (− 2 when C does not divide N) and under 2N
+calls. The √N row gives
 Chen et al.'s memory but not their compute: their segments (`segments(k)`, O(N/k + k) kept)
 are recomputed once each — one extra forward, under 2N calls; O(N√N) is what every(√N)
 costs. Nor is it optimal: at equal kept inputs `optimal(b)` never makes more calls, and

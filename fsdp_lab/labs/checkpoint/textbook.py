@@ -32,7 +32,7 @@ FORMULAS = {
     "store_all": ("N", "N"),
     "full_recompute": ("2 — O(1)", "N(N+1)/2 — O(N²)"),
     "every": ("C + 1 — O(C)", "N²/(2C) + 3N/2 − N/C — O(N²/C)"),
-    "segments": ("⌈N/k⌉ + k − 1 — O(N/k + k)", "N + (⌈N/k⌉ − 1)·k < 2N — O(N)"),
+    "segments": ("⌈N/k⌉ + k − 1 (− 2 if k ∤ N) — O(N/k + k)", "N + (⌈N/k⌉ − 1)·k < 2N — O(N)"),
     "optimal": ("≤ b", "the fewest for b kept inputs (DP)"),
     "revolve": (
         "s + 1 (s snapshots + the taped state)",
@@ -124,7 +124,8 @@ def textbook_verdicts(result: LabResult) -> str:
         f"{trend}. A checkpoint *every C layers* costs what its recompute makes of it: rebuilt "
         "layer by layer from the nearest checkpoint each time (`every(N/C)`), N/C + 1 inputs "
         "and O(N·C) calls; rerun once per segment, its activations kept for that segment's "
-        "backward (Chen et al.'s `segments(C)`, the row below), ⌈N/C⌉ + C − 1 inputs and "
+        "backward (Chen et al.'s `segments(C)`, the row below), ⌈N/C⌉ + C − 1 inputs (− 2 when C does not "
+        "divide N) and "
         + ("under 2N calls" if rerun_once else "one extra forward in theory, more measured here")
         + f" — measured: {segments}."
     )
