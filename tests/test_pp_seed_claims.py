@@ -208,43 +208,46 @@ def _convergence(unsplit: list[float], same: list[float]) -> LabResult:
 
 
 def test_convergence_harm_is_shown_only_when_the_paired_interval_excludes_zero():
-    worse = _convergence([2.00, 2.02, 2.01], [2.10, 2.12, 2.09])
+    worse = _convergence([2.00, 2.02, 2.01, 2.03, 2.00], [2.10, 2.12, 2.09, 2.12, 2.11])
     assert worse["convergence"]["harm_shown"] is True
     text = claims.convergence_sentence(worse)
-    assert "ended +0.0933 from the unsplit init on average" in text
-    assert "95 % interval of that difference (Student's t, 2 degrees of freedom)" in text
+    assert "ended +0.0960 from the unsplit init on average" in text
+    assert "95 % interval of that difference (Student's t, 4 degrees of freedom)" in text
     assert "above 0: here the same seed on every stage did harm convergence" in text
     # Mixed signs: the interval holds 0, whatever the spread of the unsplit init.
-    mixed = _convergence([2.00, 2.02, 2.01], [2.20, 1.90, 2.01])
+    mixed = _convergence([2.00, 2.02, 2.01, 2.0, 2.0], [2.20, 1.90, 2.01, 2.0, 2.05])
     assert mixed["convergence"]["harm_shown"] is False
     text = claims.convergence_sentence(mixed)
     assert (
-        text.startswith("Measured (3 seeds, 20 steps each): inconclusive") and "includes 0" in text
+        text.startswith("Measured (5 seeds, 20 steps each): inconclusive") and "includes 0" in text
     )
     # The gap along the run: the curves sit at 4.0 for 10 steps, then at the final values.
-    assert "step 5 +0.0000, step 10 +0.0000, step 15 +0.0267, step 20 +0.0267" in text
+    assert "step 5 +0.0000, step 10 +0.0000, step 15 +0.0260, step 20 +0.0260" in text
 
 
-def test_the_convergence_verdict_does_not_flip_as_seeds_are_added():
-    """Issue 25, item 8: the old rule (higher at every seed by more than the unsplit init's
-    max - min) said "did harm" at 3 seeds and "does not show" at 5 for the same effect, because
-    the range grows with the seeds. The paired interval narrows instead."""
-    effect = [0.014, 0.016, 0.015, 0.012, 0.011]
-    unsplit = [2.000, 2.008, 2.004, 2.025, 1.995]
-    for k in (3, 5):
-        c = _convergence(unsplit[:k], [u + d for u, d in zip(unsplit[:k], effect[:k], strict=True)])
-        spread, mean_diff = c["convergence"]["seed_spread"], c["convergence"]["mean_diff"]
-        assert (mean_diff > spread) == (k == 3)  # what the old rule would have said
-        assert c["convergence"]["harm_shown"] is True, k
+def test_the_convergence_verdict_needs_five_seeds_and_says_so():
+    """Issue 25, item 8: measured on the default pipeline (200 steps), +0.015 at 3 seeds came
+    out "shown" under the old rule (against the unsplit init's max - min) and not at 5 seeds;
+    3 tight seeds pass a t-interval too. Below 5 seeds the sentence gives the interval and says
+    it is too few; at 5 it judges."""
+    three = _convergence([2.000, 2.008, 2.004], [2.0096, 2.0271, 2.0177])  # as measured: +0.015
+    assert three["convergence"]["interval"][0] > 0 and three["convergence"]["harm_shown"] is False
+    text = claims.convergence_sentence(three)
+    assert "inconclusive" in text and "3 seeds are fewer than the 5 a verdict needs" in text
+    five = _convergence(
+        [2.000, 2.008, 2.004, 2.025, 1.995], [2.0096, 2.0271, 2.0177, 2.0182, 2.0197]
+    )
+    assert five["convergence"]["interval"][0] < 0 < five["convergence"]["interval"][1]
+    assert "includes 0" in claims.convergence_sentence(five)
 
 
-def test_convergence_the_other_way_and_with_too_few_seeds():
-    better = claims.convergence_sentence(_convergence([2.1, 2.12, 2.11], [2.0, 2.01, 2.0]))
+def test_convergence_the_other_way_and_with_one_seed():
+    better = claims.convergence_sentence(
+        _convergence([2.1, 2.12, 2.11, 2.1, 2.13], [2.0, 2.01, 2.0, 2.02, 2.01])
+    )
     assert "below 0: here it did not harm convergence" in better
-    for unsplit, same in (([2.0], [2.5]), ([2.0, 2.1], [2.5, 2.6])):
-        text = claims.convergence_sentence(_convergence(unsplit, same))
-        assert "with fewer than 3 seeds there is no interval" in text
-        assert "did harm" not in text
+    one = claims.convergence_sentence(_convergence([2.0], [2.5]))
+    assert "with one seed there is nothing to judge it by" in one and "did harm" not in one
 
 
 def test_the_tasks_floor_is_what_an_oracle_scores_on_its_batches():

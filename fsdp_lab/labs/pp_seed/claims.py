@@ -95,9 +95,9 @@ def convergence_sentence(result: LabResult) -> str:
     interval = c.get("interval")
     if interval is None:
         return (
-            f"{setting}: the same-seed init ended {c['mean_diff']:+.4f} from the unsplit init "
-            f"on average; with fewer than {MIN_SEEDS} seeds there is no interval to judge it "
-            "by, so this says nothing about convergence (run more seeds)." + floor
+            f"{setting}: the same-seed init ended {c['mean_diff']:+.4f} from the unsplit init; "
+            "with one seed there is nothing to judge it by (run at least "
+            f"{MIN_SEEDS} seeds)." + floor
         )
     lo, hi = interval
     stated = (
@@ -112,13 +112,16 @@ def convergence_sentence(result: LabResult) -> str:
             "convergence." + floor
         )
     if c["help_shown"]:
-        return (
-            f"{setting}: {stated}, below 0: here it did not harm convergence — it helped." + floor
+        return f"{setting}: {stated}, below 0: here it did not harm convergence — it helped." + (
+            floor
         )
-    return (
-        f"{setting}: inconclusive — {stated}, which includes 0: this run cannot tell the "
-        "same-seed init from the unsplit one; more seeds narrow the interval." + floor
+    why = (
+        "which includes 0: this run cannot tell the same-seed init from the unsplit one"
+        if lo <= 0 <= hi
+        else f"but {k} seeds are fewer than the {MIN_SEEDS} a verdict needs here (a sample "
+        "this small can look tight by luck)"
     )
+    return f"{setting}: inconclusive — {stated}, {why}; more seeds narrow the interval." + floor
 
 
 def first_call_sentence(result: LabResult) -> str:
