@@ -42,6 +42,10 @@ from fsdp_lab.labs.options import add_config_arguments, config_overrides, to_fla
 from fsdp_lab.labs.registry import LABS, PLANNED
 
 DEFAULT_OUT = "fsdp_lab_out"
+LAB_LINE = (
+    "Runs the lab on live ranks and prints what it measured; --out DIR also writes its figures "
+    "and JSON, --json prints one JSON object."
+)
 COMMANDS = ("tour", "grade", "bugs")  # beside the labs
 INTERRUPTED = "interrupted — ranks stopped"
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130  # 130 = 128 + SIGINT, as shells report
@@ -121,8 +125,9 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world-size", type=_positive_int, default=None, help="number of ranks")
+def _common(p: argparse.ArgumentParser, world_size: int | None = None) -> None:
+    ranks = "number of ranks" + (f" (default {world_size})" if world_size else "")
+    p.add_argument("--world-size", type=_positive_int, default=None, help=ranks)
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="process-group backend")
     p.add_argument(
         "--model",
@@ -142,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fsdp-lab", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="lab", required=True, metavar="<lab>")
     for name, lab in LABS.items():
-        p = sub.add_parser(name, help=lab.title)
-        _common(p)
+        p = sub.add_parser(name, help=lab.title, description=f"{lab.title.rstrip('.')}. {LAB_LINE}")
+        field = lab.config_class.__dataclass_fields__.get("world_size")  # not built: no torch
+        _common(p, field.default if field is not None else None)
         add_config_arguments(p, lab.config_class)
     tour = sub.add_parser("tour", help="run every lab headless; write figures and a summary")
     _common(tour)

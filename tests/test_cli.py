@@ -712,3 +712,24 @@ def test_a_mistyped_option_gets_the_closest_one_suggested():
     proc = fsdp_lab("tying", "--vocabb", "10")
     assert "--vocabb -> --vocab?" in proc.stderr
     assert "did you mean" not in fsdp_lab("shard", "--zzzz").stderr  # nothing close: no guess
+
+
+def test_every_labs_help_reads_as_plain_text_with_its_defaults():
+    """Issue 26, item 11: no reStructuredText markup, a description, the world size's default,
+    and an off-switch that says what it turns off."""
+    from fsdp_lab.cli import build_parser
+    from fsdp_lab.labs.registry import LABS
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(getattr(a, "choices", None), dict))
+    for name, lab in LABS.items():
+        text = subs.choices[name].format_help()
+        assert "`" not in text, (name, text)
+        assert lab.title.rstrip(".")[:30] in " ".join(text.split()), name
+        field = lab.config_class.__dataclass_fields__.get("world_size")
+        default = field.default if field is not None else None
+        if default:
+            assert f"number of ranks (default {default})" in text, name
+        assert "turn off:" not in text and "on by default. This flag" not in text
+    shard = " ".join(subs.choices["shard"].format_help().split())
+    assert "--no-fsdp2 by default the lab does this: also train PyTorch's fully_shard" in shard

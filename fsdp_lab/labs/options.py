@@ -59,13 +59,19 @@ def flag_of(field: Field) -> str:
     return f"--{dashed}"
 
 
+def plain_help(text: str) -> str:
+    """A docstring's words for a terminal: without reStructuredText's and Markdown's backquotes
+    (``shard(strategy="none")`` reads as shard(strategy="none"))."""
+    return text.replace("``", "").replace("`", "")
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type) -> None:
     """One option per field of `config_cls`; unset options stay None (the config's default)."""
     helps = field_help(config_cls)
     for f in cli_fields(config_cls):
         base, is_tuple = _base_type(f)
         default = _default(f)
-        text = helps.get(f.name, "")
+        text = plain_help(helps.get(f.name, ""))
         if default not in (None, ()) and base != "bool":
             shown = " ".join(map(str, default)) if is_tuple else default
             text = f"{text.rstrip('.')} (default {shown})" if text else f"default {shown}"
@@ -73,7 +79,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type) -> N
         if base == "bool":
             kwargs["action"] = "store_false" if default is True else "store_true"
             if default is True and text:  # the flag turns off what the docstring describes
-                kwargs["help"] = f"turn off: {text}"
+                what = re.sub(r"[;,]?\s*\(?on by default\)?\.?$", "", text).rstrip(".")
+                kwargs["help"] = f"by default the lab does this: {what}. This flag skips it."
         else:
             kwargs["type"] = _SCALARS.get(base, str)
             if is_tuple:
