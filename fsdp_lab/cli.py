@@ -415,6 +415,11 @@ def bugs_command(args: argparse.Namespace) -> dict[str, Any]:
                 save_figure(fig, args.out / f"{e.exercise}-{e.bug.slug}.png")
         (args.out / "bugs.json").write_text(json.dumps(payload, indent=1))
         print(f"figures and bugs.json written to {args.out}/", file=sys.stderr)
+    else:
+        print(
+            "nothing written to disk: --out DIR saves bugs.json and each bug's picture",
+            file=sys.stderr,
+        )
     return payload
 
 

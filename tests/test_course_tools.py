@@ -214,3 +214,24 @@ def test_the_teaching_guide_tables_are_current_and_time_every_exercise():
     for group in LABS.values():
         for ex in group:
             assert f"| `{ex.name}` |" in timed, f"{ex.name} has no measured check time"
+
+
+def test_the_gallery_ends_with_a_tally_and_names_where_pieces_came_from():
+    from fsdp_lab.exercises import gallery
+    from fsdp_lab.exercises.collectives_gather import _order
+    from fsdp_lab.exercises.exercise import Bug
+    from fsdp_lab.exercises.verdict import Verdict
+
+    ok = Verdict("x", "passed", "", 2)
+    bug = Bug("b", "a bug", lambda: None, "it shows")
+    exhibits = [
+        gallery.Exhibit("shard", "x", bug, ok, Verdict("x", "wrong result", "drifts", 2)),
+        gallery.Exhibit("shard", "x", bug, ok, Verdict("x", "raised", "boom", 2)),
+        gallery.Exhibit("tying", "x", bug, ok, ok),  # the check missed it
+    ]
+    text = gallery.text_report(exhibits)
+    assert text.endswith(
+        "3 bugs in 2 labs: 2 caught by the checks, 1 not; 1 of them raised no error at all "
+        "(only the comparison with the correct run shows them)."
+    )
+    assert _order([0, 1, -1]) == "rank 0, rank 1, none"  # was printed as [0, 1, -1]

@@ -101,7 +101,7 @@ def test_each_kind_of_broken_function_gets_its_own_verdict(short_pool, fn, kind,
 
 def test_check_prints_the_verdict_and_raises_an_assertion_for_nbgrader(short_pool, capsys):
     exercises.check_all_reduce_mean(collectives.all_reduce_mean, short_pool)
-    assert "✓ all_reduce_mean: passed (2/2)" in capsys.readouterr().out
+    assert "✓ all_reduce_mean: passed (2 of 2 points)" in capsys.readouterr().out
     with pytest.raises(AssertionError) as failed:
         exercises.check_all_reduce_mean(collectives.ALL_REDUCE_MEAN.bug("sum").wrong, short_pool)
     assert isinstance(failed.value, ExerciseFailed)
@@ -126,3 +126,11 @@ def test_closing_the_pool_leaves_no_rank_behind():
         assert len(pids) == 2 + 3
     time.sleep(0.5)
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
+def test_a_wrong_result_names_an_exact_multiple_and_only_an_exact_one():
+    from fsdp_lab.exercises.judging import multiple
+
+    assert multiple([2.0, 4.0, -6.0], [1.0, 2.0, -3.0]) == " (2× the reference's)"
+    assert multiple([2.0, 4.0, -5.0], [1.0, 2.0, -3.0]) == ""  # correlated, not a multiple
+    assert multiple([1.0, 2.0], [1.0, 2.0]) == ""

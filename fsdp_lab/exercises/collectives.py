@@ -22,7 +22,7 @@ from torch import nn
 from fsdp_lab import comm
 from fsdp_lab.exercises.collectives_gather import GATHER_SHARDS
 from fsdp_lab.exercises.exercise import Bug, Case, Exercise, Mismatch
-from fsdp_lab.exercises.judging import close, ratio, ratio_hint, series_of
+from fsdp_lab.exercises.judging import close, multiple, ratio_hint, series_of
 from fsdp_lab.exercises.on_rank import expect_tensor
 
 STEPS = 3
@@ -109,8 +109,7 @@ def judge(got: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
                 1.0 / size: "divided twice: all_reduce sums; divide once, by the group's size.",
             },
         )
-        k = ratio(mine["first_grad"], exp["first_grad"])
-        factor = f" ({k:.3g}× the reference's)" if k is not None else ""
+        factor = multiple(mine["first_grad"], exp["first_grad"])
         return Mismatch(
             f"rank {r}'s averaged gradient in step 1 differs from the reference{factor}; the "
             f"loss after {STEPS} steps is {mine['losses'][-1]:.4g} instead of "

@@ -130,7 +130,11 @@ def judge(got: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
             f"rank {r} rebuilt other weights than the unsharded model's: its forward with them "
             "differs from the unsharded model's.",
             rows=[
-                ("shards in the result, by rank", str(exp["order"]), str(mine["order"])),
+                (
+                    "whose shard each piece of the result is",
+                    _order(exp["order"]),
+                    _order(mine["order"]),
+                ),
                 ("first 3 values", _first(exp["values"]), _first(mine["values"])),
                 (
                     "forward output, first 3",
@@ -141,6 +145,11 @@ def judge(got: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
             hint=hint,
         )
     return None
+
+
+def _order(order: list[int]) -> str:
+    """`_chunk_order`'s list in words: "rank 0, rank 1", "none" where no rank's shard is."""
+    return ", ".join(f"rank {r}" if r >= 0 else "none" for r in order)
 
 
 def _first(values: list[float]) -> str:

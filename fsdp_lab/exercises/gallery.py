@@ -164,8 +164,20 @@ def show(exhibits: list[Exhibit], lab: str | None = None) -> None:
                 display_figure(fig)
 
 
+def tally(exhibits: list[Exhibit]) -> str:
+    """One line: how many bugs, how many the checks caught, how many raised no error."""
+    caught = sum(e.caught for e in exhibits)
+    silent = sum(e.buggy.kind == "wrong result" for e in exhibits)
+    labs = len({e.lab for e in exhibits})
+    return (
+        f"{len(exhibits)} bugs in {labs} lab{'s' if labs != 1 else ''}: {caught} caught by the "
+        f"checks, {len(exhibits) - caught} not; {silent} of them raised no error at all (only the "
+        "comparison with the correct run shows them)."
+    )
+
+
 def text_report(exhibits: list[Exhibit]) -> str:
-    """For a terminal: one block per bug."""
+    """For a terminal: one block per bug, then the tally."""
     lines = []
     for e in exhibits:
         b = e.buggy
@@ -176,4 +188,5 @@ def text_report(exhibits: list[Exhibit]) -> str:
             lines.append(f"  {what}: correct {exp} | with the bug {got}")
         if b.hint:
             lines.append(f"  fix: {b.hint}")
+    lines += ["", tally(exhibits)]
     return "\n".join(lines)

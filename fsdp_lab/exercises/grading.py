@@ -309,7 +309,8 @@ def text_report(results: list[dict[str, Any]]) -> str:
             mark = "✓" if v["passed"] else "✗"
             where = f" [{v['case']}]" if v.get("case") else ""
             lines.append(
-                f"  {mark} {v['exercise']:<24} {v['score']}/{v['points']}  {v['kind']}{where}"
+                f"  {mark} {v['exercise']:<24} {v['score']} of {v['points']} points  "
+                f"{v['kind']}{where}"
             )
             if not v["passed"]:
                 lines.append(f"      {v['summary']}")

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from fsdp_lab import comm
 from fsdp_lab.exercises.exercise import Bug, Case, Exercise, Mismatch
 from fsdp_lab.exercises.hsdp_mesh import MESH_GROUPS
-from fsdp_lab.exercises.judging import close, ratio_hint
+from fsdp_lab.exercises.judging import close, multiple, ratio_hint
 from fsdp_lab.exercises.sharding import STEPS, first, loss_series, train_with, value_rows
 from fsdp_lab.sharding.mesh import device_mesh
 from fsdp_lab.sharding.unit import reduce_grad_shard
@@ -128,8 +128,9 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
                 "rank to torch.distributed: skip the all-reduce when it is None."
             )
         return Mismatch(
-            f"rank {r}'s gradient chunk in step 1 differs from the reference, and training "
-            f"drifts from it over {STEPS} steps.",
+            f"rank {r}'s gradient chunk in step 1 differs from the reference"
+            f"{multiple(got['first_grad'], exp['first_grad'])}, and training drifts from it over "
+            f"{STEPS} steps.",
             rows=value_rows(got, exp),
             hint=hint,
             series=loss_series(r, got, exp),

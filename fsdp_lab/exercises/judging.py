@@ -29,6 +29,15 @@ def ratio(got: Sequence[float], expected: Sequence[float]) -> float | None:
     return float((g @ e) / (e @ e))
 
 
+def multiple(got: Sequence[float], expected: Sequence[float]) -> str:
+    """ " (2× the reference's)" when `got` is exactly a multiple of `expected` (to float
+    reordering), else "": a factor only where it explains every value."""
+    k = ratio(got, expected)
+    if k is None or abs(k - 1) < 1e-6 or not close(got, [k * v for v in expected]):
+        return ""
+    return f" ({k:.3g}× the reference's)"
+
+
 def ratio_hint(
     got: Sequence[float], expected: Sequence[float], hints: dict[float, str], default: str = ""
 ) -> str:

@@ -28,7 +28,7 @@ from torch import nn
 
 from fsdp_lab import comm, reference
 from fsdp_lab.exercises.exercise import Bug, Case, Exercise, Mismatch
-from fsdp_lab.exercises.judging import close, ratio_hint, series_of
+from fsdp_lab.exercises.judging import close, multiple, ratio_hint, series_of
 from fsdp_lab.exercises.on_rank import expect_tensor
 from fsdp_lab.exercises.sharding_memory import FREE_AND_REGATHER
 from fsdp_lab.exercises.sharding_prefetch import UNIT_TO_PREFETCH
@@ -193,8 +193,9 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
                 "dist.get_rank(group) — which reduce_scatter_tensor hands each rank by itself."
             )
         return Mismatch(
-            f"rank {r}'s gradient chunk in step 1 differs from the reference, and training "
-            f"drifts from it over {STEPS} steps.",
+            f"rank {r}'s gradient chunk in step 1 differs from the reference"
+            f"{multiple(got['first_grad'], exp['first_grad'])}, and training drifts from it over "
+            f"{STEPS} steps.",
             rows=value_rows(got, exp),
             hint=hint,
             series=loss_series(r, got, exp),

@@ -93,7 +93,10 @@ class Verdict:
         mark = "✓" if self.passed else "✗"
         where = f" — case: {self.case}" if self.case else ""
         rank = f", rank {self.rank}" if self.rank is not None else ""
-        return f"{mark} {self.exercise}: {self.kind}{where}{rank} ({self.score}/{self.points})"
+        return (
+            f"{mark} {self.exercise}: {self.kind}{where}{rank} "
+            f"({self.score} of {self.points} points)"
+        )
 
     def to_markdown(self) -> str:
         parts = [f"**{self.headline()}**", "", self.summary]
