@@ -15,8 +15,14 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_VERSION=${FSDP_LAB_TORCH_VERSION:-2.13.0}
 what=${1:-install}
-case "$what" in install|tour|test) ;; *) echo "usage: bash scripts/setup.sh [install|tour|test]" >&2; exit 2;; esac
+case "$what" in install|tour|test|path) ;; *) echo "usage: bash scripts/setup.sh [install|tour|test]" >&2; exit 2;; esac
 say() { echo "[setup] $*"; }
+
+# The folder of $PYTHON first on PATH: a venv used without `activate` (PYTHON=venv/bin/python)
+# keeps its tools there (nbgrader's alembic, jupyter, fsdp-lab), and they call each other by name.
+PY_DIR=$(cd "$(dirname "$(command -v "$PY")")" && pwd)
+case ":$PATH:" in *":$PY_DIR:"*) ;; *) export PATH="$PY_DIR:$PATH" ;; esac
+if [ "$what" = path ]; then echo "$PATH"; exit 0; fi  # what the other steps run with
 
 # 1. graphviz's `dot` for the wrap-boundary diagrams (the labs fall back to DOT source without it).
 if ! command -v dot >/dev/null 2>&1; then

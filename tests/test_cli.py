@@ -692,7 +692,7 @@ def test_ctrl_c_stops_the_ranks_with_one_line(how, lab):
             os.killpg(proc.pid, signal.SIGINT)
         else:
             os.kill(proc.pid, signal.SIGINT)
-        stdout, rest = proc.communicate(timeout=60)
+        stdout, rest = proc.communicate(timeout=300)  # a ceiling: it takes seconds when idle
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

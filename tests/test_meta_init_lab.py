@@ -110,8 +110,13 @@ def test_resident_memory_meta_is_flat_where_the_ordinary_build_spikes(result):
         ordinary = modes["ordinary"]["rss_growth_bytes"][r]
         assert ordinary >= 0.9 * full  # the whole model was resident on every rank
         for mode in ("meta_param_init_fn", "meta_shard_init"):
+            # Resident memory is the host's view, and a loaded machine once showed 148 MiB for
+            # the meta build (72 MiB on every other run, idle or with both cores busy): the
+            # exact claim is made on the tensor bytes the tracker saw (deterministic), the
+            # resident one only as "below the ordinary build's spike".
             grew = modes[mode]["rss_growth_bytes"][r]
-            assert grew < 0.75 * ordinary and grew < full, (mode, r, grew, ordinary)
+            assert grew < ordinary, (mode, r, grew, ordinary)
+            assert modes[mode]["peak_bytes"][r] < 0.75 * modes["ordinary"]["peak_bytes"][r]
         for mode in MODES:  # the allocator's slack handed back: the shards are what stays
             trimmed = modes[mode]["rss_after_trim_bytes"][r]
             assert full / 2 - 2**20 <= trimmed <= 1.1 * full / 2 + 4 * 2**20, (mode, r, trimmed)

@@ -127,3 +127,25 @@ def test_the_readme_runs_each_lab_as_its_notebook_does():
             overrides["world_size"] = args.world_size
         from_readme = asdict(lab.config_class(**overrides))
         assert from_readme == asdict(lab.config_class(**kwargs)), path.name
+
+
+def test_setup_puts_the_pythons_own_folder_first_on_path(tmp_path):
+    """Issue 26, item 1: a venv used without `activate` (PYTHON=venv/bin/python) must find its
+    own tools — nbgrader calls `alembic` by name — when setup.sh runs the tests."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").symlink_to(sys.executable)
+    (venv_bin / "alembic").write_text("#!/bin/sh\necho venv alembic\n")
+    (venv_bin / "alembic").chmod(0o755)
+    env = {**os.environ, "PYTHON": str(venv_bin / "python"), "PATH": "/usr/bin:/bin"}
+    path = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup.sh"), "path"],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert path.split(":")[0] == str(venv_bin)
+    assert shutil.which("alembic", path=path) == str(venv_bin / "alembic")
