@@ -34,6 +34,9 @@ def test_notebook_executes_without_errors(path, tmp_path, record_property):
     record_property("notebook_seconds", (path.name, time.perf_counter() - start))
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
+    # No warning reaches the learner as a red stderr box (more ranks than cores: a calm note).
+    red = [o["text"] for o in outputs if o.get("name") == "stderr" and "Warning" in o["text"]]
+    assert not red, f"{path.name} shows warnings on stderr: {red}"
     # The notebook draws what it measured: at least one picture came out.
     assert any("image/png" in o.get("data", {}) for o in outputs)
     # Saved from JupyterLab, a notebook keeps no widget state by default; exported to HTML it

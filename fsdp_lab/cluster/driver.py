@@ -41,6 +41,7 @@ import pickle
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -141,7 +142,9 @@ class Cluster:
         self._finalizer: weakref.finalize | None = None
         cores = available_cores()
         crowded = too_many_ranks(world_size, cores, f"world_size={cores}")
-        if crowded:
+        if crowded and _in_a_notebook():  # a note for the learner, not a red stderr box
+            print(f"note: {crowded}.")
+        elif crowded:
             warnings.warn(OversubscribedWarning(f"fsdp_lab: {crowded}"), stacklevel=2)
         self._start()
 
@@ -476,6 +479,13 @@ def _unreadable(exc: Exception, plain: bool) -> str:
         "(numbers, strings, lists, dicts, tensors), or define its class in the notebook or an "
         "importable module"
     )
+
+
+def _in_a_notebook() -> bool:
+    """This process is a Jupyter kernel (where a warning shows as an error-red box)."""
+    shell = sys.modules.get("IPython")
+    ipython = shell.get_ipython() if shell is not None else None
+    return ipython is not None and hasattr(ipython, "kernel")
 
 
 def _has_died(rk: _Rank) -> bool:
