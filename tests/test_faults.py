@@ -364,3 +364,23 @@ def test_more_ranks_than_cores_warns_naming_what_to_set(monkeypatch):
     monkeypatch.setattr(driver, "available_cores", lambda: 1)
     with pytest.warns(OversubscribedWarning, match=r"2 ranks on 1 CPU core: .*world_size=1"):
         Cluster(2, backend="gloo", verbose=False).close()
+
+
+def test_an_interrupted_lab_is_one_line_saying_the_cell_must_run_again(monkeypatch):
+    """Issue 26, item 10: the stop button in a lab cell, wherever it lands (here: before any
+    rank call), is one line in a notebook, not a traceback through library code."""
+    from fsdp_lab.labs.contract import LabInterrupted
+    from fsdp_lab.labs.registry import LABS
+
+    lab = LABS["collectives"]
+
+    def stopped(config, cluster):
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(lab.part("measure"), "measure", stopped)
+    with pytest.raises(LabInterrupted) as info:
+        lab.run()
+    (line,) = info.value._render_traceback_()
+    assert line.startswith("Interrupted: the collectives lab was interrupted (no rank was")
+    assert "run the cell again before the cells below" in line
+    assert isinstance(info.value, KeyboardInterrupt)  # the CLI's Ctrl-C path still sees it

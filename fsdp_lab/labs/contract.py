@@ -78,6 +78,22 @@ class Lab(Protocol):
     def figures(self, result: LabResult) -> dict[str, Any]: ...
 
 
+class LabInterrupted(KeyboardInterrupt):
+    """A lab stopped by Ctrl-C or the notebook's stop button. In a notebook it shows as one
+    line — what became of the ranks, and that the cells below need the cell run again — not as
+    a traceback through whatever library code the interrupt landed in."""
+
+    def __init__(self, lab: str, detail: str = "") -> None:
+        ranks = detail.removeprefix("fsdp_lab: ").strip() or "no rank was running a call"
+        super().__init__(
+            f"the {lab} lab was interrupted ({ranks}); it has no result: run the cell again "
+            "before the cells below, which read it"
+        )
+
+    def _render_traceback_(self) -> list[str]:  # IPython: instead of the traceback
+        return [f"Interrupted: {self}"]
+
+
 @dataclass(frozen=True)
 class LabPackage:
     """A lab laid out as ``<package>/{config,measure,analysis,report}.py``.
@@ -112,7 +128,10 @@ class LabPackage:
         """Measure (on `cluster` if given, its world size wins; else on ranks started and
         stopped here), then analyse: what the notebook, the CLI and the tests all call."""
         config = self.config_class() if config is None else config
-        measured = self.part("measure").measure(config, cluster)
+        try:
+            measured = self.part("measure").measure(config, cluster)
+        except KeyboardInterrupt as exc:  # the stop button: one line, wherever it landed
+            raise LabInterrupted(self.name, str(exc)) from None
         return LabResult(self.name, self.part("analysis").analyse(config, measured))
 
     def preflight(self, config: Any) -> None:

@@ -33,6 +33,7 @@ from fsdp_lab.labs.tying.plans import (
     model_sizes,
     tie_plans,
 )
+from fsdp_lab.meta_device import meta_device
 from fsdp_lab.model_spec import SEQ_LEN, check_on_rank0, load_factory
 from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.sharding import shard, sharding_state
@@ -129,7 +130,7 @@ def to_empty_worker(lr: float, workload: dict[str, Any]) -> dict[str, Any]:
     """On every rank: meta build -> to_empty; does the tie survive, does `shard` take the
     model? Then the repair: record on meta, to_empty, retie, *then* initialise (torchtitan's
     order), shard and train a step. On the `workload`'s TinyGPT (its `init_weights`)."""
-    with torch.device("meta"):
+    with meta_device():  # no init fills on meta: no torch._dynamo import (seconds)
         untied = tiny_gpt(**workload["gpt"])
     ties = record_ties(untied)
     out: dict[str, Any] = {
@@ -147,7 +148,7 @@ def to_empty_worker(lr: float, workload: dict[str, Any]) -> dict[str, Any]:
     except ValueError as exc:
         out["shard_refused"], out["shard_error"] = True, str(exc)
 
-    with torch.device("meta"):
+    with meta_device():  # no init fills on meta: no torch._dynamo import (seconds)
         model = tiny_gpt(**workload["gpt"])
     ties = record_ties(model)
     model.to_empty(device=device())
@@ -279,7 +280,7 @@ def measure(config: TyingConfig, cluster: Cluster | AttachedCluster | None = Non
     ties = {LAB_MODEL: detect_ties(lab_model), model_spec: detect_ties(model)}
     first, *_, last = ties[model_spec][0]["names"]  # TinyGPT: tok_emb.weight ... head.weight
     del model, lab_model
-    with torch.device("meta"):
+    with meta_device():  # no init fills on meta: no torch._dynamo import (seconds)
         lab_model = tiny_gpt(**config.gpt())
     plans = describe_plans(lab_model)
     sections = {"plans": _section(model_sizes(lab_model, LAB_MODEL), None, None)}

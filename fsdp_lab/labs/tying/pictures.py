@@ -63,15 +63,15 @@ def spike_bars(spike: dict[str, Any]) -> Any:
 
 def figures(result: LabResult) -> dict[str, Any]:
     """Matplotlib figures (memory traces, spike bars) and `Diagram`s (the wrap plans)."""
-    import torch
 
     from fsdp_lab import plots
     from fsdp_lab.diagrams import wrap_diagram
     from fsdp_lab.labs.tying.plans import as_units
+    from fsdp_lab.meta_device import meta_device
     from fsdp_lab.models import tiny_gpt
 
     spike = result["spike"]
-    with torch.device("meta"):
+    with meta_device():  # no init fills on meta: no torch._dynamo import (seconds)
         model = tiny_gpt(**spike["model"])
     figs: dict[str, Any] = {}
     for name, plan in result["plans"].items():
