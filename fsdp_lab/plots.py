@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,16 @@ CATEGORY_COLORS: dict[str, str] = {
     "other": "#A0A0A0",
 }
 KIND_COLORS: dict[str, str] = {"compute": "#4C72B0", "comm": "#DD8452"}
+# One colour per system compared (ours and PyTorch's, the strategies), from the same palette.
+SYSTEM_COLORS: dict[str, str] = {
+    "full": "#4C72B0",
+    "hybrid": "#DD8452",
+    "hybrid_zero2": "#55A868",
+    "ours": "#4C72B0",
+    "fsdp2": "#DD8452",
+    "fsdp1": "#8172B3",
+    "ddp": "#937860",
+}
 _THEORY_COLORS = ["#2F2F2F", "#8C564B", "#17BECF", "#BCBD22", "#E377C2"]
 
 
@@ -62,12 +73,14 @@ def plot_memory_trace(
     theory: dict[str, float] | None = None,
     compare: str = "total",
 ) -> Figure:
-    """Stacked memory by category over time, one panel per rank, with markers and the peak.
+    """Stacked memory by category over time, one panel per rank, with phases and the peak.
 
-    Markers are vertical lines numbered in a lane at the top of each panel; the numbers are
-    placed so that none overlaps another (a marker whose number finds no free place keeps its
-    line only) and explained once, in a key under the panels. One number per distinct label,
-    so "all-gather blocks.0" has the same number in every step and on every rank.
+    Markers named like a training step ("step 2 forward done", "step 2 backward done", "step 2
+    optimizer step") shade each step's forward, backward and optimizer phases; every other
+    marker is a short tick at the top of the panel — a few are labelled where their label fits,
+    none overlapping (the timeline names every event). With ``compare="model_state"`` the
+    dashed line is the peak of what a model-state formula counts, and a thin solid line the
+    peak of everything measured, so neither reads as the other.
 
     Args:
         traces: one exported memory trace (dict) or a list of them, one per rank.
@@ -90,17 +103,8 @@ def plot_memory_trace(
         + list(theory.values())
     )
     unit, scale = byte_unit(largest)
-    numbers = _marker_numbers(traces)
-    key_rows = math.ceil(len(numbers) / 4)
-
-    fig = Figure(figsize=(11, 1.0 + 2.6 * len(traces) + 0.16 * key_rows), layout="constrained")
-    grid = fig.add_gridspec(
-        len(traces) + 1, 1, height_ratios=[2.6] * len(traces) + [0.16 * max(key_rows, 1)]
-    )
-    axes = [fig.add_subplot(grid[0, 0])]
-    axes += [
-        fig.add_subplot(grid[r, 0], sharex=axes[0], sharey=axes[0]) for r in range(1, len(traces))
-    ]
+    fig = Figure(figsize=(11, 1.0 + 2.6 * len(traces)), layout="constrained")
+    axes = fig.subplots(len(traces), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
     for i, (ax, tr) in enumerate(zip(axes, traces, strict=True)):
         t = np.asarray(tr["t"], dtype=float)
         cats = list(tr["categories"])
@@ -108,6 +112,7 @@ def plot_memory_trace(
         # Leave all-zero categories out of the legend (they add nothing to the stack either).
         labels = [c if np.any(y) else f"_{c}" for c, y in zip(cats, ys, strict=True)]
         colors = [CATEGORY_COLORS.get(c, "#CCCCCC") for c in cats]
+        total_peak = tr.get("peak_bytes", max(tr.get("total") or [0]))
         if len(t):
             # step="post": a storage lives at its size until the next event, it does not ramp.
             ax.stackplot(t, *ys, labels=labels, colors=colors, step="post", linewidth=0)
@@ -118,10 +123,12 @@ def plot_memory_trace(
         if compare == "model_state":
             kept = [np.asarray(tr["bytes"][c], dtype=float) for c in cats if c in MODEL_STATE]
             peak = float(np.max(np.sum(kept, axis=0))) if kept and len(t) else 0.0
-            what = "measured peak, model state"
+            what = "peak of model state (what the formula counts)"
+            if total_peak > peak:
+                ax.axhline(total_peak / scale, color="#555555", lw=0.8,
+                           label=f"peak of everything measured {format_bytes(total_peak)}")  # fmt: skip
         else:
-            peak = tr.get("peak_bytes", max(tr.get("total") or [0]))
-            what = "measured peak"
+            peak, what = total_peak, "measured peak"
         ax.axhline(
             peak / scale, color="black", ls="--", lw=1.0, label=f"{what} {format_bytes(peak)}"
         )
@@ -132,81 +139,80 @@ def plot_memory_trace(
         source = tr.get("source", "")
         ax.set_title(f"{_rank_title(tr, i)}  ({tr.get('device', '?')}, {source})", fontsize=10)
         ax.set_ylabel(f"memory ({unit})")
-        # Headroom above the peak: the lane where the marker numbers sit.
-        ax.set_ylim(0, 1.45 * largest / scale if largest else 1)
+        # Headroom above the peak: the lane where the ticks and labels sit.
+        ax.set_ylim(0, 1.3 * largest / scale if largest else 1)
+    for ax, tr in zip(axes, traces, strict=True):  # after the x range is set by every panel
+        _draw_markers(ax, tr.get("markers", []), first=ax is axes[0], t0=min(tr["t"] or [0.0]))
         # The legend goes outside the axes so it never hides the stack.
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    for ax, tr in zip(axes, traces, strict=True):  # after the x range is set by every panel
-        _draw_markers(ax, tr.get("markers", []), numbers)
     axes[-1].set_xlabel("time since start (s)")
-    key_ax = fig.add_subplot(grid[len(traces), 0])
-    key_ax.axis("off")
-    for n, (label, number) in enumerate(numbers.items()):
-        row, col = n % max(key_rows, 1), n // max(key_rows, 1)
-        key_ax.text(
-            col / 4,
-            1 - (row + 0.5) / max(key_rows, 1),
-            f"{number}  {label}",
-            transform=key_ax.transAxes,
-            fontsize=7,
-            va="center",
-            ha="left",
-        )
     if title:
         fig.suptitle(title)
     return fig
 
 
-def _marker_numbers(traces: Sequence[dict[str, Any]]) -> dict[str, int]:
-    """One number per distinct marker label, in order of first appearance over the traces."""
-    numbers: dict[str, int] = {}
-    for tr in traces:
-        for m in tr.get("markers", []):
-            numbers.setdefault(m["label"], len(numbers) + 1)
-    return numbers
+_STEP = re.compile(r"^step (\d+) (forward done|backward done|optimizer step)$")
+PHASE_COLORS = {"forward": "#4C72B0", "backward": "#C44E52", "optimizer step": "#55A868"}
+_LANE_ROWS = (0.965, 0.9)  # axes fractions of the label lane, top down
 
 
-_LANE_ROWS = (0.965, 0.905, 0.845, 0.785)  # axes fractions of the number lane, top down
-
-
-def _draw_markers(ax: Any, markers: Sequence[dict[str, Any]], numbers: dict[str, int]) -> None:
-    """Thin vertical lines at marker times, each numbered in the lane at the top of the panel.
-
-    A number goes in the highest row of the lane where it does not touch the previous number,
-    judged by its width on the figure; with no room in any row it is left out (the line stays,
-    fainter), so numbers never overlap however many markers there are.
-    """
-    if not markers:
-        return
-    x0, x1 = ax.get_xlim()
-    width_in = ax.get_figure().get_size_inches()[0] * 0.78  # the panels' share of the width
-    row_end = [-math.inf] * len(_LANE_ROWS)
+def _draw_markers(ax: Any, markers: Sequence[dict[str, Any]], first: bool, t0: float) -> None:
+    """Each step's forward, backward and optimizer phases shaded (from the "step k ..."
+    markers); every other marker a short tick at the top, labelled only where the label fits
+    beside its neighbours (no key to look numbers up in)."""
+    steps: dict[int, dict[str, float]] = {}
+    events = []
     for m in sorted(markers, key=lambda m: m["t"]):
-        text = str(numbers[m["label"]])
+        match = _STEP.match(m["label"])
+        if match:
+            steps.setdefault(int(match.group(1)), {})[match.group(2)] = m["t"]
+        else:
+            events.append(m)
+    start = t0  # the first forward begins with the trace
+    shown: set[str] = set()
+    for k in sorted(steps):
+        ends = steps[k]
+        for phase, begin_key, end_key in (
+            ("forward", None, "forward done"),
+            ("backward", "forward done", "backward done"),
+            ("optimizer step", "backward done", "optimizer step"),
+        ):
+            a = ends.get(begin_key, start) if begin_key else start
+            b = ends.get(end_key)
+            if b is None or b <= a:
+                continue
+            label = phase if phase not in shown and first else f"_{phase}"
+            shown.add(phase)
+            ax.axvspan(a, b, color=PHASE_COLORS[phase], alpha=0.1, lw=0, label=label)
+        start = ends.get("optimizer step", start)
+    if events:
+        for m in events:
+            ax.axvline(m["t"], ymin=0.93, ymax=1.0, color="#555555", lw=0.6)
+        ax.axvline(events[0]["t"], ymin=0.93, ymax=1.0, color="#555555", lw=0.6,
+                   label=f"marked events ({len(events)})" if first else "_events")  # fmt: skip
+        _label_events(ax, events if len(events) <= 12 else [])
+
+
+def _label_events(ax: Any, events: Sequence[dict[str, Any]]) -> None:
+    """A label beside each tick — to its right, else to its left — in the first lane row where
+    it touches no other label; a label with no room is left out (its tick stays)."""
+    x0, x1 = ax.get_xlim()
+    width_in = ax.get_figure().get_size_inches()[0] * 0.7  # the panel's share of the width
+    taken: list[list[tuple[float, float]]] = [[] for _ in _LANE_ROWS]
+    for m in events:
         pos = (m["t"] - x0) / (x1 - x0) if x1 > x0 else 0.0
-        half = (len(text) * 0.6 * 7 / 72 + 0.06) / width_in / 2  # fontsize 7, some padding
-        row = next((r for r, end in enumerate(row_end) if pos - half > end), None)
-        ax.axvline(m["t"], color="#555555", lw=0.5, alpha=0.6 if row is not None else 0.2)
-        if row is None:
-            continue
-        row_end[row] = pos + half
-        ax.text(
-            m["t"],
-            _LANE_ROWS[row],
-            text,
-            transform=ax.get_xaxis_transform(),
-            ha="center",
-            va="center",
-            fontsize=7,
-            color="#222222",
-            bbox={
-                "facecolor": "white",
-                "edgecolor": "#999999",
-                "lw": 0.4,
-                "pad": 0.8,
-                "boxstyle": "round,pad=0.15",
-            },
-        )
+        width = (len(m["label"]) * 0.55 * 7 / 72 + 0.08) / width_in
+        for row, spans in enumerate(taken):
+            for a, b, ha in ((pos, pos + width, "left"), (pos - width, pos, "right")):
+                if a >= 0 and b <= 1 and all(b <= c or a >= d for c, d in spans):
+                    spans.append((a, b))
+                    ax.text(m["t"], _LANE_ROWS[row] - 0.06, f" {m['label']} ", ha=ha,
+                            transform=ax.get_xaxis_transform(), va="center", fontsize=7,
+                            color="#333333")  # fmt: skip
+                    break
+            else:
+                continue
+            break
 
 
 _OP_SHORT = {
@@ -254,33 +260,52 @@ def plot_timeline(timelines: dict | list[dict], *, title: str | None = None) -> 
         (s["end"] + o for tl, o in zip(timelines, offsets, strict=True) for s in tl["spans"]),
         default=0.0,
     )
-    unit, scale = ("s", 1.0) if duration >= 1 else ("ms", 1e3) if duration >= 1e-3 else ("µs", 1e6)
-    full = max(duration * scale, 1e-9)
+    # The window: a run of several steps is shown by its last one, where the spans are wide
+    # enough to read (the steps repeat); else from the moment every rank had begun, so the
+    # wait of the first collective for a rank still starting does not fill the axis.
+    steps = [
+        [s["start"] + o for s in tl["spans"] if s["name"] == "forward"]
+        for tl, o in zip(timelines, offsets, strict=True)
+    ]
+    if all(len(st) > 1 for st in steps):
+        t_lo = min(st[-1] for st in steps)
+        shown = f"the last of {min(len(st) for st in steps)} steps"
+    else:
+        t_lo = max(min((s["start"] + o for s in tl["spans"]), default=0.0)
+                   for tl, o in zip(timelines, offsets, strict=True))  # fmt: skip
+        shown = "from the moment every rank had begun"
+    span = max(duration - t_lo, 1e-12)
+    unit, scale = ("s", 1.0) if span >= 1 else ("ms", 1e3) if span >= 1e-3 else ("µs", 1e6)
+    full = max(span * scale, 1e-9)
+    # Lanes that hold something: a lab of collectives alone has no compute lane.
+    lanes = tuple(k for k in ("compute", "comm") if any(s["kind"] == k for tl in timelines
+                                                        for s in tl["spans"]))  # fmt: skip
 
-    fig = Figure(figsize=(11, 1.1 + 0.9 * len(timelines)), layout="constrained")
+    fig = Figure(figsize=(11, 1.1 + 0.45 * len(lanes) * len(timelines)), layout="constrained")
     ax = fig.subplots()
-    lanes = ("compute", "comm")
     ticks, tick_labels = [], []
     for i, (tl, o) in enumerate(zip(timelines, offsets, strict=True)):
         name = _rank_title(tl, i)
+        base = len(lanes) * i
         if i:
-            ax.axhline(2 * i - 0.5, color="#999999", lw=0.8)  # separates one rank from the next
+            ax.axhline(base - 0.5, color="#999999", lw=0.8)  # separates one rank from the next
         for lane_index, kind in enumerate(lanes):
-            y = 2 * i + lane_index  # rank i's compute lane sits right above its comm lane
+            y = base + lane_index  # rank i's compute lane sits right above its comm lane
             ticks.append(y)
             tick_labels.append(f"{name} {kind}")
             phases = _enclosing(tl["spans"], kind)
             for s, wait, phase in zip(tl["spans"], waits[i], phases, strict=True):
-                if s["kind"] != kind:
+                if s["kind"] != kind or s["end"] + o <= t_lo:
                     continue
-                x0, x1 = (s["start"] + o) * scale, (s["end"] + o) * scale
+                x0 = (max(s["start"] + o, t_lo) - t_lo) * scale
+                x1 = (s["end"] + o - t_lo) * scale
                 if phase:  # a span holding others ("forward" around each unit's): a thin band
                     ax.broken_barh(
                         [(x0, x1 - x0)], (y - 0.48, 0.14), facecolors="#9DB3D6", edgecolor="none"
                     )
                     continue
-                xw = x0 + wait * scale
-                if wait > 0:
+                xw = max(x0, (s["start"] + o + wait - t_lo) * scale)
+                if xw > x0:
                     ax.broken_barh(
                         [(x0, xw - x0)],
                         (y - 0.4, 0.8),
@@ -301,14 +326,15 @@ def plot_timeline(timelines: dict | list[dict], *, title: str | None = None) -> 
     ax.set_ylim(len(ticks) - 0.5, -0.5)  # rank 0 on top, like a profiler trace
     ax.set_xlim(0, full * 1.01)
     clock = "one clock for all ranks" if shared else "each rank aligned to its first span"
-    ax.set_xlabel(f"time ({unit}; {clock})")
+    ax.set_xlabel(f"time ({unit}; {clock}; {shown})")
     ax.grid(axis="x", alpha=0.3)
-    handles = [
-        Patch(color="#9DB3D6", label="phase (forward, backward)"),
-        Patch(color=KIND_COLORS["compute"], label="compute"),
-        Patch(color=KIND_COLORS["comm"], label="comm: moving bytes"),
-        Patch(facecolor=_WAIT_COLOR, hatch="///", label="comm: waiting for other ranks"),
-    ]
+    handles = []  # only what is drawn
+    if "compute" in lanes:
+        handles += [Patch(color="#9DB3D6", label="phase (forward, backward)"),
+                    Patch(color=KIND_COLORS["compute"], label="compute")]  # fmt: skip
+    if "comm" in lanes:
+        handles += [Patch(color=KIND_COLORS["comm"], label="comm: moving bytes"),
+                    Patch(facecolor=_WAIT_COLOR, hatch="///", label="comm: waiting for other ranks")]  # fmt: skip
     ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=4, fontsize=8)
     if title:
         fig.suptitle(title)
@@ -361,45 +387,58 @@ def plot_measured_vs_theory(
     """
     keys = list(measured) + [k for k in theory if k not in measured]
     fmt = format_bytes if ylabel == "bytes" else _format_value
-    fig = Figure(figsize=(max(5.0, 1.4 * len(keys) + 2), 4.2), layout="constrained")
+    # More than four keys, or long ones: horizontal bars, labels read left to right, not slanted.
+    across = len(keys) > 4 or max(map(len, keys), default=0) > 14
+    size = (9.0, 1.2 + 0.5 * len(keys)) if across else (max(5.0, 1.4 * len(keys) + 3), 4.2)
+    fig = Figure(figsize=size, layout="constrained")
     ax = fig.subplots()
     width = 0.38
     x = np.arange(len(keys))
     # Bars keep the raw values (heights are the inputs); only the tick labels are humanised.
     measured_style = {"color": "#4C72B0"}
     theory_style = {"facecolor": "white", "edgecolor": "#4C72B0", "hatch": "//"}
+    draw = ax.barh if across else ax.bar
     for label, values, offset, style in (
         ("measured", measured, -width / 2, measured_style),
         ("theory", theory, width / 2, theory_style),
     ):
         idx = [i for i, k in enumerate(keys) if k in values]  # a missing key gets no bar
         heights = [values[keys[i]] for i in idx]
-        bars = ax.bar(x[idx] + offset, heights, width, label=label, **style)
+        bars = draw(x[idx] + offset, heights, width, label=label, **style)
         ax.bar_label(bars, labels=[fmt(h) for h in heights], fontsize=7, padding=2)
     top = max([0.0, *measured.values(), *theory.values()])
     for i, key in enumerate(keys):
         if key in measured and key in theory and theory[key]:
             ratio = measured[key] / theory[key]
+            # The ratio sits past the value labels: to the right of the rows, or above the pair.
+            where = (top * 1.3, x[i]) if across else (x[i], max(measured[key], theory[key]))
             ax.annotate(
                 f"{ratio:.2f}×",
-                (x[i], max(measured[key], theory[key])),
-                xytext=(0, 14),
+                where,
+                xytext=(0, 0) if across else (0, 14),
                 textcoords="offset points",
-                ha="center",
+                ha="left" if across else "center",
+                va="center" if across else "baseline",
                 fontsize=9,
                 fontweight="bold",
             )
-    ax.set_ylim(0, top * 1.25 if top > 0 else 1)  # headroom for value and ratio labels
+    value_axis = ax.xaxis if across else ax.yaxis
+    (ax.set_xlim if across else ax.set_ylim)(0, top * (1.5 if across else 1.25) if top > 0 else 1)
     if ylabel == "bytes":
         # Ticks at round numbers of the chosen unit (4, 8, 12 MiB), not round numbers of bytes.
         unit, scale = byte_unit(top)
         ticks = MaxNLocator(nbins=6).tick_values(0, top * 1.25 / scale) * scale
-        ax.set_yticks(ticks[ticks <= top * 1.25])
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / scale:g} {unit}"))
-    crowded = len(keys) > 4
-    ax.set_xticks(x, keys, rotation=20 if crowded else 0, ha="right" if crowded else "center")
-    ax.set_ylabel(ylabel)
-    ax.legend(loc="best", fontsize=8, title="ratio = measured / theory", title_fontsize=8)
+        (ax.set_xticks if across else ax.set_yticks)(ticks[ticks <= top * 1.25])
+        value_axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / scale:g} {unit}"))
+    if across:
+        ax.set_yticks(x, keys)
+        ax.invert_yaxis()  # the first key on top, as it was listed
+        ax.set_xlabel(ylabel)
+    else:
+        ax.set_xticks(x, keys)
+        ax.set_ylabel(ylabel)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False,
+              title="ratio = measured / theory", title_fontsize=8)  # fmt: skip
     ax.set_title(title or "measured vs theory")
     return fig
 
@@ -560,6 +599,9 @@ def _binary_round(v: float) -> str:
     return f"{v / scale:g} {unit}"
 
 
+_MARK_SHAPES = ("o", "s", "^", "D", "v")
+
+
 def plot_rss_over_time(
     curves: dict[str, list[dict[str, Any]]],
     *,
@@ -571,7 +613,8 @@ def plot_rss_over_time(
     Args:
         curves: label -> one record per rank, each ``{"t": [...], "bytes": [...]}`` (seconds
             since its own start, bytes above its own start) and optional ``"marks"``
-            (``{"t", "label", "bytes"}``, drawn as dots with their label).
+            (``{"t", "label", "bytes"}``: a shape per label, in the curve's colour, the shapes
+            named in the legend — labels written beside the curves fell on each other).
         title: figure title.
         theory: label -> bytes, drawn as dotted horizontal lines in every panel.
     """
@@ -587,6 +630,9 @@ def plot_rss_over_time(
     fig = Figure(figsize=(11, 1.2 + 2.8 * ranks), layout="constrained")
     axes = fig.subplots(ranks, 1, sharex=True, sharey=True, squeeze=False)[:, 0]
     colors = _THEORY_COLORS[1:] + _THEORY_COLORS[:1]
+    marks = dict.fromkeys(
+        m["label"] for per_rank in curves.values() for rec in per_rank for m in rec.get("marks", [])
+    )
     for r, ax in enumerate(axes):
         for (label, per_rank), color in zip(curves.items(), _palette(len(curves)), strict=True):
             if r >= len(per_rank):
@@ -594,13 +640,15 @@ def plot_rss_over_time(
             rec = per_rank[r]
             ys = np.asarray(rec["bytes"], dtype=float) / scale
             ax.plot(rec["t"], ys, color=color, lw=1.6, drawstyle="steps-post", label=label)
-            for m in rec.get("marks", []):
-                ax.plot(m["t"], m["bytes"] / scale, "o", color=color, ms=4)
-                ax.annotate(m["label"], (m["t"], m["bytes"] / scale), xytext=(3, 3),
-                            textcoords="offset points", fontsize=7, color=color)  # fmt: skip
+            for m in rec.get("marks", []):  # a shape per mark, named once in the legend
+                shape = _MARK_SHAPES[list(marks).index(m["label"]) % len(_MARK_SHAPES)]
+                ax.plot(m["t"], m["bytes"] / scale, shape, color=color, ms=5, mec="black", mew=0.5)
         for (name, value), color in zip(theory.items(), colors * len(theory), strict=False):
             ax.axhline(value / scale, color=color, ls=":", lw=1.4,
                        label=f"theory: {name} {format_bytes(value)}")  # fmt: skip
+        for k, label in enumerate(marks):  # the shapes' key, in the legend
+            ax.plot([], [], _MARK_SHAPES[k % len(_MARK_SHAPES)], color="white", mec="black",
+                    label=f"at: {label}")  # fmt: skip
         ax.set_title(f"rank {r}", fontsize=10)
         ax.set_ylabel(f"resident memory growth ({unit})")
         ax.set_ylim(0, 1.15 * largest / scale if largest else 1)
@@ -616,8 +664,11 @@ def plot_expected_got(series: dict[str, Any]) -> Figure:
     """Curves the reference produced beside the learner's (a check's verdict): a memory trace
     that never drops, a loss that drifts. `series`: {"title", "xlabel", "ylabel",
     "lines": {name: [values]}, "bytes": bool (y axis in bytes)}; the first line is the
-    reference, drawn solid, the others dashed over it."""
-    fig = Figure(figsize=(6.4, 3.0), layout="constrained")
+    reference, drawn solid, the others dashed over it. The x axis counts (steps, markers):
+    whole ticks only; the title wraps rather than runs off; the legend sits beside the axes."""
+    import textwrap
+
+    fig = Figure(figsize=(8.0, 3.2), layout="constrained")
     ax = fig.add_subplot()
     for i, (name, values) in enumerate(series["lines"].items()):
         ax.plot(
@@ -630,10 +681,11 @@ def plot_expected_got(series: dict[str, Any]) -> Figure:
         )
     if series.get("bytes"):
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: format_bytes(v)))
-    ax.set_title(series.get("title", ""))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(textwrap.fill(series.get("title", ""), 60), fontsize=10)
     ax.set_xlabel(series.get("xlabel", ""))
     ax.set_ylabel(series.get("ylabel", ""))
-    ax.legend(loc="best", fontsize="small")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
     return fig
 
 

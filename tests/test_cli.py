@@ -103,6 +103,17 @@ def test_tour_runs_every_lab_with_progress_and_summary(tmp_path):
     assert set(summary) == set(LABS)
     assert summary["collectives"]["result"]["matches_theory"] is True
     assert "| all_reduce |" in (tmp_path / "summary.md").read_text()
+    # Issue 26, items 3-7: every figure of every lab, drawn again from its JSON, has no text on
+    # text, no legend over bars, nothing cut at the edge.
+    from figure_checks import problems
+
+    from fsdp_lab.labs.contract import LabResult
+
+    for lab in LABS:
+        result = LabResult.from_dict(json.loads((tmp_path / lab / f"{lab}.json").read_text()))
+        for name, fig in LABS[lab].figures(result).items():
+            if hasattr(fig, "savefig"):  # a matplotlib figure (not a graphviz diagram)
+                assert problems(fig) == [], (lab, name, problems(fig))
 
 
 @pytest.mark.parametrize(

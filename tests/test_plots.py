@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from figure_checks import problems
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 
@@ -67,15 +68,14 @@ def test_memory_trace_stack_reaches_totals_with_markers_and_peak():
     traces = [make_trace(0), make_trace(1, scale=2)]
     fig = plot_memory_trace(traces, title="two ranks", theory={"budget": 10 * MiB})
     assert isinstance(fig, Figure)
-    panels, key = fig.axes[:2], fig.axes[2]
-    assert len(fig.axes) == 3  # a panel per rank, then the marker key
-    assert {t.get_text() for t in key.texts} == {"1  mark 0", "2  mark 1"}
+    panels = fig.axes
+    assert len(panels) == 2  # a panel per rank, no key to look numbers up in
     for ax, tr in zip(panels, traces, strict=True):
         # The top of the stack is the measured total (in MiB, the unit chosen for 16 MiB).
         tops = [p.vertices[:, 1].max() for c in ax.collections for p in c.get_paths()]
         assert max(tops) == pytest.approx(max(tr["total"]) / MiB)
         assert "MiB" in ax.get_ylabel()
-        assert {t.get_text() for t in ax.texts} == {"1", "2"}  # numbered, explained in the key
+        assert {t.get_text().strip() for t in ax.texts} == {"mark 0", "mark 1"}  # they fit
         dashed = [ln for ln in ax.lines if ln.get_linestyle() == "--"]
         assert [ln.get_ydata()[0] for ln in dashed] == [pytest.approx(tr["peak_bytes"] / MiB)]
         dotted = [ln for ln in ax.lines if ln.get_linestyle() == ":"]
@@ -84,8 +84,10 @@ def test_memory_trace_stack_reaches_totals_with_markers_and_peak():
         assert f"measured peak {format_bytes(tr['peak_bytes'])}" in legend
         # Categories that never hold bytes stay out of the legend.
         assert "parameters" in legend and "optimizer_state" not in legend
+    assert "marked events (2)" in [t.get_text() for t in panels[0].get_legend().get_texts()]
     # Shared y axis: rank 1's 16 MiB peak sets the scale for rank 0 as well.
     assert panels[0].get_ylim() == panels[1].get_ylim()
+    assert problems(fig) == []
 
 
 def test_a_model_state_formula_is_set_beside_the_model_state_peak_not_the_total():
@@ -97,41 +99,35 @@ def test_a_model_state_formula_is_set_beside_the_model_state_peak_not_the_total(
         plot_memory_trace(tr, compare="bytes")
 
 
-def _boxes(fig, ax):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    renderer = FigureCanvasAgg(fig).get_renderer()
-    fig.draw(renderer)  # the constrained layout places the panels: boxes as they will be drawn
-    return [t.get_window_extent(renderer) for t in ax.texts]
-
-
-def test_marker_numbers_never_overlap_however_many_markers():
+def test_many_markers_are_ticks_without_labels_and_nothing_overlaps():
     tr = make_trace(0, n_markers=200)
-    for c in CATS:
-        tr["bytes"][c] = [v // 1024 for v in tr["bytes"][c]]  # KiB-sized now
-    tr["total"] = [v // 1024 for v in tr["total"]]
-    tr["peak_bytes"] //= 1024
     fig = plot_memory_trace(tr)
-    ax, key = fig.axes
-    assert "KiB" in ax.get_ylabel()
-    vertical = [ln for ln in ax.lines if ln.get_xdata()[0] == ln.get_xdata()[1]]
-    assert len(vertical) == 200  # every marker keeps its line...
-    boxes = _boxes(fig, ax)
-    assert 10 < len(boxes) < 200  # ...the numbers that fit are drawn
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1 :]:
-            assert not a.overlaps(b)
-    assert len(key.texts) == 200  # and every label is explained
+    (ax,) = fig.axes
+    ticks = [ln for ln in ax.lines if ln.get_xdata()[0] == ln.get_xdata()[1]]
+    assert len(ticks) >= 200  # every marker keeps its tick...
+    assert len(ax.texts) == 0  # ...but 200 labels cannot be read: none is drawn
+    assert problems(fig) == []
 
 
-def test_repeated_labels_share_a_number_across_steps_and_ranks():
-    a, b = make_trace(0, n_markers=3), make_trace(1, n_markers=3)
-    b["markers"] = [
-        {**m, "label": "mark 2" if k == 0 else m["label"]} for k, m in enumerate(b["markers"])
-    ]
-    fig = plot_memory_trace([a, b])
-    assert [t.get_text() for t in fig.axes[2].texts] == ["1  mark 0", "2  mark 1", "3  mark 2"]
-    assert sorted(t.get_text() for t in fig.axes[1].texts) == ["2", "3", "3"]
+def test_step_markers_shade_each_steps_phases():
+    tr = make_trace(0, n_markers=0)
+    tr["markers"] = [
+        {"t": t, "label": f"step {k} {what}"}
+        for k, base in ((0, 0.0), (1, 0.2))
+        for t, what in ((base + 0.08, "forward done"), (base + 0.15, "backward done"),
+                        (base + 0.19, "optimizer step"))
+    ]  # fmt: skip
+    tr["total"] = tr["total"]
+    fig = plot_memory_trace(tr, compare="model_state")
+    (ax,) = fig.axes
+    spans = [p for p in ax.patches if p.get_width() > 0 and p.get_height() > 0]
+    assert len(spans) == 6  # forward, backward, optimizer step, twice
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"forward", "backward", "optimizer step"} <= set(legend)
+    # The model state's peak (8 MiB) and everything's (9 MiB, activations too) both named.
+    assert "peak of model state (what the formula counts) 8.00 MiB" in legend
+    assert "peak of everything measured 9.00 MiB" in legend
+    assert problems(fig) == []
 
 
 def timelines() -> list[dict]:
@@ -254,7 +250,8 @@ def test_rss_over_time_one_panel_per_rank_curves_as_given_theory_lines():
         theory = lines["theory: model 64.00 MiB"]
         assert list(theory.get_ydata()) == [64, 64] and theory.get_linestyle() == ":"
         assert ax.get_title() == f"rank {r}" and "MiB" in ax.get_ylabel()
-        assert [t.get_text() for t in ax.texts] == ["built", "built"]  # one per curve
+        assert len(ax.texts) == 0 and "at: built" in lines  # a shape per mark, in the legend
+    assert problems(fig) == []
 
 
 def test_rss_over_time_needs_a_curve():
@@ -288,20 +285,47 @@ def test_timeline_draws_waiting_apart_and_a_phase_as_a_band_over_what_it_holds()
     }
     r1 = {
         "rank": 1,
-        "origin": 0.5,
+        "origin": 0.0,
         "host": "h",
-        "spans": [span("comm", "all_gather_into_tensor", 0.0, 0.4, "world")],
+        "spans": [
+            span("compute", "load batch", 0.05, 0.09),  # rank 1 is running from 0.05 s on
+            span("comm", "all_gather_into_tensor", 0.5, 0.9, "world"),
+        ],
     }
     fig = plot_timeline([r0, r1])
     (ax,) = fig.axes
     heights = sorted(
         round(float(np.ptp(p.vertices[:, 1])), 2) for c in ax.collections for p in c.get_paths()
     )
-    # rank 0: the phase as a band, its unit's forward, 0.4 s waiting + 0.4 s moving; rank 1: moving
-    assert heights == [0.14, 0.8, 0.8, 0.8, 0.8]
+    # rank 0: the phase as a band, its unit's forward, 0.4 s waiting + 0.4 s moving; rank 1: its
+    # compute and its moving
+    assert heights == [0.14, 0.8, 0.8, 0.8, 0.8, 0.8]
     hatched = [c for c in ax.collections if c.get_hatch()]
     assert len(hatched) == 1  # rank 0 waited from 0.1 s to 0.5 s, when rank 1 called it
-    assert np.ptp(hatched[0].get_paths()[0].vertices[:, 0]) == pytest.approx(0.4)
+    assert np.ptp(hatched[0].get_paths()[0].vertices[:, 0]) == pytest.approx(400)  # ms
     assert "one clock" in ax.get_xlabel()
     labels = {t.get_text() for t in ax.texts}
     assert "AG blocks.0" in labels and "fwd blocks.0" in labels
+
+
+def test_a_long_run_is_drawn_by_its_last_step_and_lanes_only_where_spans_are():
+    def step(origin: float) -> list[dict]:
+        return [
+            {"kind": "compute", "name": "forward", "start": origin, "end": origin + 0.3},
+            {"kind": "compute", "name": "forward blocks.0", "start": origin + 0.1,
+             "end": origin + 0.3},
+            {"kind": "comm", "name": "all_reduce", "start": origin + 0.3, "end": origin + 0.5},
+        ]  # fmt: skip
+
+    tl = {"rank": 0, "origin": 0.0, "host": "h", "spans": step(0.0) + step(1.0) + step(2.0)}
+    fig = plot_timeline(tl)
+    (ax,) = fig.axes
+    assert "the last of 3 steps" in ax.get_xlabel()
+    assert ax.get_xlim()[1] == pytest.approx(0.5 * 1e3 * 1.01)  # one step, in ms
+    comm_only = {"rank": 0, "spans": [s for s in tl["spans"] if s["kind"] == "comm"]}
+    (ax,) = plot_timeline(comm_only).axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0 comm"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "comm: moving bytes",
+        "comm: waiting for other ranks",
+    ]

@@ -145,8 +145,11 @@ def figure(e: Exhibit) -> Any:
         return None
     from fsdp_lab.plots import plot_expected_got
 
-    names = iter(("correct run", "with the bug"))
-    lines = {next(names, name): values for name, values in series["lines"].items()}
+    # In the gallery nothing is the learner's: "reference" is the correct run, "yours" the bug.
+    lines = {
+        name.replace("reference", "correct run").replace("yours", "with the bug"): values
+        for name, values in series["lines"].items()
+    }
     return plot_expected_got(
         {**series, "lines": lines, "title": f"{e.bug.title}: " + series.get("title", "")}
     )

@@ -36,37 +36,33 @@ def bytes_figure(result: LabResult) -> Any:
 
 
 def memory_figure(result: LabResult) -> Any:
-    """Peak model state per rank, measured (bars) and the formula (line), per system."""
+    """Peak model state per rank, measured (bars) and the formula (dotted), per system, in the
+    workbench's system colours; the legend beside the axes, naming the formula lines too."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4), layout="constrained")
+    from fsdp_lab.plots import SYSTEM_COLORS
+
+    fig = Figure(figsize=(9, 4), layout="constrained")
     ax = fig.subplots()
     n = result["world_size"]
     width = 0.8 / len(SYSTEMS)
     for i, system in enumerate(SYSTEMS):
-        row = result["systems"][system]
+        row, color = result["systems"][system], SYSTEM_COLORS[system]
         xs = [r + (i - 1) * width for r in range(n)]
-        ax.bar(
-            xs,
-            [b / 2**20 for b in row["peak_model_state_bytes_per_rank"]],
-            width,
-            label=system,
-            color=f"C{i}",
-        )
+        peaks = [b / 2**20 for b in row["peak_model_state_bytes_per_rank"]]
+        ax.bar(xs, peaks, width, label=f"{system}, measured", color=color)
         ax.hlines(
             row["theory_peak_bytes"] / 2**20,
             xs[0] - width / 2,
             xs[-1] + width / 2,
-            colors=f"C{i}",
+            colors=color,
             linestyles=":",
+            zorder=3,  # over the bars
+            label=f"{system}, formula {fb(row['theory_peak_bytes'])}",
         )
-    ax.set(
-        xlabel="rank",
-        ylabel="peak model state (MiB)",
-        title="model state per rank: measured (bars), formula (dotted)",
-    )
+    ax.set(xlabel="rank", ylabel="peak model state (MiB)", title="model state per rank")
     ax.set_xticks(range(n))
-    ax.legend(fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     return fig
 
 
