@@ -323,7 +323,10 @@ def plot_timeline(timelines: dict | list[dict], *, title: str | None = None) -> 
                 )
                 _label_span(ax, _span_label(s), xw, x1 - xw, y, full)
     ax.set_yticks(ticks, tick_labels, fontsize=8)
-    ax.set_ylim(len(ticks) - 0.5, -0.5)  # rank 0 on top, like a profiler trace
+    if not ticks:  # no rank recorded a span: say so rather than draw an empty axis
+        ax.text(0.5, 0.5, "no spans were recorded", ha="center", va="center",
+                transform=ax.transAxes, color="#555555")  # fmt: skip
+    ax.set_ylim(max(len(ticks), 1) - 0.5, -0.5)  # rank 0 on top, like a profiler trace
     ax.set_xlim(0, full * 1.01)
     clock = "one clock for all ranks" if shared else "each rank aligned to its first span"
     ax.set_xlabel(f"time ({unit}; {clock}; {shown})")

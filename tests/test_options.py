@@ -85,8 +85,10 @@ def test_help_comes_from_the_args_section():
     parser = argparse.ArgumentParser()
     add_config_arguments(parser, _Config)
     shown = {a.dest: a.help for a in parser._actions}
-    # --no-prefetch turns off what the docstring describes; --verbose turns on what it says
-    assert shown["prefetch"] == "turn off: overlap the next unit's gather."
+    # --no-prefetch skips what the docstring describes (on by default); --verbose turns on what it says
+    assert shown["prefetch"] == (
+        "by default the lab does this: overlap the next unit's gather. This flag skips it."
+    )
     assert shown["verbose"] == "say more."
 
 
