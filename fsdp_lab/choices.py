@@ -17,6 +17,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 class Strategy:
     """What a sharding strategy keeps sharded and when it frees (`fsdp_lab.sharding.unit`)."""
 
+    name: str  # as `shard(strategy=...)` takes it
     sharded: bool  # parameters split over ranks (False: replicated, DDP)
     reshard_after_forward: bool  # ZeRO-3 frees between forward and backward
     reshard_after_backward: bool  # ZeRO-2/3 free the gathered parameters after backward
@@ -26,18 +27,22 @@ class Strategy:
 
 SHARDING_STRATEGIES: dict[str, Strategy] = {
     "none": Strategy(
+        "none",
         sharded=False,
         reshard_after_forward=False,
         reshard_after_backward=False,
         reduce_at_end=False,
     ),
     "optimizer": Strategy(
+        "optimizer",
         sharded=True, reshard_after_forward=False, reshard_after_backward=False, reduce_at_end=True
     ),
     "grad_op": Strategy(
+        "grad_op",
         sharded=True, reshard_after_forward=False, reshard_after_backward=True, reduce_at_end=False
     ),
     "full": Strategy(
+        "full",
         sharded=True, reshard_after_forward=True, reshard_after_backward=True, reduce_at_end=False
     ),
 }
@@ -47,6 +52,7 @@ SHARDING_STRATEGIES: dict[str, Strategy] = {
 # SHARDING_STRATEGIES: they need a mesh, and every 1-D comparison iterates over those four.
 HYBRID_STRATEGIES: dict[str, Strategy] = {
     "hybrid": Strategy(
+        "hybrid",
         sharded=True,
         reshard_after_forward=True,
         reshard_after_backward=True,
@@ -54,6 +60,7 @@ HYBRID_STRATEGIES: dict[str, Strategy] = {
         replicated=True,
     ),
     "hybrid_zero2": Strategy(
+        "hybrid_zero2",
         sharded=True,
         reshard_after_forward=False,
         reshard_after_backward=True,
@@ -64,6 +71,13 @@ HYBRID_STRATEGIES: dict[str, Strategy] = {
 
 # Every strategy `shard` takes, by name: the 1-D ones and the hybrid ones.
 ALL_SHARDING_STRATEGIES: dict[str, Strategy] = {**SHARDING_STRATEGIES, **HYBRID_STRATEGIES}
+
+
+def strategy_named(name: str) -> Strategy:
+    """The strategy `shard(strategy=name)` means; a ValueError listing them if there is none."""
+    if name not in ALL_SHARDING_STRATEGIES:
+        raise ValueError(f"strategy={name!r} is not one of {list(ALL_SHARDING_STRATEGIES)}")
+    return ALL_SHARDING_STRATEGIES[name]
 
 # How the stages of a pipeline are initialised (`fsdp_lab.pipeline.rng` explains each).
 SEEDING_STRATEGIES = ("seed_checkpoint", "same_seed", "per_stage_seed", "rng_replay")

@@ -38,10 +38,10 @@ def test_cpu_parameters_under_nccl_are_refused_before_any_collective():
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"on the CPU \(e.g. 'weight'\) but the process group is "
                        r"NCCL.*Fix: model.to\(fsdp_lab.cluster.device\(\)\)"):  # fmt: skip
-        check_model(model, "full", backend="nccl")
-    check_model(model, "full", backend="gloo")  # control: gloo moves CPU memory
+        check_model(model, backend="nccl")
+    check_model(model, backend="gloo")  # control: gloo moves CPU memory
     with torch.device("meta"):
-        check_model(nn.Linear(2, 2), "full", backend="nccl")  # meta: shards land on the GPU
+        check_model(nn.Linear(2, 2), backend="nccl")  # meta: shards land on the GPU
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

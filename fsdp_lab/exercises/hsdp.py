@@ -4,7 +4,7 @@ On an R x S mesh, each row of S ranks (a "node") shards the model between them a
 of R ranks holds the same shard, one per replica. A unit's gradient is reduce-scattered inside
 the shard group, then that *chunk* is all-reduced across the replicate group, and divided by
 all R·S ranks. The learner's function runs as every unit's reduce inside the real hybrid
-sharding (`ShardingState.reduce_grad_shard`, the same injection point as the sharding lab's
+sharding (`ShardingSteps.reduce_grad_shard`, the same injection point as the sharding lab's
 `reduce_scatter_grad`), for a few SGD steps, beside the reference step. Cases: a 2x2 mesh on 4
 ranks, and a 1x2 mesh (one replica: `replicate_group` is None). The classic bugs: no all-reduce
 across the replicas (the replicas drift apart: measured, their parameters differ after a step),
@@ -27,7 +27,7 @@ from fsdp_lab.exercises.hsdp_mesh import MESH_GROUPS
 from fsdp_lab.exercises.judging import close, multiple, ratio_hint
 from fsdp_lab.exercises.sharding import STEPS, first, loss_series, train_with, value_rows
 from fsdp_lab.sharding.mesh import device_mesh
-from fsdp_lab.sharding.unit import reduce_grad_shard
+from fsdp_lab.sharding.steps import reduce_grad_shard
 
 
 def hsdp_reduce_grad(

@@ -2,14 +2,14 @@
 
 `reduce_scatter_grad` (here) — after a unit's backward, each rank holds the gradient of the
 *whole* unit, computed on its own batch; it must keep only its chunk of the *average* over the
-ranks. The learner's function runs as the unit's reduce (`ShardedUnit.reduce_grad`) for a few
+ranks. The learner's function runs as the unit's reduce (`ShardingSteps.reduce_grad_shard`, called by `ShardedUnit.reduce_grad`) for a few
 SGD steps, beside the same training with the reference step. Cases: 2 ranks; 3 ranks, where
 the units' sizes do not divide by 3 (padding); a GPT whose head is tied to its embedding. The
 classic bugs: no ÷ world size (each step N times too large), another rank's chunk, and an
 all-reduce followed by a slice (right values, twice the bytes of a reduce-scatter).
 
-`free_and_regather` (`sharding_memory.py`) — free the gathered parameters after forward for
-real and gather them again before backward, judged on the memory trace and the gradients.
+`free_unsharded` (`sharding_memory.py`) — free the gathered parameters after forward for real,
+judged on the memory trace and the gradients.
 
 `unit_to_prefetch` (`sharding_prefetch.py`) — which unit to gather while another runs its
 backward, judged on the all-gathers backward had to wait for.
@@ -30,11 +30,11 @@ from fsdp_lab import comm, reference
 from fsdp_lab.exercises.exercise import Bug, Case, Exercise, Mismatch
 from fsdp_lab.exercises.judging import close, multiple, ratio_hint, series_of
 from fsdp_lab.exercises.on_rank import expect_tensor
-from fsdp_lab.exercises.sharding_memory import FREE_AND_REGATHER
+from fsdp_lab.exercises.sharding_memory import FREE_UNSHARDED
 from fsdp_lab.exercises.sharding_prefetch import UNIT_TO_PREFETCH
 from fsdp_lab.models import Block, MLPBlock, MLPStack, tiny_gpt
 from fsdp_lab.sharding import shard, sharding_state
-from fsdp_lab.sharding.unit import reduce_grad_shard
+from fsdp_lab.sharding.steps import ShardingSteps, reduce_grad_shard
 
 STEPS = 3
 LR = 0.5  # plain SGD: a wrong factor in the gradient shows in the loss within a few steps
@@ -96,9 +96,10 @@ def train_with(step: ReduceStep, case: Case, strategy: str = "full", mesh: Any =
     gradient chunk of step 1 and parameters after the last step (every unit, flat), and the
     bytes each process group moved."""
     model = build_model(case)
-    shard(model, units={Block, MLPBlock}, strategy=strategy, mesh=mesh)
+    # The injection point: every unit's gradient reduce is the learner's step.
+    steps = ShardingSteps(reduce_grad_shard=checked(step))
+    shard(model, units={Block, MLPBlock}, strategy=strategy, mesh=mesh, steps=steps)
     state = sharding_state(model)
-    state.reduce_grad_shard = checked(step)  # the injection point: the unit's reduce step
     if case.params.get("padded") and not any(u.flat.padding for u in state.units):
         raise ValueError(f"case {case.label!r} promises padding, but every unit divides")
     first_grad: list[float] = []
@@ -286,4 +287,4 @@ REDUCE_SCATTER_GRAD = Exercise(
     minutes=10,
 )
 
-EXERCISES = (REDUCE_SCATTER_GRAD, FREE_AND_REGATHER, UNIT_TO_PREFETCH)
+EXERCISES = (REDUCE_SCATTER_GRAD, FREE_UNSHARDED, UNIT_TO_PREFETCH)

@@ -1,13 +1,14 @@
-"""Exercise of the sharding lab: free the gathered parameters after forward, for real, and
-gather them again before backward (`free_and_regather`).
+"""Exercise of the sharding lab: free the gathered parameters after forward, for real
+(`free_unsharded`).
 
 ZeRO-3's memory saving is this step: each unit's full parameters exist only while the unit
-computes. The learner's function runs inside the real unit (`ShardingState.free_and_regather`:
-post-forward and pre-backward) while a `MemoryTracker` measures the gathered buffers' bytes,
-beside the same training with the reference step. The classic bugs: never freeing (deleting
-the name frees nothing: autograd holds views of the buffer; the memory trace never drops
-after a forward), freeing without gathering again (backward fails on a 0-byte storage), and
-allocating the storage back without gathering into it (backward computes with zeros).
+computes. The learner's function runs inside the real unit as its post-forward step
+(`ShardingSteps.free_unsharded`; the mechanism's own `regather` brings the parameters back
+before backward) while a `MemoryTracker` measures the gathered buffers' bytes, beside the same
+training with the reference step. The classic bugs: never freeing (deleting the name frees
+nothing: autograd holds views of the buffer; the memory trace never drops after a forward),
+and zeroing the values instead of freeing the bytes (nothing is freed, and since the buffer
+still looks gathered, backward computes with zeros).
 """
 
 from __future__ import annotations
@@ -23,37 +24,26 @@ from fsdp_lab.exercises.exercise import Bug, Case, Exercise, Mismatch
 from fsdp_lab.exercises.judging import close, series_of
 from fsdp_lab.models import MLPBlock, MLPStack, synthetic_batch
 from fsdp_lab.reference import local_slice
-from fsdp_lab.sharding import shard, sharding_state
-from fsdp_lab.sharding.unit import free_and_regather as _mechanism_step
+from fsdp_lab.sharding import ShardingSteps, shard, sharding_state
+from fsdp_lab.sharding.steps import free_unsharded as _mechanism_step
+from fsdp_lab.sharding.steps import regather
 from fsdp_lab.trace import MemoryTracker, category
 
 STEPS = 2
 LR = 0.5
 
 
-def free_and_regather(buffer: torch.Tensor, moment: str, all_gather: Callable[[], None]) -> None:
-    """Reference: the mechanism's own step (storage resized to 0; all_gather before backward)."""
-    _mechanism_step(buffer, moment, all_gather)
+def free_unsharded(buffer: torch.Tensor) -> None:
+    """Reference: the mechanism's own step (the storage resized to 0 bytes)."""
+    _mechanism_step(buffer)
 
 
-def _del_buffer(buffer: torch.Tensor, moment: str, all_gather: Callable[[], None]) -> None:
-    if moment == "post-forward":
-        del buffer  # the name goes; the unit and autograd's saved views keep the storage
-    else:
-        all_gather()
+def _del_buffer(buffer: torch.Tensor) -> None:
+    del buffer  # the name goes; the unit and autograd's saved views keep the storage
 
 
-def _no_regather(buffer: torch.Tensor, moment: str, all_gather: Callable[[], None]) -> None:
-    if moment == "post-forward":
-        buffer.untyped_storage().resize_(0)
-
-
-def _alloc_zeros(buffer: torch.Tensor, moment: str, all_gather: Callable[[], None]) -> None:
-    if moment == "post-forward":
-        buffer.untyped_storage().resize_(0)
-    elif buffer.untyped_storage().nbytes() == 0:  # the bytes back, but nothing gathered
-        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-        buffer.data.zero_()
+def _zero_values(buffer: torch.Tensor) -> None:
+    buffer.data.zero_()  # the bytes stay, the values go
 
 
 # -- on every rank ---------------------------------------------------------------------------
@@ -71,28 +61,31 @@ def _held(buffer: torch.Tensor, before: float | None) -> str:
 
 
 def _train(step: Any, case: Case) -> dict:
-    torch.manual_seed(0)
-    model = MLPStack(vocab_size=16, dim=case.params["dim"], n_layers=case.params["layers"])
-    shard(model, units={MLPBlock}, strategy="full", prefetch=False, mesh=dist.group.WORLD)
-    state = sharding_state(model)
     sums: dict[int, float] = {}  # per buffer: its values at the end of its forward
     seen: list[tuple[str, str]] = []  # (unit, what its buffer held when its backward began)
-    label_of = {id(u.flat.unsharded): u.label for u in state.units}
-
+    label_of: dict[int, str] = {}  # buffer -> its unit's label, once sharded
     own_error: list[BaseException] = []  # raised by the learner's function: not autograd's
 
-    def watched(buffer: torch.Tensor, moment: str, all_gather: Callable[[], None]) -> None:
-        if moment == "post-forward":
-            sums[id(buffer)] = float(torch.sum(buffer.detach(), dtype=torch.float64))
+    def watched_free(buffer: torch.Tensor) -> None:
+        sums[id(buffer)] = float(torch.sum(buffer.detach(), dtype=torch.float64))
         try:
-            step(buffer, moment, all_gather)
+            step(buffer)
         except BaseException as exc:
             own_error.append(exc)
             raise
-        if moment == "pre-backward":
-            seen.append((label_of[id(buffer)], _held(buffer, sums.pop(id(buffer), None))))
 
-    state.free_and_regather = watched  # the injection point: post-forward and pre-backward
+    def watched_regather(buffer: torch.Tensor, all_gather: Callable[[], None]) -> None:
+        regather(buffer, all_gather)  # the mechanism's own
+        seen.append((label_of[id(buffer)], _held(buffer, sums.pop(id(buffer), None))))
+
+    torch.manual_seed(0)
+    model = MLPStack(vocab_size=16, dim=case.params["dim"], n_layers=case.params["layers"])
+    # The injection point: every unit's post-forward free is the learner's step.
+    steps = ShardingSteps(free_unsharded=watched_free, regather=watched_regather)
+    shard(model, units={MLPBlock}, strategy="full", prefetch=False, mesh=dist.group.WORLD,
+          steps=steps)  # fmt: skip
+    state = sharding_state(model)
+    label_of.update({id(u.flat.unsharded): u.label for u in state.units})
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     out: dict[str, Any] = {"held": seen, "error": None}
     with MemoryTracker() as mem:
@@ -155,8 +148,8 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
             return Mismatch(
                 f"backward failed on rank {r}: {got['error']}",
                 rows=[(f"buffer of {unit} as its backward began", "the gathered parameters", what)],
-                hint="your post-forward freed the buffer, but pre-backward did not gather it "
-                "again: backward's saved views read that storage — call all_gather() there.",
+                hint="backward reads the views it saved of the buffer: free its bytes with "
+                "buffer.untyped_storage().resize_(0) and leave the tensor itself as it is.",
             )
         if not close(got["first_grad"], exp["first_grad"]):
             unit, what = wrong[0] if wrong else (next(iter(held), "?"), "?")
@@ -172,8 +165,9 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
                         _first(got["first_grad"]),
                     ),
                 ],
-                hint="allocating the storage again gives bytes, not values: all_gather() both "
-                "allocates the buffer and fills it with every rank's shard.",
+                hint="the buffer kept its bytes, so it still looks gathered and nothing gathers "
+                "it again before backward: free the storage with "
+                "buffer.untyped_storage().resize_(0) instead of changing its values.",
             )
         exp_fw = {lab: b for lab, b in exp["markers"] if lab.startswith("after forward")}
         got_fw = {lab: b for lab, b in got["markers"] if lab.startswith("after forward")}
@@ -210,34 +204,32 @@ def _first(values: list[float]) -> str:
     return ", ".join(f"{v:.4g}" for v in values[:3])
 
 
-FREE_AND_REGATHER = Exercise(
-    name="free_and_regather",
+FREE_UNSHARDED = Exercise(
+    name="free_unsharded",
     lab="shard",
-    title="Free the gathered parameters after forward, gather them again before backward",
+    title="Free the gathered parameters after forward",
     statement=(
         "ZeRO-3 keeps each unit's full parameters only while the unit computes. After a unit's "
         "forward, its gathered flat buffer `buffer` must be **freed for real**, but autograd "
         "saved views of it for backward, so the tensor itself must survive: only its memory "
-        "goes. Before the unit's backward, the full parameters must be back. Write "
-        '`free_and_regather(buffer, moment, all_gather)`: when `moment == "post-forward"`, '
-        'release the buffer\'s bytes; when `moment == "pre-backward"`, make the parameters '
-        "available again — `all_gather()` allocates the buffer's storage and fills it with "
-        "every rank's shard. The check trains a sharded MLP without prefetch and measures the "
+        "goes. Before the unit's backward the mechanism's own `regather` step calls "
+        "`all_gather()`, which allocates the buffer's storage again and fills it with every "
+        "rank's shard — when the storage is empty. Write `free_unsharded(buffer)`: release the "
+        "buffer's bytes. The check trains a sharded MLP without prefetch and measures the "
         "buffers' bytes with `fsdp_lab.trace.MemoryTracker`."
     ),
     stub=(
-        "def free_and_regather(buffer, moment, all_gather):\n"
-        '    """moment "post-forward": free buffer\'s memory, keep the tensor.\n'
-        '    moment "pre-backward": gather the full parameters again. Returns None."""\n'
+        "def free_unsharded(buffer):\n"
+        '    """Free buffer\'s memory after the unit\'s forward; keep the tensor. Returns None."""\n'
     ),
     hints=(
         "A tensor's bytes live in its storage (`buffer.untyped_storage()`); the views autograd "
         "saved share that storage, so `del buffer` frees nothing.",
         "A storage can be resized in place: to 0 bytes now, and back to full size by "
-        "`all_gather()` later — the saved views then read the gathered values.",
-        "post-forward: `buffer.untyped_storage().resize_(0)`; pre-backward: `all_gather()`.",
+        "`all_gather()` before backward — the saved views then read the gathered values.",
+        "`buffer.untyped_storage().resize_(0)`.",
     ),
-    solution=free_and_regather,
+    solution=free_unsharded,
     trial=trial,
     judge=judge,
     cases=(
@@ -253,18 +245,13 @@ FREE_AND_REGATHER = Exercise(
             "trace climbs through the forward instead of dropping after each unit",
         ),
         Bug(
-            "no-regather",
-            "frees before backward, never gathers again",
-            _no_regather,
-            "backward fails: the views it saved point into a storage of 0 bytes",
-        ),
-        Bug(
-            "alloc-zeros",
-            "allocates the storage again without gathering",
-            _alloc_zeros,
-            "backward runs, but with zeros where the parameters should be: wrong gradients",
+            "zeroes",
+            "zeroes the values instead of freeing the bytes",
+            _zero_values,
+            "nothing is freed and the buffer still looks gathered, so backward runs with zeros "
+            "where the parameters should be: wrong gradients",
         ),
     ),
     points=2,
-    minutes=15,
+    minutes=10,
 )

@@ -3,7 +3,7 @@
 
 Prefetch hides an all-gather behind compute: while one unit runs its backward, the next one's
 parameters are already on their way. The learner's function picks that next unit from the
-order in which the units' forwards ended (`ShardingState.unit_to_prefetch`), inside the real
+order in which the units' forwards ended (`ShardingSteps.unit_to_prefetch`), inside the real
 sharded GPT; the check measures, on a `Timeline`, which all-gathers backward had to issue on
 demand and wait for (nothing else was issued while they ran), counts the all-gathers backward
 made, and takes the peak of gathered bytes from a `MemoryTracker`. A wrong pick never changes
@@ -28,9 +28,9 @@ from fsdp_lab.exercises.judging import close, series_of
 from fsdp_lab.exercises.on_rank import WrongOutput
 from fsdp_lab.models import MLPStack, synthetic_batch, tiny_gpt
 from fsdp_lab.reference import local_slice
-from fsdp_lab.sharding import shard, sharding_state
-from fsdp_lab.sharding.state import unit_to_prefetch as _mechanism_step
-from fsdp_lab.sharding.unit import free_and_regather
+from fsdp_lab.sharding import ShardingSteps, shard, sharding_state
+from fsdp_lab.sharding.steps import regather
+from fsdp_lab.sharding.steps import unit_to_prefetch as _mechanism_step
 from fsdp_lab.trace import MemoryTracker, Timeline, category
 
 JOINT = ("tok_emb", "head")
@@ -68,12 +68,9 @@ def _model(case: Case) -> tuple[torch.nn.Module, list, int]:
 
 
 def _train(step: Any, case: Case) -> dict:
-    model, units, vocab = _model(case)
-    shard(model, units=units, strategy="full", prefetch=True, mesh=dist.group.WORLD)
-    state = sharding_state(model)
     picks: list[tuple[str, int, str | None]] = []  # (unit whose backward began, its place, pick)
     own_pre_backward: list[tuple[str, float, float]] = []  # (unit, entered, left)
-    label_of = {id(u.flat.unsharded): u.label for u in state.units}
+    label_of: dict[int, str] = {}  # buffer -> its unit's label, once sharded
 
     def watched(forward_order: list[str], position: int) -> str | None:
         chosen = step(list(forward_order), position)
@@ -85,14 +82,17 @@ def _train(step: Any, case: Case) -> dict:
         picks.append((forward_order[position], position, chosen))
         return chosen
 
-    def timed(buffer: torch.Tensor, moment: str, all_gather: Any) -> None:
+    def timed_regather(buffer: torch.Tensor, all_gather: Any) -> None:
         entered = time.perf_counter()
-        free_and_regather(buffer, moment, all_gather)
-        if moment == "pre-backward":  # a gather issued in here is the unit's own: on demand
-            own_pre_backward.append((label_of[id(buffer)], entered, time.perf_counter()))
+        regather(buffer, all_gather)  # the mechanism's own: a gather issued here is on demand
+        own_pre_backward.append((label_of[id(buffer)], entered, time.perf_counter()))
 
-    state.unit_to_prefetch = watched  # the injection point: each unit's pre-backward
-    state.free_and_regather = timed  # the reference step, timed
+    model, units, vocab = _model(case)
+    # The injection point: each unit's pre-backward asks the learner's step what to prefetch.
+    steps = ShardingSteps(unit_to_prefetch=watched, regather=timed_regather)
+    shard(model, units=units, strategy="full", prefetch=True, mesh=dist.group.WORLD, steps=steps)
+    state = sharding_state(model)
+    label_of.update({id(u.flat.unsharded): u.label for u in state.units})
     x, y = synthetic_batch(vocab, 12, 4, 0)
     me, n = dist.get_rank(), dist.get_world_size()
     x, y = local_slice(x, me, n), local_slice(y, me, n)

@@ -1,9 +1,11 @@
 """FSDP / ZeRO from scratch: flat parameters, gather/free per unit, reduce-scatter, prefetch.
 
-Read in this order: `flat_param.py` (the storage), `unit.py` (one unit's step, hook by hook),
-`state.py` (what the units share), `shard.py` (the entry point and strategies), `checks.py`
-(what shard refuses, before any message), `materialize.py` (meta models, unit by unit),
-`whole_view.py` (a model's own init code on its shards), `state_dict.py` (full checkpoints,
+Read in this order: `shard.py` (the entry point: the lifecycle in five steps), `steps.py` (the
+four steps a learner writes), `flat_param.py` (the storage), `unit.py` (one unit's step, hook by
+hook), `state.py` (what the units share), `mesh.py` (the process groups), `checks.py` (what
+shard refuses, before any message), `storage.py` (each unit's shard and slices),
+`materialize.py` (meta models, unit by unit), `whole_view.py` (a model's own init code on its
+shards), `state_dict.py` (full checkpoints,
 grad clipping), `sharded_checkpoint.py` (crash-safe sharded checkpoints);
 `sharded_optimizer.py` (ZeRO-1 as an optimizer beside DDP, PyTorch's ZeroRedundancyOptimizer).
 
@@ -43,6 +45,7 @@ from fsdp_lab.sharding.sharded_checkpoint import CorruptCheckpointError, load_sh
 from fsdp_lab.sharding.sharded_optimizer import ShardedOptimizer
 from fsdp_lab.sharding.state import sharding_state
 from fsdp_lab.sharding.state_dict import clip_grad_norm_, full_state_dict, load_full_state_dict
+from fsdp_lab.sharding.steps import ShardingSteps
 from fsdp_lab.sharding.whole_view import full_init
 
 __all__ = [
@@ -50,6 +53,7 @@ __all__ = [
     "CorruptCheckpointError",
     "MixedPrecision",
     "ShardedOptimizer",
+    "ShardingSteps",
     "clip_grad_norm_",
     "full_init",
     "full_state_dict",

@@ -10,18 +10,14 @@ from typing import Any
 
 import torch.nn as nn
 
-from fsdp_lab.choices import ALL_SHARDING_STRATEGIES as STRATEGIES
 from fsdp_lab.sharding.state import sharded_root, sharding_state
 from fsdp_lab.tying import find_ties, recorded_ties, verify_weight_tying
 
 
-def check_model(model: nn.Module, strategy: str, backend: str | None = None) -> None:
-    """Refuse what cannot be sharded — an unknown strategy, a model (or part of one) sharded
-    already, storage ties, broken recorded ties, parameters on several devices, or on the CPU
+def check_model(model: nn.Module, backend: str | None = None) -> None:
+    """Refuse what cannot be sharded — a model (or part of one) sharded already, storage ties, broken recorded ties, parameters on several devices, or on the CPU
     under NCCL (`backend`, the process group's) — each with the fix, before any rank sends a
     message."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not one of {list(STRATEGIES)}")
     if sharding_state(model, required=False) is not None:
         raise ValueError("this model is already sharded; shard() applies once per model")
     for name, module in model.named_modules():
@@ -100,3 +96,21 @@ def check_units(model: nn.Module, plan: Any, use_orig_params: bool) -> None:
                 "is one flat parameter with one requires_grad (FSDP1 refuses this too). Fix: "
                 "use_orig_params=True (the default), or put the frozen modules in their own unit"
             )
+
+
+def check_init_options(
+    model: nn.Module, param_init_fn: Any, shard_init: Any, sync_module_states: bool
+) -> None:
+    """The meta-init options only where they mean something."""
+    device = next(model.parameters()).device  # one device: check_model made sure
+    if device.type != "meta" and (param_init_fn is not None or shard_init is not None):
+        what = "param_init_fn" if param_init_fn is not None else "shard_init"
+        raise ValueError(
+            f"{what} initialises a model built on the meta device, but this model's parameters "
+            f"are on {device}. Fix: drop {what}, or build the model under torch.device('meta')"
+        )
+    if shard_init is not None and sync_module_states:
+        raise ValueError(
+            "shard_init and sync_module_states=True both make ranks agree; pick one "
+            "(shard_init needs no communication)"
+        )

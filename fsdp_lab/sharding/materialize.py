@@ -38,12 +38,19 @@ the reference the sharded result must equal.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
 
 from fsdp_lab import comm
+from fsdp_lab.sharding.flat_param import FlatParameter, SliceValues
+from fsdp_lab.sharding.whole_view import (
+    WholeView,
+    install_whole_views,
+    remove_whole_views,
+    whole_init_functions,
+)
 from fsdp_lab.wrap import ParamRef, Units, WrapPlan, build_plan, unit_of_module
 
 ParamInitFn = Callable[[nn.Module], None]
@@ -274,3 +281,104 @@ def materialize(
         raise ValueError("materialize() takes a model built on meta; this one has values")
     walk_build_order(model, build_plan(model, units), concrete_device(device), param_init_fn)
     return model
+
+
+# -- the meta path of `shard`: each parameter into its unit's shard as soon as it is made -------
+
+
+class UnitStorageBuilder(Protocol):
+    """What `shard_in_build_order` needs to make a unit's storage (`storage.StorageBuilder`)."""
+
+    def flat_of(
+        self, unit: str, params: list[torch.Tensor], values: SliceValues | None
+    ) -> FlatParameter: ...
+
+    def finish(self, unit: str, flat: FlatParameter, frozen: list[bool]) -> Any: ...
+
+
+def shard_in_build_order(
+    model: nn.Module,
+    plan: WrapPlan,
+    builder: UnitStorageBuilder,
+    device: torch.device,
+    init_fn: ParamInitFn | str,
+    group: object | None,
+    sync: bool,
+) -> None:
+    """Materialise a meta `model` straight into its units' shards ([Note: init order]): the
+    walk hands each parameter over as soon as its module's init made it real."""
+    sink = _ShardSink(plan, model, builder, group, sync)
+    try:
+        with whole_init_functions():
+            walk_build_order(model, plan, device, init_fn, sink, group, sync)
+    finally:
+        remove_whole_views(sink.undo)
+
+
+class _ShardSink:
+    """Takes a meta model's parameters one by one as the init walk finishes them: each goes
+    straight into its unit's shard (this rank's slice), and a WholeView over that slice takes
+    its place, so a later init (a tie's other owner, a parent) still sees it whole. Peak: the
+    shards plus the parameters of the module being initialised."""
+
+    def __init__(
+        self,
+        plan: WrapPlan,
+        model: nn.Module,
+        builder: UnitStorageBuilder,
+        group: object | None,
+        sync: bool,
+    ) -> None:
+        self.plan, self.model, self.builder, self.group, self.sync = (
+            plan,
+            model,
+            builder,
+            group,
+            sync,
+        )
+        self.metas = dict(model.named_parameters(remove_duplicate=False))
+        self.flats: dict[str, FlatParameter] = {}
+        self.frozen: dict[str, list[bool]] = {}
+        self.undo: list = []  # every WholeView installed, for remove_whole_views
+        self.pending: dict[str, list[tuple[int, torch.Tensor]]] = {}  # under sync
+        # Under sync only rank 0 inits: a later init reaching into a unit would change rank 0's
+        # slice alone, so it is refused.
+        self.refuse = "sync_module_states=True" if sync else None
+
+    def begin(self, unit: str) -> None:
+        metas = [self.metas[r.name] for r in self.plan.params[unit]]
+        self.frozen[unit] = [not p.requires_grad for p in metas]
+
+        def later(name: str, shape: torch.Size, start: int, end: int) -> torch.Tensor:
+            # Filled by `take`, parameter by parameter; a stride-0 zero allocates nothing.
+            return torch.zeros(1).expand(end - start)
+
+        self.flats[unit] = self.builder.flat_of(unit, metas, later)
+
+    def take(self, unit: str, index: int, param: torch.Tensor) -> torch.Tensor:
+        if self.sync:  # only rank 0 inits: keep the unit whole until its end, then broadcast
+            self.pending.setdefault(unit, []).append((index, param))
+            return param
+        return self._slice(unit, index, param)
+
+    def _slice(self, unit: str, index: int, param: torch.Tensor) -> torch.Tensor:
+        flat = self.flats[unit]
+        segment = flat.segments[index]
+        with torch.no_grad():
+            if self.sync:
+                comm.broadcast(param.data, src=0, group=self.group)
+            a, b = flat.local_range(segment)
+            s = flat.shard_rank * flat.shard_numel - segment.offset  # shard -> segment coords
+            flat.shard[a:b] = param.detach().reshape(-1)[s + a : s + b]
+        ref = self.plan.params[unit][index]
+        view = WholeView(flat.shard.detach()[a:b], segment.shape, s + a, s + b, ref.name)
+        view.refuse = self.refuse
+        for m, attr in ref.owners:
+            self.model.get_submodule(m)._parameters[attr] = view  # type: ignore[assignment]
+        return view
+
+    def end(self, unit: str) -> None:
+        for index, param in self.pending.pop(unit, []):
+            self._slice(unit, index, param)
+        built = self.builder.finish(unit, self.flats.pop(unit), self.frozen.pop(unit))
+        self.undo.extend(install_whole_views([built], self.refuse))

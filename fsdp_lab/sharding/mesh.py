@@ -19,18 +19,19 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fsdp_lab.choices import HYBRID_STRATEGIES
+from fsdp_lab.choices import Strategy
 
 
 @dataclass(frozen=True)
 class Groups:
-    """Where a sharded model's collectives go. `group` shards (size `world`, this rank's index
-    `rank` in it); `replicate_group` (size `replicas`) all-reduces the shard's gradient — None
-    unless hybrid. `sync_group` is where rank 0's values go for ``sync_module_states``."""
+    """Where a sharded model's collectives go. `group` shards (S = `shard_size` ranks, this
+    rank's index `shard_rank` in it; every rank unless hybrid); `replicate_group` (size
+    `replicas`) all-reduces the shard's gradient — None unless hybrid. `sync_group` is where
+    rank 0's values go for ``sync_module_states``."""
 
     group: dist.ProcessGroup | None
-    world: int
-    rank: int
+    shard_size: int
+    shard_rank: int
     replicate_group: dist.ProcessGroup | None = None
     replicas: int = 1
 
@@ -65,13 +66,14 @@ def mesh_shape(mesh: Any, world: int) -> tuple[int, int]:
     return r, s
 
 
-def resolve(mesh: Any, strategy: str) -> Groups:
+def resolve(mesh: Any, strategy: Strategy) -> Groups:
     """The groups of `strategy` on `mesh`: None (every rank), a 1-D DeviceMesh or ProcessGroup
     spanning every rank; for "hybrid"/"hybrid_zero2", (R, S) or a 2-D DeviceMesh."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if strategy in HYBRID_STRATEGIES:
-        return _hybrid(mesh, strategy, world, rank)
+    if strategy.replicated:
+        return _hybrid(mesh, strategy.name, world, rank)
+    strategy = strategy.name  # below: only named in messages
     if isinstance(mesh, (tuple, list)):
         raise ValueError(
             f"mesh={tuple(mesh)!r} with strategy={strategy!r}: a (replicate, shard) mesh is "
@@ -123,8 +125,8 @@ def _hybrid(mesh: Any, strategy: str, world: int, rank: int) -> Groups:
         mesh = device_mesh(r, s)
     return Groups(
         group=mesh.get_group(1),
-        world=s,
-        rank=dist.get_rank(mesh.get_group(1)),
+        shard_size=s,
+        shard_rank=dist.get_rank(mesh.get_group(1)),
         replicate_group=mesh.get_group(0) if r > 1 else None,  # one replica: plain ZeRO
         replicas=r,
     )

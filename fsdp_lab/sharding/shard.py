@@ -1,21 +1,19 @@
-"""`shard(model, ...)`: turn a model into FSDP/ZeRO units, in place.
+"""`shard(model, ...)`: turn a model into FSDP/ZeRO units, in place — the lifecycle in order.
 
-    plan    = build_plan(model, units)          which modules are gathered together (validated:
-                                                ties inside one unit) — before any message
-    for each unit, root first:
-        flat = FlatParameter(its parameters)    flatten, pad to a multiple of N, keep shard r
-        each parameter -> its slice of flat     same name, a view into the shard: what
-                                                model.parameters() yields and the optimizer
-                                                steps (use_orig_params=False: one flat_param)
-        ShardedUnit(...)                        hooks: gather -> compute -> free -> reduce
+    policy  = strategy_named(strategy)      1. the strategy, resolved once and carried as one
+                                               object (`choices.Strategy`) from here on
+    groups  = resolve(mesh, policy)         2. the process groups (`mesh.py`): every rank, or
+                                               a (replicate, shard) mesh for HSDP
+    plan    = build_plan(model, units)      3. which modules are gathered together (validated:
+                                               ties inside one unit) — before any message
+    storage = build_storage(...)            4. each unit's flat shard, its parameters turned
+                                               into slices of it (`storage.py`; a meta model is
+                                               materialised there, unit by unit)
+    ShardedUnit(...) for each unit          5. hooks: gather -> compute -> free -> reduce
+                                               (`unit.py`), sharing one `ShardingState`
 
-A model built on the meta device is materialised here, module by module in build order, so no
-rank ever holds it whole (`materialize.py`: ordinary init, each parameter into its shard as
-soon as it is initialised; or each shard generated directly).
-
-`ShardingState` (`state.py`) is what the units share: the process group, the order units ran
-in (recorded on the first step, used to prefetch), and the end-of-backward callback that
-finalizes every unit.
+Every refusal (`checks.py`, `mesh.py`, `wrap.py`) comes before the first collective: a refusal
+after it would leave the other ranks waiting in one.
 
 Strategies (`fsdp_lab.theory`; Ψ parameters, N ranks, fp32 Adam):
 
@@ -35,30 +33,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_lab import comm
-from fsdp_lab.choices import ALL_SHARDING_STRATEGIES
+from fsdp_lab.choices import Strategy, strategy_named
 from fsdp_lab.sharding import mesh as meshes
-from fsdp_lab.sharding.checks import check_model, check_units
-from fsdp_lab.sharding.flat_param import FlatParameter, SliceValues
+from fsdp_lab.sharding.checks import check_init_options, check_model, check_units
 from fsdp_lab.sharding.materialize import (
     EMPTY,
     ParamInitFn,
     SliceInit,
     concrete_device,
-    materialize_buffers,
-    owning_modules,
     reset_parameters,
-    to_empty_keeping_ties,
-    walk_build_order,
 )
 from fsdp_lab.sharding.state import ShardingState, attach_state
+from fsdp_lab.sharding.steps import ShardingSteps
+from fsdp_lab.sharding.storage import StorageBuilder, build_storage
 from fsdp_lab.sharding.unit import ShardedUnit
-from fsdp_lab.sharding.whole_view import (
-    WholeView,
-    install_whole_views,
-    remove_whole_views,
-    whole_init_functions,
-)
 from fsdp_lab.tying import record_ties, recorded_ties
 from fsdp_lab.wrap import Units, build_plan
 
@@ -84,7 +72,7 @@ def _target_device(device: torch.device | str | None) -> torch.device:
 
 
 def _freed_after_forward(
-    units: list[str], policy: Any, asked: bool | Iterable[str] | None
+    units: list[str], policy: Strategy, asked: bool | Iterable[str] | None
 ) -> set[str]:
     """The units freed after forward. [Note: the root stays gathered] The root unit is the
     first to be gathered in forward and, holding the loss-side modules (a GPT's head), the
@@ -121,6 +109,7 @@ def shard(
     shard_init: SliceInit | None = None,
     sync_module_states: bool = False,
     use_orig_params: bool = True,
+    steps: ShardingSteps = ShardingSteps(),  # noqa: B008 (frozen: one shared default is safe)
 ) -> nn.Module:
     """Shard `model` in place (FSDP/ZeRO) and return it.
 
@@ -155,217 +144,59 @@ def shard(
             frozen and a parameter without a gradient keeps ``grad=None``. False: one flat
             parameter per unit, ``flat_param`` (FSDP1's default; the sharding lab draws it).
             See [Note: per-parameter views] in `fsdp_lab.sharding.unit`.
+        steps: the steps every unit calls (`fsdp_lab.sharding.steps`): the reference by
+            default; a course exercise passes a learner's function in one field.
     """
-    check_model(model, strategy, dist.get_backend() if dist.is_initialized() else None)
-    groups = meshes.resolve(mesh, strategy)  # every mesh error before any message
-    world, rank = groups.world, groups.rank
-    plan = build_plan(model, units)  # every plan error is raised here, before any collective
-    on_meta = next(model.parameters()).is_meta  # one device: check_model made sure
-    if not on_meta and (param_init_fn is not None or shard_init is not None):
-        what = "param_init_fn" if param_init_fn is not None else "shard_init"
-        raise ValueError(
-            f"{what} initialises a model built on the meta device, but this model's parameters "
-            f"are on {next(model.parameters()).device}. Fix: drop {what}, or build the model "
-            "under torch.device('meta')"
-        )
-    if shard_init is not None and sync_module_states:
-        raise ValueError(
-            "shard_init and sync_module_states=True both make ranks agree; pick one "
-            "(shard_init needs no communication)"
-        )
+    policy = strategy_named(strategy)  # 1
+    check_model(model, dist.get_backend() if dist.is_initialized() else None)
+    check_init_options(model, param_init_fn, shard_init, sync_module_states)
+    groups = meshes.resolve(mesh, policy)  # 2: every mesh error before any message
+    plan = build_plan(model, units)  # 3: every plan error before any collective
     check_units(model, plan, use_orig_params)
-    if strategy == "none" and shard_init is None:
-        sync_module_states = True  # DDP: every replica starts from rank 0's values
-    target = _target_device(device) if on_meta else None
-    init_fn = param_init_fn or reset_parameters
-    if on_meta and not recorded_ties(model):
-        record_ties(model)  # identity ties are visible on meta: keep them for verification
-    policy = ALL_SHARDING_STRATEGIES[strategy]
     free_after = _freed_after_forward(plan.units, policy, reshard_after_forward)
 
-    state = ShardingState(groups=groups, prefetch=prefetch, strategy=strategy)
-    sync_group = groups.sync_group
-    lookup = dict(model.named_parameters(remove_duplicate=False))
-    mp = mixed_precision
-    built: dict[str, _Built] = {}
-
-    def flat_of(name: str, params: list[torch.Tensor], values: SliceValues | None) -> FlatParameter:
-        return FlatParameter(
-            names=[r.name for r in plan.params[name]],
-            params=params,
-            shard_rank=rank if policy.sharded else 0,
-            shard_size=world if policy.sharded else 1,
-            compute_dtype=mp.param_dtype if mp else None,
-            template=next(iter(lookup.values())),
-            values=values,
-            device=target,
-            requires_grad=any(p.requires_grad for p in params),
-        )
-
-    def finish(name: str, flat: FlatParameter, frozen: list[bool]) -> _Built:
-        refs = plan.params[name]
-        if param_init_fn == EMPTY and flat.shard.is_floating_point():
-            with torch.no_grad():  # uninitialised, loudly: a forgotten init_weights() shows
-                flat.shard.fill_(float("nan"))
-        owners = [[(model.get_submodule(m), attr) for m, attr in r.owners] for r in refs]
-        aliases = [tuple(f"{m}.{a}" if m else a for m, a in r.owners) for r in refs]
-        built[name] = _Built(flat, owners, aliases, _register_slices(flat, owners, frozen), frozen)
-        return built[name]
-
-    if on_meta and shard_init is None:  # parameter by parameter, in build order
-        sink = _ShardSink(plan, model, lookup, flat_of, finish, sync_group, sync_module_states)
-        try:
-            with whole_init_functions():
-                walk_build_order(model, plan, target, init_fn, sink, sync_group, sync_module_states)
-        finally:
-            remove_whole_views(sink.undo)
-    else:
-        for name in plan.units:
-            refs = plan.params[name]
-            params = [lookup[r.name] for r in refs]
-            values = _slice_values(model, refs, shard_init, target, init_fn) if on_meta else None
-            flat = flat_of(name, params, values)
-            if sync_module_states and not on_meta:  # the whole unit in one message
-                with torch.no_grad():
-                    comm.broadcast(flat.shard.data, src=0, group=sync_group)
-            finish(name, flat, [not p.requires_grad for p in params])
-            del params
-        if on_meta:
-            materialize_buffers(model, target, init_fn, sync_group, sync_module_states)
-        elif sync_module_states:
-            with torch.no_grad():
-                for b in model.buffers():
-                    comm.broadcast(b, src=0, group=sync_group)
-    for name in plan.units:  # root first: the order the hooks and `finalize_backward` expect
-        b = built[name]
+    on_meta = next(model.parameters()).is_meta  # one device: check_model made sure
+    if on_meta and not recorded_ties(model):
+        record_ties(model)  # identity ties are visible on meta: keep them for verification
+    builder = StorageBuilder(
+        model=model,
+        plan=plan,
+        shard_rank=groups.shard_rank if policy.sharded else 0,
+        shard_size=groups.shard_size if policy.sharded else 1,
+        compute_dtype=mixed_precision.param_dtype if mixed_precision else None,
+        device=_target_device(device) if on_meta else None,
+        fill_nan=param_init_fn == EMPTY,
+        template=next(model.parameters()),
+    )
+    storage = build_storage(  # 4
+        builder,
+        init_fn=param_init_fn or reset_parameters,
+        shard_init=shard_init,
+        sync_group=groups.sync_group,
+        # DDP: every replica starts from rank 0's values
+        sync=sync_module_states or (not policy.sharded and shard_init is None),
+    )
+    state = ShardingState(groups=groups, prefetch=prefetch, strategy=policy, steps=steps)
+    for name, unit_storage in storage.items():  # 5: root first, as the hooks expect
         modules = [model.get_submodule(m) for m in plan.members_of(name)]
-        if not use_orig_params:
-            for ref_owners in b.owners:
-                for module, attr in ref_owners:
+        if not use_orig_params:  # FSDP1: the optimizer sees one flat parameter per unit
+            for owners in unit_storage.owners:
+                for module, attr in owners:
                     del module._parameters[attr]  # from now on a view, set by the unit
-            modules[0].register_parameter(FLAT_PARAM, b.flat.shard)  # a group: its first member
-        state.units.append(
-            ShardedUnit(
-                name=name,
-                modules=modules,
-                flat=b.flat,
-                owners=b.owners,
-                aliases=b.aliases,
-                strategy=policy,
-                state=state,
-                reshard_after_forward=name in free_after,
-                reduce_dtype=mp.reduce_dtype if mp else None,
-                params=b.params if use_orig_params else None,
-                frozen=b.frozen,
-            )
+            modules[0].register_parameter(FLAT_PARAM, unit_storage.flat.shard)
+        unit = ShardedUnit(
+            name=name,
+            modules=modules,
+            flat=unit_storage.flat,
+            owners=unit_storage.owners,
+            aliases=unit_storage.aliases,
+            strategy=policy,
+            state=state,
+            reshard_after_forward=name in free_after,
+            reduce_dtype=mixed_precision.reduce_dtype if mixed_precision else None,
+            params=unit_storage.params if use_orig_params else None,
+            frozen=unit_storage.frozen,
         )
+        state.units.append(unit)
     attach_state(model, state)
     return model
-
-
-class _ShardSink:
-    """Takes a meta model's parameters one by one as the init walk finishes them: each goes
-    straight into its unit's shard (this rank's slice), and a WholeView over that slice takes
-    its place, so a later init (a tie's other owner, a parent) still sees it whole. Peak: the
-    shards plus the parameters of the module being initialised."""
-
-    def __init__(self, plan, model, lookup, flat_of, finish, group, sync) -> None:  # noqa: ANN001
-        self.plan, self.model, self.lookup = plan, model, lookup
-        self.flat_of, self.finish, self.group, self.sync = flat_of, finish, group, sync
-        self.flats: dict[str, FlatParameter] = {}
-        self.frozen: dict[str, list[bool]] = {}
-        self.undo: list = []  # every WholeView installed, for remove_whole_views
-        self.pending: dict[str, list[tuple[int, torch.Tensor]]] = {}  # under sync
-
-    def begin(self, unit: str) -> None:
-        metas = [self.lookup[r.name] for r in self.plan.params[unit]]
-        self.frozen[unit] = [not p.requires_grad for p in metas]
-
-        def later(name: str, shape: torch.Size, start: int, end: int) -> torch.Tensor:
-            # Filled by `take`, parameter by parameter; a stride-0 zero allocates nothing.
-            return torch.zeros(1).expand(end - start)
-
-        self.flats[unit] = self.flat_of(unit, metas, later)
-
-    def take(self, unit: str, index: int, param: torch.Tensor) -> torch.Tensor:
-        if self.sync:  # only rank 0 inits: keep the unit whole until its end, then broadcast
-            self.pending.setdefault(unit, []).append((index, param))
-            return param
-        return self._slice(unit, index, param)
-
-    def _slice(self, unit: str, index: int, param: torch.Tensor) -> torch.Tensor:
-        flat = self.flats[unit]
-        segment = flat.segments[index]
-        with torch.no_grad():
-            if self.sync:
-                comm.broadcast(param.data, src=0, group=self.group)
-            a, b = flat.local_range(segment)
-            s = flat.shard_rank * flat.shard_numel - segment.offset  # shard -> segment coords
-            flat.shard[a:b] = param.detach().reshape(-1)[s + a : s + b]
-        ref = self.plan.params[unit][index]
-        owners = [(self.model.get_submodule(m), attr) for m, attr in ref.owners]
-        refuse = "sync_module_states=True" if self.sync else None
-        view = WholeView(flat.shard.detach()[a:b], segment.shape, s + a, s + b, ref.name)
-        view.refuse = refuse
-        for module, attr in owners:
-            module._parameters[attr] = view  # type: ignore[assignment]
-        return view
-
-    def end(self, unit: str) -> None:
-        for index, param in self.pending.pop(unit, []):
-            self._slice(unit, index, param)
-        built = self.finish(unit, self.flats.pop(unit), self.frozen.pop(unit))
-        refuse = "sync_module_states=True" if self.sync else None
-        self.undo.extend(install_whole_views([built], refuse))
-
-
-@dataclass
-class _Built:
-    """One unit's storage, before its hooks: what `install_whole_views` and the unit need."""
-
-    flat: FlatParameter
-    owners: list[list[tuple[nn.Module, str]]]
-    aliases: list[tuple[str, ...]]
-    params: list[nn.Parameter]
-    frozen: list[bool]
-
-
-def _register_slices(
-    flat: FlatParameter, owners: list[list[tuple[nn.Module, str]]], frozen: list[bool]
-) -> list[nn.Parameter]:
-    """Each original parameter becomes this rank's slice of it, a view into the flat shard,
-    registered in its own slot (same name, same place in `named_parameters()`)."""
-    params = []
-    storage = flat.shard.detach()  # a view of it shares the shard's memory, not its autograd
-    for segment, ref_owners, is_frozen in zip(flat.segments, owners, frozen, strict=True):
-        a, b = flat.local_range(segment)
-        piece = storage[a:b]
-        if flat.shard_size == 1:  # replicated: the whole parameter, in its own shape (DDP)
-            piece = piece.view(segment.shape)
-        param = nn.Parameter(piece, requires_grad=not is_frozen)
-        for module, attr in ref_owners:  # tied: one Parameter under every name, as before
-            module._parameters[attr] = param
-        params.append(param)
-    return params
-
-
-def _slice_values(
-    model: nn.Module,
-    refs: tuple,
-    shard_init: SliceInit,
-    device: torch.device,
-    init_fn: ParamInitFn,
-) -> SliceValues:
-    """The unit's slice initialiser; buffers of its modules are materialised on the way."""
-    dtypes = {r.name: model.get_parameter(r.name).dtype for r in refs}
-    for _, module in owning_modules(model, refs):
-        if any(b.is_meta for b in module.buffers(recurse=False)):
-            # Its buffers need its own init (e.g. BatchNorm statistics); the parameters it also
-            # fills are discarded: the shard comes from `shard_init`.
-            to_empty_keeping_ties([module], device)
-            init_fn(module)
-
-    def values(name: str, shape: torch.Size, start: int, end: int) -> torch.Tensor:
-        return shard_init.values(name, tuple(shape), start, end, dtype=dtypes[name], device=device)
-
-    return values

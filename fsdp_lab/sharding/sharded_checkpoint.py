@@ -97,29 +97,31 @@ def _save_in_group(
 
     def prepare() -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        if state.rank == 0:  # past every version here: the current one and crashed saves' ones
+        if (
+            state.shard_rank == 0
+        ):  # past every version here: the current one and crashed saves' ones
             version.fill_(1 + max(_versions(folder), default=0))
 
     def write_shards() -> None:
         payload = {
-            "rank": state.rank,  # inside the file, so that a renamed file cannot pass as another
-            "world_size": state.world,
+            "rank": state.shard_rank,  # inside the file, so that a renamed file cannot pass as another
+            "world_size": state.shard_size,
             "shards": {u.name: u.flat.shard.detach().cpu() for u in state.units},
             "buffers": {name: buf.detach().cpu() for name, buf in persistent_buffers(model)},
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
         }
-        path = folder / _version_name(int(version.item())) / _rank_name(state.rank)
+        path = folder / _version_name(int(version.item())) / _rank_name(state.shard_rank)
         path.parent.mkdir(exist_ok=True)
         written.append(_atomic_write(path, lambda f: torch.save(payload, f)))
 
     def commit(records: list[dict[str, Any]]) -> None:  # the switch from the old version
-        if state.rank == 0:
+        if state.shard_rank == 0:
             meta = dict(version=int(version.item()), **_layout(model, state), files=records)
             text = json.dumps(meta, indent=1).encode()
             _atomic_write(folder / META, lambda f: f.write(text))
 
     def clean_up() -> None:  # only now: a crash before the switch needed the old files
-        if state.rank == 0:
+        if state.shard_rank == 0:
             _remove_superseded(folder, int(version.item()))
 
     _on_every_rank(state, prepare, "save_sharded (prepare)")
@@ -151,16 +153,16 @@ def load_sharded(
     def read() -> None:
         meta = _read_meta(folder)
         _check_fits(folder, meta, model, state)
-        path = folder / _version_name(meta["version"]) / _rank_name(state.rank)
+        path = folder / _version_name(meta["version"]) / _rank_name(state.shard_rank)
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: the checkpoint lacks this rank's file")
         data = path.read_bytes()
-        _check_file(path, data, meta["files"], state.rank)
+        _check_file(path, data, meta["files"], state.shard_rank)
         payload = torch.load(io.BytesIO(data), map_location=state_device(state), weights_only=True)
-        if (payload.get("rank"), payload.get("world_size")) != (state.rank, state.world):
+        if (payload.get("rank"), payload.get("world_size")) != (state.shard_rank, state.shard_size):
             raise CorruptCheckpointError(
                 f"{path} records rank {payload.get('rank')} of {payload.get('world_size')} "
-                f"ranks, expected rank {state.rank} of {state.world}: meta.json and the rank "
+                f"ranks, expected rank {state.shard_rank} of {state.shard_size}: meta.json and the rank "
                 "files come from different saves. Fix: re-save the checkpoint"
             )
         _check_contents(path, payload, state, model)
@@ -246,7 +248,7 @@ def _gather_file_records(state: ShardingState, size: int, sha256: str) -> list[d
         dtype=torch.uint8,
         device=state_device(state),
     )
-    every = mine.new_empty(state.world * mine.numel())
+    every = mine.new_empty(state.shard_size * mine.numel())
     comm.all_gather_into_tensor(every, mine, group=state.group)
     rows = bytes(every.tolist())
     return [
@@ -266,7 +268,9 @@ def _layout(model: nn.Module, state: ShardingState) -> dict[str, Any]:
         for u in state.units
     }
     buffers = {name: list(buf.shape) for name, buf in persistent_buffers(model)}
-    return dict(world_size=state.world, strategy=state.strategy, units=units, buffers=buffers)
+    return dict(
+        world_size=state.shard_size, strategy=state.strategy.name, units=units, buffers=buffers
+    )
 
 
 def _remove_superseded(folder: Path, current: int) -> None:
@@ -412,15 +416,15 @@ def _on_every_rank(state: ShardingState, step: Callable[[], None], what: str) ->
     except Exception as exc:  # held until every rank has reported, so that none waits forever
         error = exc
     # Per rank: 0 done, 1 failed, 2 found a corrupt checkpoint. 4N bytes, and a barrier.
-    codes = torch.zeros(state.world, device=state_device(state))
+    codes = torch.zeros(state.shard_size, device=state_device(state))
     if error is not None:
-        codes[state.rank] = 2.0 if isinstance(error, CorruptCheckpointError) else 1.0
+        codes[state.shard_rank] = 2.0 if isinstance(error, CorruptCheckpointError) else 1.0
     comm.all_reduce(codes, group=state.group)
     failed = codes.nonzero().flatten().tolist()
     if not failed:
         return
     first = failed[0]
-    message = broadcast_text(state, str(error) if state.rank == first else "", src=first)
+    message = broadcast_text(state, str(error) if state.shard_rank == first else "", src=first)
     if error is not None:
         raise error
     if codes[first].item() == 2.0:

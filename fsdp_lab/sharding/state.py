@@ -4,42 +4,38 @@ The process group and this rank's place in it; the order the units ran in (a uni
 modules appears once per member call), recorded so that the next unit's all-gather can start
 early: forward follows the order of the first step's forward; backward runs the units in the
 reverse order of this step's forward *ends* (FSDP2's ``post_forward_order``), so the unit to
-prefetch is the one whose forward ended just before (`unit_to_prefetch`); and the
+prefetch is the one whose forward ended just before (the step `unit_to_prefetch`); and the
 end-of-backward callback that autograd runs once the whole backward pass is done, which
 finalizes every unit (FSDP2: ``FSDPState`` and its ``_root_post_backward_final_callback``).
 
-The three key steps the units call are attributes here, `free_and_regather`,
-`reduce_grad_shard` and `unit_to_prefetch`, each the plain function of that name by default:
-a course exercise (`fsdp_lab.exercises`) puts a learner's version in its place.
+The steps a learner writes (`steps.py`) arrive here as one frozen `ShardingSteps`, given to
+`shard(..., steps=...)`; the units call them through it. This module needs of a unit only its
+label and `finalize_backward` (`_Unit`), so `unit.py` builds on it and not the other way round.
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 
+from fsdp_lab.choices import Strategy
 from fsdp_lab.sharding.mesh import Groups
-from fsdp_lab.sharding.unit import ShardedUnit, free_and_regather, reduce_grad_shard
+from fsdp_lab.sharding.steps import ShardingSteps
 
 _STATE = "_fsdp_lab_state"  # on the sharded model
 _SHARDED_IN = "_fsdp_lab_sharded_in"  # on each of its submodules: a weak reference to it
 
 
-def unit_to_prefetch(forward_order: list[str], position: int) -> str | None:
-    """The unit to gather while the unit at `position` of `forward_order` runs its backward.
+class _Unit(Protocol):
+    """What the state needs of a unit (`unit.ShardedUnit`)."""
 
-    Args:
-        forward_order: the units' names in the order their forwards *ended* in this step (the
-            root, which encloses all the others, last; a unit of several modules once per
-            member call).
-        position: where the unit whose backward has just started sits in it.
+    label: str
+    stale: bool
 
-    Backward runs the units in the reverse of that order, so the next one to need its
-    parameters is the one whose forward ended just before; none before the first.
-    """
-    return forward_order[position - 1] if position > 0 else None
+    def finalize_backward(self) -> None: ...
 
 
 class ShardingState:
@@ -50,28 +46,29 @@ class ShardingState:
         *,
         groups: Groups,
         prefetch: bool,
-        strategy: str,
+        strategy: Strategy,
+        steps: ShardingSteps,
     ) -> None:
         self.groups = groups
-        # The shard group, its size and this rank's place in it (every rank, unless hybrid).
-        self.group, self.world, self.rank = groups.group, groups.world, groups.rank
-        self.prefetch, self.strategy = prefetch, strategy
-        self.units: list[ShardedUnit] = []
+        # The shard group, its size S and this rank's place in it (every rank, unless hybrid).
+        self.group, self.shard_size, self.shard_rank = (
+            groups.group,
+            groups.shard_size,
+            groups.shard_rank,
+        )
+        self.prefetch, self.strategy, self.steps = prefetch, strategy, steps
+        self.units: list[_Unit] = []
         # Unit calls in the order of the first step (repeats: a group unit runs once per member).
-        self.forward_order: list[ShardedUnit] = []
+        self.forward_order: list[_Unit] = []
         self._forward_calls = 0  # calls so far in this step's forward
         self._forward_recorded = False
         # This step's forward ends, and per unit its places there not yet used by a backward.
-        self.post_forward_order: list[ShardedUnit] = []
-        self._positions: dict[ShardedUnit, list[int]] = {}
+        self.post_forward_order: list[_Unit] = []
+        self._positions: dict[_Unit, list[int]] = {}
         self._backward_queued = False
-        # The steps the units call (see the module docstring).
-        self.free_and_regather = free_and_regather
-        self.reduce_grad_shard = reduce_grad_shard
-        self.unit_to_prefetch = unit_to_prefetch
 
     @property
-    def root(self) -> ShardedUnit:
+    def root(self) -> _Unit:
         return self.units[0]
 
     def begin_step(self) -> None:
@@ -83,30 +80,30 @@ class ShardingState:
         for unit in self.units:
             unit.stale = True
 
-    def record_forward(self, unit: ShardedUnit) -> None:
+    def record_forward(self, unit: _Unit) -> None:
         if not self._forward_recorded:
             self.forward_order.append(unit)
         self._forward_calls += 1
 
-    def next_in_forward(self, unit: ShardedUnit) -> ShardedUnit | None:
+    def next_in_forward(self, unit: _Unit) -> _Unit | None:
         if not self._forward_recorded:
             return None
         return _next_call(self.forward_order, self._forward_calls, unit)
 
-    def record_post_forward(self, unit: ShardedUnit) -> None:
+    def record_post_forward(self, unit: _Unit) -> None:
         """`unit`'s forward has ended (with a backward to come)."""
         if self._backward_queued:  # a forward inside backward (a checkpoint's recompute)
             return
         self._positions.setdefault(unit, []).append(len(self.post_forward_order))
         self.post_forward_order.append(unit)
 
-    def begin_backward(self, unit: ShardedUnit) -> None:
+    def begin_backward(self, unit: _Unit) -> None:
         if not self._backward_queued:
             # Runs once autograd has finished the whole backward pass.
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
             self._backward_queued = True
 
-    def next_in_backward(self, unit: ShardedUnit) -> ShardedUnit | None:
+    def next_in_backward(self, unit: _Unit) -> _Unit | None:
         """The unit whose backward comes after `unit`'s, which has just started: the step
         `unit_to_prefetch` picks it from this step's forward ends (FSDP2 pops the latest
         post-forward index of the group, as here)."""
@@ -114,7 +111,7 @@ class ShardingState:
         if not positions:
             return None  # its forward ran without a graph: no place to start from
         names = [u.label for u in self.post_forward_order]
-        chosen = self.unit_to_prefetch(names, positions.pop())
+        chosen = self.steps.unit_to_prefetch(names, positions.pop())
         if chosen is None:
             return None
         for candidate in self.post_forward_order:
@@ -132,7 +129,7 @@ class ShardingState:
             unit.finalize_backward()
 
 
-def _next_call(order: list[ShardedUnit], calls: int, unit: ShardedUnit) -> ShardedUnit | None:
+def _next_call(order: list[_Unit], calls: int, unit: _Unit) -> _Unit | None:
     """The unit of call number `calls` (0-based), if this step still follows the recorded order
     of the first step's forward.
 

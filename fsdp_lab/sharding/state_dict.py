@@ -49,7 +49,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
         rank0_only: other ranks return {} (they still take part in every all-gather).
     """
     state = sharding_state(model)
-    keep = state.rank == 0 or not rank0_only
+    keep = state.shard_rank == 0 or not rank0_only
     out: dict[str, torch.Tensor] = {}
     for unit in state.units:
         flat = unit.flat
@@ -153,7 +153,7 @@ def broadcast_text(state: ShardingState, text: str, src: int, world: bool = Fals
     """Rank `src`'s `text` on every rank of the shard group (of the world with `world`): its
     length, then (if any) its UTF-8 bytes. `src` is a rank of that group."""
     group = None if world else state.group
-    rank = dist.get_rank() if world else state.rank
+    rank = dist.get_rank() if world else state.shard_rank
     root = dist.get_global_rank(group, src) if group is not None else src  # broadcast: global
     data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=state_device(state))
     size = torch.tensor([data.numel()], device=state_device(state))

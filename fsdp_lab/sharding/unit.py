@@ -11,11 +11,10 @@
                 post-backward reduce-scatter the gradient into the shard's .grad (mean over
                               ranks), free the unsharded gradient, reshard
 
-Two of these steps are plain functions at the top of this file, `free_and_regather` (the free
-after forward, the gather again before backward) and `reduce_grad_shard` (the reduce-scatter
-and its average); `state.py` has the third, `unit_to_prefetch`. The units call them through
-their `ShardingState`, so a course exercise (`fsdp_lab.exercises`) can run a learner's version
-of one inside this very mechanism.
+Four of these steps are plain functions in `steps.py` — `free_unsharded` (post-forward),
+`regather` and `unit_to_prefetch` (pre-backward), `reduce_grad_shard` (post-backward) — which
+the units call through their state's `ShardingSteps`, so a course exercise runs a learner's
+version of one inside this very mechanism, passed to `shard(..., steps=...)`.
 
 The names are FSDP2's (`unshard`, `reshard`, `TrainingState`); every collective goes through
 `fsdp_lab.comm` (counted) and every gather/free is a marker on the memory trace.
@@ -52,65 +51,18 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_lab import comm
 from fsdp_lab.choices import Strategy  # the table of strategies: fsdp_lab.choices
 from fsdp_lab.sharding.flat_param import FlatParameter
+from fsdp_lab.sharding.state import ShardingState
 from fsdp_lab.trace import category, mark
 from fsdp_lab.trace.timeline import active_timeline
-
-if TYPE_CHECKING:
-    from fsdp_lab.sharding.state import ShardingState
-
-
-def free_and_regather(buffer: torch.Tensor, moment: str, all_gather: Callable[[], None]) -> None:
-    """ZeRO-3's gathered buffer across the gap between a unit's forward and its backward.
-
-    Args:
-        buffer: the unit's unsharded flat parameter (padded,), gathered for its forward.
-        moment: "post-forward": free its bytes for real, by resizing its *storage* to 0, and
-            keep the tensor: autograd saved views of it for backward, and a gather refills the
-            same storage. "pre-backward": backward is about to use those views: gather again.
-        all_gather: allocates the storage and all-gathers every rank's shard into it (a no-op
-            when the parameters are there already or on their way, prefetched).
-    """
-    if moment == "post-forward":
-        buffer.untyped_storage().resize_(0)
-    else:
-        all_gather()
-
-
-def reduce_grad_shard(
-    full_grad: torch.Tensor,
-    shard_group: dist.ProcessGroup | None,
-    replicate_group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """This rank's shard of the unit's gradient, averaged over every rank that computed one.
-
-    Args:
-        full_grad: (padded,) this rank's gradient of the whole unit, flat, padded to a multiple
-            of the shard group's size S.
-        shard_group: the S ranks that split the unit; this rank keeps chunk `rank in group`.
-        replicate_group: hybrid sharding only: the R ranks holding the same chunk, one per
-            replica (None: a single replica).
-
-    Returns (padded / S,): the sum over the shard group (reduce-scatter), summed across the
-    replicas (all-reduce of the chunk, not of the whole gradient), divided by R·S.
-    """
-    size = dist.get_world_size(shard_group)
-    out = torch.empty(full_grad.numel() // size, dtype=full_grad.dtype, device=full_grad.device)
-    comm.reduce_scatter_tensor(out, full_grad, group=shard_group)
-    if replicate_group is not None:
-        comm.all_reduce(out, group=replicate_group)
-        size *= dist.get_world_size(replicate_group)
-    return out.div_(size)
 
 
 class TrainingState(Enum):
@@ -210,12 +162,12 @@ class ShardedUnit:
 
     def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded buffer for real: its storage goes to 0 bytes (after forward, by
-        the state's `free_and_regather` step)."""
+        the step `free_unsharded`)."""
         if self.flat.aliased or not self.flat.is_allocated:
             return
         self.wait_unshard()
         if after_forward:
-            self.state.free_and_regather(self.flat.unsharded, "post-forward", self.unshard)
+            self.state.steps.free_unsharded(self.flat.unsharded)
         else:
             self.flat.free_unsharded()
         if self.params is not None:
@@ -325,7 +277,7 @@ class ShardedUnit:
             self.training_state = TrainingState.PRE_BACKWARD
             self.state.begin_backward(self)
             # Gathered again if post-forward freed it (or already here, or on its way).
-            self.state.free_and_regather(self.flat.unsharded, "pre-backward", self.unshard)
+            self.state.steps.regather(self.flat.unsharded, self.unshard)
             self.wait_unshard()
             self._use_views()  # live again for anything that reruns the module (checkpointing)
             if self.state.prefetch:
@@ -370,14 +322,14 @@ class ShardedUnit:
         across the replicas (FSDP1's HYBRID_SHARD and FSDP2's 2-D mesh do the same two steps).
         """
         flat, groups = self.flat, self.state.groups
-        world = groups.world * groups.replicas  # every rank's gradient is in the average
-        reduce_shard = self.state.reduce_grad_shard  # the step `reduce_grad_shard`, above
+        world = groups.shard_size * groups.replicas  # every rank's gradient is in the average
+        reduce_shard = self.state.steps.reduce_grad_shard
         full_grad = flat.unsharded.grad
         if full_grad is None or flat.padded_numel == 0:
             return
         with torch.no_grad(), comm.tagged(self.label):
             if flat.aliased:  # DDP (or S = 1): all-reduce the parameter's gradient in place
-                if groups.world > 1 or groups.replicate_group is None:  # S = 1: nothing to add
+                if groups.shard_size > 1 or groups.replicate_group is None:  # S = 1: nothing to add
                     comm.all_reduce(full_grad, group=self.state.group)
                 if groups.replicate_group is not None:
                     comm.all_reduce(full_grad, group=groups.replicate_group)
