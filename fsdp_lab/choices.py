@@ -35,15 +35,24 @@ SHARDING_STRATEGIES: dict[str, Strategy] = {
     ),
     "optimizer": Strategy(
         "optimizer",
-        sharded=True, reshard_after_forward=False, reshard_after_backward=False, reduce_at_end=True
+        sharded=True,
+        reshard_after_forward=False,
+        reshard_after_backward=False,
+        reduce_at_end=True,
     ),
     "grad_op": Strategy(
         "grad_op",
-        sharded=True, reshard_after_forward=False, reshard_after_backward=True, reduce_at_end=False
+        sharded=True,
+        reshard_after_forward=False,
+        reshard_after_backward=True,
+        reduce_at_end=False,
     ),
     "full": Strategy(
         "full",
-        sharded=True, reshard_after_forward=True, reshard_after_backward=True, reduce_at_end=False
+        sharded=True,
+        reshard_after_forward=True,
+        reshard_after_backward=True,
+        reduce_at_end=False,
     ),
 }
 
@@ -78,6 +87,7 @@ def strategy_named(name: str) -> Strategy:
     if name not in ALL_SHARDING_STRATEGIES:
         raise ValueError(f"strategy={name!r} is not one of {list(ALL_SHARDING_STRATEGIES)}")
     return ALL_SHARDING_STRATEGIES[name]
+
 
 # How the stages of a pipeline are initialised (`fsdp_lab.pipeline.rng` explains each).
 SEEDING_STRATEGIES = ("seed_checkpoint", "same_seed", "per_stage_seed", "rng_replay")

@@ -169,7 +169,7 @@ def test_no_course_module_writes_a_mechanism_attribute():
         for node in ast.walk(ast.parse(path.read_text())):
             targets = node.targets if isinstance(node, ast.Assign) else []
             for t in targets:
-                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name):
-                    if t.value.id in ("state", "unit", "units", "sharding_state"):
-                        offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+                named = isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                if named and t.value.id in ("state", "unit", "units", "sharding_state"):
+                    offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert offenders == []
