@@ -29,14 +29,14 @@ from pathlib import Path
 
 def submission(lab: str | None) -> str:
     """A correct submission: the reference solution under each exercise's name."""
-    from fsdp_lab.exercises import EXERCISES
+    from fsdp_lab.course import EXERCISES
 
     names = [e.name for e in EXERCISES if lab is None or e.lab == lab]
     if not names:
         raise SystemExit(
             f"--lab {lab!r}: no exercises (labs: {sorted({e.lab for e in EXERCISES})})"
         )
-    lines = ["from fsdp_lab.exercises import exercise as _exercise", ""]
+    lines = ["from fsdp_lab.course import exercise as _exercise", ""]
     lines += [f'{name} = _exercise("{name}").solution' for name in names]
     return "\n".join(lines) + "\n"
 

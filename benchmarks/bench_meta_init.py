@@ -7,7 +7,7 @@ The three ways to build ``Llama(llama_70b_config())`` without memory:
 
     plain       ``with torch.device("meta")``: PyTorch's own, what the package did before
     ours        ``meta_init.build_on_meta``: the same, with init fills skipped on meta
-                (`fsdp_lab.meta_device`)
+                (`fsdp_lab.meta_init.meta_device`)
     accelerate  ``accelerate.init_empty_weights()``: each parameter moved to meta as it is
                 registered (include_buffers=False, its default: buffers stay on the CPU)
 
@@ -91,7 +91,7 @@ def gc_seconds() -> Iterator[list[float]]:
 
 def meta_builder(way: str) -> Callable[[Callable[[], torch.nn.Module]], torch.nn.Module]:
     """`way`'s build: factory -> model on meta. Imports what it needs now, before any clock."""
-    from fsdp_lab.meta_init import build_on_meta
+    from fsdp_lab.meta_init.counter_init import build_on_meta
 
     if way == "plain":
         return lambda factory: build_on_meta(factory, skip_init=False)[0]
@@ -108,7 +108,7 @@ def meta_builder(way: str) -> Callable[[Callable[[], torch.nn.Module]], torch.nn
 
 def child_meta(way: str) -> dict[str, Any]:
     """Two builds in this (fresh) process: the first pays any one-time cost."""
-    from fsdp_lab.meta_init import meta_summary
+    from fsdp_lab.meta_init.counter_init import meta_summary
     from fsdp_lab.models import Llama, llama_70b_config
     from fsdp_lab.trace import RssSampler
 
@@ -173,7 +173,7 @@ def run_child(kind: str, gib: float = 0.0, way: str = "ours") -> dict[str, Any]:
 def throughput(elements: int, threads: int) -> dict[str, float]:
     """Elements per second at `threads` torch threads: DeterministicInit per kind, and
     PyTorch's own sequential generator on the same tensor."""
-    from fsdp_lab.meta_init import DeterministicInit
+    from fsdp_lab.meta_init.counter_init import DeterministicInit
 
     init, out = DeterministicInit(seed=0), torch.empty(elements)
     cases = {

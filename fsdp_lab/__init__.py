@@ -15,8 +15,9 @@ Public names (everything else may change):
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fsdp_lab.lazy import lazy_names
 
 # Loaded on first use (PEP 562), not here: `import fsdp_lab` must not import torch, which takes
 # seconds, so that `fsdp-lab --help` and the labs' configs load at once.
@@ -55,15 +56,4 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'fsdp_lab' has no attribute {name!r}")
-    module = importlib.import_module(_PUBLIC[name])
-    value = module if module.__name__ == f"fsdp_lab.{name}" else getattr(module, name)
-    globals()[name] = value  # found once: later lookups do not come back here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, globals())

@@ -365,7 +365,7 @@ def one_lab(args: argparse.Namespace) -> dict[str, Any]:
 
 def grade_command(args: argparse.Namespace) -> dict[str, Any]:
     """`fsdp-lab grade`: every submission graded in a sandbox; a table (or JSON), a CSV."""
-    from fsdp_lab.exercises import grading
+    from fsdp_lab.course import grading
 
     if args.csv is not None:  # before the first file: a class's grades are never lost at the end
         problem = grading.check_destination(args.csv)
@@ -389,7 +389,7 @@ def grade_command(args: argparse.Namespace) -> dict[str, Any]:
 
 def bugs_command(args: argparse.Namespace) -> dict[str, Any]:
     """`fsdp-lab bugs`: the bug gallery, each bug run beside the correct one."""
-    from fsdp_lab.exercises import ClusterPool, gallery
+    from fsdp_lab.course import ClusterPool, gallery
 
     try:
         labs = gallery.check_labs(args.labs)

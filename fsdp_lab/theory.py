@@ -275,7 +275,7 @@ def checkpoint_cost(schedule: Any, n: int) -> Any:
         revolve(s)      s + 1 stored (s snapshots and the state being taped), N taped calls +
                         Griewank–Walther's t(N, s) advances (`revolve_advances`)
     """
-    from fsdp_lab import schedules  # torch: the schedules module runs chains
+    from fsdp_lab.checkpointing import schedules  # torch: the schedules module runs chains
 
     schedules.check_range(schedule, n)
     name, arg = schedule.name, schedule.arg or 0

@@ -32,8 +32,8 @@ BLOCK = re.compile(
 
 
 def _hsdp_bytes() -> str:
-    from fsdp_lab.labs import hsdp
-    from fsdp_lab.labs.hsdp import report
+    from fsdp_lab.hsdp import lab as hsdp
+    from fsdp_lab.hsdp.lab import report
 
     result = hsdp.run(hsdp.HsdpConfig(world_size=4, steps=1, compare_pytorch=False))
     return (

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from fsdp_lab.exercises import LABS, ClusterPool, grade
+from fsdp_lab.course import LABS, ClusterPool, grade
 from fsdp_lab.markdown import table
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "teaching.md"

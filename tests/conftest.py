@@ -34,7 +34,7 @@ def exercise_pool():
     """One `exercises.ClusterPool` for every checker test: its clusters (2, 3, 4 ranks) start
     once. A test that makes a check hang or die costs that cluster its ranks; the pool starts
     fresh ones on the next check, as it does for a learner."""
-    from fsdp_lab.exercises import ClusterPool
+    from fsdp_lab.course import ClusterPool
 
     with ClusterPool(time_limit=60) as pool:
         yield pool

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_lab.labs.contract import LabResult
-from fsdp_lab.labs.meta_init import MetaInitConfig, analysis
-from fsdp_lab.labs.meta_init.config import APPROACHES, CONTROL, MODES, PARENT_INIT
+from fsdp_lab.meta_init.lab import MetaInitConfig, analysis
+from fsdp_lab.meta_init.lab.config import APPROACHES, CONTROL, MODES, PARENT_INIT
 
 MiB = 2**20
 PSI_70B = 70_553_706_496  # Llama-3-70B's parameter count, as `meta_summary` counts it

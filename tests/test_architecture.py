@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_lab"
 
 
@@ -106,25 +104,37 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-MECHANISMS = [
-    "fsdp_lab.comm",
-    "fsdp_lab.wrap",
-    "fsdp_lab.tying",
-    "fsdp_lab.checkpointing",
-    "fsdp_lab.schedules",
-    "fsdp_lab.meta_init",
-    "fsdp_lab.reference",
-    "fsdp_lab.theory",
-]
+TOPICS = ("collectives", "sharding", "checkpointing", "tying", "meta_init", "pipeline", "hsdp")
+CORE = ["fsdp_lab.comm", "fsdp_lab.reference", "fsdp_lab.theory", "fsdp_lab.trace"]
 
 
-@pytest.mark.parametrize("module", MECHANISMS)
-def test_mechanisms_do_not_import_the_labs(module):
+def _is_lab_or_course(module: str) -> bool:
+    parts = module.split(".") + [""]
+    return "lab" in parts or "exercises" in parts or parts[1] in ("labs", "course")
+
+
+def test_mechanisms_do_not_import_their_labs_or_the_course():
+    # A topic's mechanism (everything in fsdp_lab/<topic>/ but lab/ and exercises/) and the
+    # core layers know nothing of how a lab shows them or how the course grades them.
     graph = import_graph()
-    prefixes = ("fsdp_lab.sharding", "fsdp_lab.pipeline")
-    names = [module] + [m for m in graph if m.startswith(prefixes)]
-    for name in names:
-        assert not any(t.startswith("fsdp_lab.labs") for t in graph[name]), (name, graph[name])
+    mechanisms = [
+        m for m in graph if (m.split(".") + [""])[1] in TOPICS and not _is_lab_or_course(m)
+    ]
+    assert len(mechanisms) > 25  # the walk found them
+    for name in mechanisms + [m for m in graph if m.startswith(tuple(CORE))]:
+        assert not any(_is_lab_or_course(t) for t in graph[name]), (name, graph[name])
+
+
+def test_every_topic_is_one_folder_with_its_lab_and_exercises():
+    # Issue 27: a lab lived in five places. Each topic's lab and exercises sit in its folder;
+    # nothing of a topic is left loose at the package's top.
+    for topic in TOPICS:
+        assert (PACKAGE / topic / "lab" / "config.py").is_file(), topic
+        assert (PACKAGE / topic / "exercises" / "__init__.py").is_file(), topic
+    loose = {"checkpointing.py", "schedules.py", "tying.py", "wrap.py", "meta_init.py",
+             "meta_device.py", "widgets.py"}  # fmt: skip
+    assert not loose & {p.name for p in PACKAGE.glob("*.py")}
+    assert not (PACKAGE / "exercises").exists()
 
 
 def test_text_reports_do_not_import_matplotlib():

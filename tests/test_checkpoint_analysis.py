@@ -6,17 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_lab import schedules, theory
-from fsdp_lab.labs.checkpoint import CheckpointConfig
-from fsdp_lab.labs.checkpoint.analysis import (
+from fsdp_lab import theory
+from fsdp_lab.checkpointing import schedules
+from fsdp_lab.checkpointing.lab import CheckpointConfig
+from fsdp_lab.checkpointing.lab.analysis import (
     COLUMNS,
     analyse,
     disagreements,
     frontier,
     revolve_frontier,
 )
-from fsdp_lab.labs.checkpoint.config import MODES
-from fsdp_lab.labs.checkpoint.report import figures, summary
+from fsdp_lab.checkpointing.lab.config import MODES
+from fsdp_lab.checkpointing.lab.report import figures, summary
 from fsdp_lab.labs.contract import LabResult
 from fsdp_lab.trace import MemoryTracker, category
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_lab.labs import checkpoint as lab
+from fsdp_lab.checkpointing import lab
 
 
 def test_lab_measures_every_schedule_and_matches_torch(cluster_of):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import re
 
-from fsdp_lab.labs.checkpoint import report, textbook
+from fsdp_lab.checkpointing.lab import report, textbook
 from fsdp_lab.labs.contract import LabResult
 
 
@@ -247,8 +247,8 @@ def test_the_corrected_table_sets_each_formula_beside_the_measured_run():
 def test_the_explorers_peaks_are_the_figures_peaks():
     # The explorer once showed two "peaks" for one run: the table's activations-only peak
     # and the figure's dashed line over activations + gradients, from another recording.
+    from fsdp_lab.checkpointing.lab.explorer import CheckpointExplorer
     from fsdp_lab.sizes import format_bytes
-    from fsdp_lab.widgets import CheckpointExplorer
 
     explorer = CheckpointExplorer(n=6, schedule="revolve", arg=2, dim=8, batch=8)
     text, *figs = explorer.draw()

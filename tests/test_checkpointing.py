@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as torch_ckpt
 
-from fsdp_lab.checkpointing import (
+from fsdp_lab.checkpointing.recompute import (
     CheckpointWrapper,
     ForwardCounter,
     checkpoint,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_lab.labs import collectives
+from fsdp_lab.collectives import lab as collectives
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -36,7 +36,7 @@ def test_collectives_lab_measures_what_the_formulas_say(cluster_of, n):
 
 
 def test_the_map_of_parallelisms_measures_what_is_built_and_marks_the_rest_theory(cluster_of):
-    from fsdp_lab.labs.collectives import parallelism
+    from fsdp_lab.collectives.lab import parallelism
 
     result = parallelism.run(cluster_of(2))
     rows = {r["strategy"]: r for r in result["rows"]}
@@ -57,7 +57,7 @@ def test_the_map_of_parallelisms_measures_what_is_built_and_marks_the_rest_theor
 
 
 def test_the_all_reduce_sentence_compares_bytes_per_byte_of_input():
-    from fsdp_lab.labs.collectives import report
+    from fsdp_lab.collectives.lab import report
 
     # 4 ranks, a 1 KiB shard: reduce-scatter of the 4 KiB vector moves 3 KiB, all-reduce of the
     # shard 1.5 KiB — a shorter bar, but 2x the bytes per byte reduced.
@@ -78,7 +78,7 @@ def test_the_all_reduce_sentence_compares_bytes_per_byte_of_input():
 
 
 def test_the_waiting_sentence_splits_the_longest_span_from_the_timelines():
-    from fsdp_lab.labs.collectives import report
+    from fsdp_lab.collectives.lab import report
 
     def tl(rank, origin, start, end):
         span = {"kind": "comm", "name": "broadcast", "start": start, "end": end, "group": "w"}

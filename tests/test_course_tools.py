@@ -15,8 +15,8 @@ import nbformat
 import psutil
 import pytest
 
-from fsdp_lab.exercises import LABS
-from fsdp_lab.exercises.authoring import FOLDER, notebook_name
+from fsdp_lab.course import LABS
+from fsdp_lab.course.authoring import FOLDER, notebook_name
 
 COLLECTIVES = FOLDER / notebook_name("collectives")
 FSDP_LAB = [sys.executable, "-m", "fsdp_lab"]
@@ -111,7 +111,7 @@ def test_grade_scores_a_correct_a_buggy_and_a_broken_submission(tmp_path):
     left = [
         p.pid
         for p in psutil.process_iter(["cmdline"])
-        if "fsdp_lab.exercises.submission" in " ".join(p.info["cmdline"] or [])
+        if "fsdp_lab.course.submission" in " ".join(p.info["cmdline"] or [])
     ]
     assert not left
     # The gradebook CSV: one row per submission, scores per exercise.
@@ -217,10 +217,10 @@ def test_the_teaching_guide_tables_are_current_and_time_every_exercise():
 
 
 def test_the_gallery_ends_with_a_tally_and_names_where_pieces_came_from():
-    from fsdp_lab.exercises import gallery
-    from fsdp_lab.exercises.collectives_gather import _order
-    from fsdp_lab.exercises.exercise import Bug
-    from fsdp_lab.exercises.verdict import Verdict
+    from fsdp_lab.collectives.exercises.gather_shards import _order
+    from fsdp_lab.course import gallery
+    from fsdp_lab.course.exercise import Bug
+    from fsdp_lab.course.verdict import Verdict
 
     ok = Verdict("x", "passed", "", 2)
     bug = Bug("b", "a bug", lambda: None, "it shows")

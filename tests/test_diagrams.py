@@ -23,7 +23,7 @@ from fsdp_lab.diagrams import (
 from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.pipeline import PipeGPT, PipeGPTConfig, stage_module_names
 from fsdp_lab.pipeline.rng import STRATEGIES, record_init_order
-from fsdp_lab.wrap import PlanError, build_plan, unit_sizes
+from fsdp_lab.sharding.wrap import PlanError, build_plan, unit_sizes
 
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` not installed")
 

@@ -12,8 +12,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from fsdp_lab.exercises import EXERCISES, LABS
-from fsdp_lab.exercises.authoring import FOLDER, notebook_name, write_all
+from fsdp_lab.course import EXERCISES, LABS
+from fsdp_lab.course.authoring import FOLDER, notebook_name, write_all
 
 NOTEBOOKS = sorted(FOLDER.glob("*.ipynb"))
 
@@ -21,7 +21,7 @@ NOTEBOOKS = sorted(FOLDER.glob("*.ipynb"))
 def test_every_lab_with_exercises_has_its_notebook_and_it_is_current():
     expected = sorted(notebook_name(lab) for lab, group in LABS.items() if group)
     assert [p.name for p in NOTEBOOKS] == expected
-    assert write_all(check=True) == [], "fix: python -m fsdp_lab.exercises.authoring"
+    assert write_all(check=True) == [], "fix: python -m fsdp_lab.course.authoring"
 
 
 def _nbgrader(cell) -> dict:
@@ -43,8 +43,8 @@ def test_cells_carry_nbgrader_metadata_and_no_solution(path):
         assert _nbgrader(cell)["points"] > 0 and _nbgrader(cell)["locked"]
         # the checks as installed first (a learner's cell may have replaced them), then the check
         first, check = cell.source.splitlines()
-        assert first.startswith("exercises = importlib.reload(exercises)")
-        assert check.startswith("exercises.check_")
+        assert first.startswith("course = importlib.reload(course)")
+        assert check.startswith("course.check_")
 
 
 def with_solutions(nb, wrong: dict[str, str] | None = None):
@@ -57,7 +57,7 @@ def with_solutions(nb, wrong: dict[str, str] | None = None):
             name = meta["grade_id"]
             pick = f'.bug("{wrong[name]}").wrong' if name in wrong else ".solution"
             cell.source = (
-                "from fsdp_lab.exercises import exercise as _exercise\n"
+                "from fsdp_lab.course import exercise as _exercise\n"
                 f'{name} = _exercise("{name}"){pick}'
             )
     return nb
@@ -92,7 +92,7 @@ def test_with_the_reference_solutions_every_check_passes(path, executed, record_
     nb, seconds = executed[path.name]
     if isinstance(nb, Exception):
         raise nb
-    record_property("notebook_seconds", (f"exercises/{path.name} (two at a time)", seconds))
+    record_property("notebook_seconds", (f"course/{path.name} (two at a time)", seconds))
     shown = [
         o["data"]["text/markdown"]
         for c in nb.cells

@@ -10,9 +10,9 @@ import time
 import psutil
 import pytest
 
-from fsdp_lab import comm, exercises, rank
-from fsdp_lab.exercises import collectives
-from fsdp_lab.exercises.verdict import ExerciseFailed
+from fsdp_lab import comm, course, rank
+from fsdp_lab.collectives.exercises import all_reduce_mean as collectives
+from fsdp_lab.course.verdict import ExerciseFailed
 
 
 def raises_on_rank_1(tensor, group):
@@ -52,12 +52,12 @@ def one_argument(tensor):
 
 @pytest.fixture(scope="module")
 def short_pool():
-    with exercises.ClusterPool(time_limit=5) as pool:
+    with course.ClusterPool(time_limit=5) as pool:
         yield pool
 
 
 def test_a_raise_on_one_rank_names_the_rank_and_shows_the_learners_traceback(short_pool):
-    v = exercises.grade("all_reduce_mean", raises_on_rank_1, short_pool)
+    v = course.grade("all_reduce_mean", raises_on_rank_1, short_pool)
     assert (v.kind, v.rank, v.score) == ("raised", 1, 0)
     assert "ValueError: boom on rank 1" in v.summary
     # The traceback starts at the learner's own code, and ends with the error.
@@ -67,7 +67,7 @@ def test_a_raise_on_one_rank_names_the_rank_and_shows_the_learners_traceback(sho
 
 def test_a_hang_on_one_rank_is_reported_with_its_stack_and_the_ranks_come_back(short_pool):
     before = short_pool.cluster(2).pids  # the ranks the hang is on (the first case's)
-    v = exercises.grade("all_reduce_mean", hangs_on_rank_1, short_pool)
+    v = course.grade("all_reduce_mean", hangs_on_rank_1, short_pool)
     assert (v.kind, v.rank) == ("hung", 1)
     assert "rank 0 was waiting in all_reduce" in v.summary
     assert "in hangs_on_rank_1" in v.traceback.splitlines()[2]  # the stuck line, first
@@ -75,11 +75,11 @@ def test_a_hang_on_one_rank_is_reported_with_its_stack_and_the_ranks_come_back(s
         p for p in before if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
     ]
     # The next attempt runs on fresh ranks and passes.
-    assert exercises.grade("all_reduce_mean", collectives.all_reduce_mean, short_pool).passed
+    assert course.grade("all_reduce_mean", collectives.all_reduce_mean, short_pool).passed
 
 
 def test_a_rank_that_exits_is_reported_with_its_exit_code(short_pool):
-    v = exercises.grade("all_reduce_mean", exits_on_rank_1, short_pool)
+    v = course.grade("all_reduce_mean", exits_on_rank_1, short_pool)
     assert (v.kind, v.rank, v.score) == ("died", 1, 0)
     assert "rank 1's process ended (exit code 3)" in v.summary, v.to_text()
 
@@ -94,16 +94,16 @@ def test_a_rank_that_exits_is_reported_with_its_exit_code(short_pool):
     ],
 )
 def test_each_kind_of_broken_function_gets_its_own_verdict(short_pool, fn, kind, words):
-    v = exercises.grade("all_reduce_mean", fn, short_pool)
+    v = course.grade("all_reduce_mean", fn, short_pool)
     assert v.kind == kind and v.score == 0 and words in v.summary + v.traceback, v.to_text()
     assert v.hint
 
 
 def test_check_prints_the_verdict_and_raises_an_assertion_for_nbgrader(short_pool, capsys):
-    exercises.check_all_reduce_mean(collectives.all_reduce_mean, short_pool)
+    course.check_all_reduce_mean(collectives.all_reduce_mean, short_pool)
     assert "✓ all_reduce_mean: passed (2 of 2 points)" in capsys.readouterr().out
     with pytest.raises(AssertionError) as failed:
-        exercises.check_all_reduce_mean(collectives.ALL_REDUCE_MEAN.bug("sum").wrong, short_pool)
+        course.check_all_reduce_mean(collectives.ALL_REDUCE_MEAN.bug("sum").wrong, short_pool)
     assert isinstance(failed.value, ExerciseFailed)
     shown = capsys.readouterr().out
     assert "✗ all_reduce_mean: wrong result" in shown and "hint: SUM where" in shown
@@ -116,12 +116,12 @@ def test_an_exercise_that_does_not_exist_is_named_with_the_closest(short_pool):
     with pytest.raises(
         ValueError, match="'all_reduce_mena' does not exist: did you mean 'all_reduce_mean'"
     ):
-        exercises.grade("all_reduce_mena", collectives.all_reduce_mean, short_pool)
+        course.grade("all_reduce_mena", collectives.all_reduce_mean, short_pool)
 
 
 def test_closing_the_pool_leaves_no_rank_behind():
-    with exercises.ClusterPool(time_limit=5) as pool:
-        assert exercises.grade("all_reduce_mean", collectives.all_reduce_mean, pool).passed
+    with course.ClusterPool(time_limit=5) as pool:
+        assert course.grade("all_reduce_mean", collectives.all_reduce_mean, pool).passed
         pids = pool.pids
         assert len(pids) == 2 + 3
     time.sleep(0.5)
@@ -129,7 +129,7 @@ def test_closing_the_pool_leaves_no_rank_behind():
 
 
 def test_a_wrong_result_names_an_exact_multiple_and_only_an_exact_one():
-    from fsdp_lab.exercises.judging import multiple
+    from fsdp_lab.course.judging import multiple
 
     assert multiple([2.0, 4.0, -6.0], [1.0, 2.0, -3.0]) == " (2× the reference's)"
     assert multiple([2.0, 4.0, -5.0], [1.0, 2.0, -3.0]) == ""  # correlated, not a multiple

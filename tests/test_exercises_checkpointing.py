@@ -7,21 +7,23 @@ import math
 
 import pytest
 
-from fsdp_lab import exercises, schedules, theory
-from fsdp_lab.checkpointing import rerun_with_forward_rng
-from fsdp_lab.exercises import checkpoint_segments, checkpointing
+from fsdp_lab import course, theory
+from fsdp_lab.checkpointing import schedules
+from fsdp_lab.checkpointing.exercises import rerun_with_forward_rng as checkpointing
+from fsdp_lab.checkpointing.exercises import sqrt_segment_starts as checkpoint_segments
+from fsdp_lab.checkpointing.recompute import rerun_with_forward_rng
 
 
 def test_both_exercises_are_listed_for_the_lab():
-    names = [e.name for e in exercises.LABS["checkpoint"]]
+    names = [e.name for e in course.LABS["checkpoint"]]
     assert names == ["rerun_with_forward_rng", "sqrt_segment_starts"]
     assert checkpointing.RERUN_WITH_FORWARD_RNG.solution is rerun_with_forward_rng  # injected
 
 
 @pytest.mark.parametrize("name", ["rerun_with_forward_rng", "sqrt_segment_starts"])
 def test_the_reference_passes_every_case(exercise_pool, name):
-    ex = exercises.exercise(name)
-    v = exercises.grade(name, ex.solution, exercise_pool)
+    ex = course.exercise(name)
+    v = course.grade(name, ex.solution, exercise_pool)
     assert v.passed, v.to_text()
     assert len(v.passed_cases) == len(ex.cases)
 
@@ -35,7 +37,7 @@ def test_the_reference_passes_every_case(exercise_pool, name):
 )
 def test_each_rng_bug_fails_with_its_own_hint(exercise_pool, slug, summary, hint):
     bug = checkpointing.RERUN_WITH_FORWARD_RNG.bug(slug)
-    v = exercises.grade("rerun_with_forward_rng", bug.wrong, exercise_pool)
+    v = course.grade("rerun_with_forward_rng", bug.wrong, exercise_pool)
     assert v.kind == "wrong result" and v.score == 0, v.to_text()
     assert v.case.startswith("2 ranks") and summary in v.summary and hint in v.hint, v.to_text()
     rows = {what: (exp, got) for what, exp, got in v.rows}
@@ -55,7 +57,7 @@ def test_a_rerun_step_that_never_runs_is_told_so(exercise_pool):
     def forgets_to_run(run, rng_at_forward, cuda_devices):
         return None
 
-    v = exercises.grade("rerun_with_forward_rng", forgets_to_run, exercise_pool)
+    v = course.grade("rerun_with_forward_rng", forgets_to_run, exercise_pool)
     assert v.kind == "raised" and "must call `run()`" in v.summary, v.to_text()
 
 
@@ -65,7 +67,7 @@ def test_a_rerun_step_that_never_runs_is_told_so(exercise_pool):
 )
 def test_segment_bugs_take_more_measured_memory_or_calls_than_sqrt(exercise_pool, slug, hint):
     bug = checkpoint_segments.SQRT_SEGMENT_STARTS.bug(slug)
-    v = exercises.grade("sqrt_segment_starts", bug.wrong, exercise_pool)
+    v = course.grade("sqrt_segment_starts", bug.wrong, exercise_pool)
     assert v.kind == "wrong result" and v.case.startswith("2 ranks, 9 layers"), v.to_text()
     assert hint in v.hint, v.to_text()
     rows = {what: (exp, got) for what, exp, got in v.rows}
@@ -89,7 +91,7 @@ def test_segment_bugs_take_more_measured_memory_or_calls_than_sqrt(exercise_pool
 
 def test_segment_ends_are_refused_as_off_by_one(exercise_pool):
     bug = checkpoint_segments.SQRT_SEGMENT_STARTS.bug("segment-ends")
-    v = exercises.grade("sqrt_segment_starts", bug.wrong, exercise_pool)
+    v = course.grade("sqrt_segment_starts", bug.wrong, exercise_pool)
     assert v.kind == "wrong result" and v.case.startswith("2 ranks, 9 layers"), v.to_text()
     assert "the first must be 0" in v.summary and "Off by one segment" in v.hint, v.to_text()
 
@@ -98,6 +100,6 @@ def test_a_range_is_accepted_and_anything_else_is_named(exercise_pool):
     def as_range(n_layers):
         return range(0, n_layers, round(math.sqrt(n_layers)))
 
-    assert exercises.grade("sqrt_segment_starts", as_range, exercise_pool).passed
-    v = exercises.grade("sqrt_segment_starts", lambda n_layers: n_layers // 3, exercise_pool)
+    assert course.grade("sqrt_segment_starts", as_range, exercise_pool).passed
+    v = course.grade("sqrt_segment_starts", lambda n_layers: n_layers // 3, exercise_pool)
     assert v.kind == "wrong result" and "expected a list of ints, got int 3" in v.summary

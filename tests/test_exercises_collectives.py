@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_lab import exercises
-from fsdp_lab.exercises import collectives, collectives_gather
+from fsdp_lab import course
+from fsdp_lab.collectives.exercises import EXERCISES
+from fsdp_lab.collectives.exercises import all_reduce_mean as collectives
+from fsdp_lab.collectives.exercises import gather_shards as collectives_gather
 
 
 def test_the_reference_passes_every_case(exercise_pool):
-    v = exercises.grade("all_reduce_mean", collectives.all_reduce_mean, exercise_pool)
+    v = course.grade("all_reduce_mean", collectives.all_reduce_mean, exercise_pool)
     assert v.passed, v.to_text()
     assert len(v.passed_cases) == len(collectives.ALL_REDUCE_MEAN.cases)
 
@@ -24,7 +26,7 @@ def test_the_reference_passes_every_case(exercise_pool):
 )
 def test_each_bug_fails_with_its_own_hint(exercise_pool, slug, case, hint):
     bug = collectives.ALL_REDUCE_MEAN.bug(slug)
-    v = exercises.grade("all_reduce_mean", bug.wrong, exercise_pool)
+    v = course.grade("all_reduce_mean", bug.wrong, exercise_pool)
     assert v.kind == "wrong result" and v.score == 0
     assert v.case.startswith(case) and hint in v.hint, v.to_text()
     assert v.series is not None and len(v.series["lines"]["yours"]) == collectives.STEPS
@@ -34,10 +36,10 @@ def test_each_bug_fails_with_its_own_hint(exercise_pool, slug, case, hint):
 
 
 def test_gather_shards_reference_rebuilds_the_model_in_every_case(exercise_pool):
-    v = exercises.grade("gather_shards", collectives_gather.gather_shards, exercise_pool)
+    v = course.grade("gather_shards", collectives_gather.gather_shards, exercise_pool)
     assert v.passed, v.to_text()
     assert len(v.passed_cases) == len(collectives_gather.GATHER_SHARDS.cases)
-    assert collectives_gather.GATHER_SHARDS in collectives.EXERCISES
+    assert collectives_gather.GATHER_SHARDS in EXERCISES
 
 
 @pytest.mark.parametrize("case", collectives_gather.GATHER_SHARDS.cases, ids=lambda c: c.label)
@@ -58,7 +60,7 @@ def test_gather_shards_case_labels_tell_the_true_sizes(case):
 def test_gather_shards_without_stripping_is_a_wrong_shape_on_the_first_padded_case(
     exercise_pool,
 ):
-    v = exercises.grade("gather_shards", collectives_gather._no_strip, exercise_pool)
+    v = course.grade("gather_shards", collectives_gather._no_strip, exercise_pool)
     assert v.kind == "wrong output" and v.score == 0, v.to_text()
     assert v.case.startswith("3 ranks") and v.passed_cases[0].startswith("2 ranks")
     assert "expected shape (34,), got (36,)" in v.summary and "padding stripped" in v.summary
@@ -73,7 +75,7 @@ def test_gather_shards_without_stripping_is_a_wrong_shape_on_the_first_padded_ca
 )
 def test_gather_shards_bugs_fail_with_their_own_hint(exercise_pool, slug, case, hint):
     bug = collectives_gather.GATHER_SHARDS.bug(slug)
-    v = exercises.grade("gather_shards", bug.wrong, exercise_pool)
+    v = course.grade("gather_shards", bug.wrong, exercise_pool)
     assert v.kind == "wrong result" and v.score == 0
     assert v.case.startswith(case) and hint in v.hint, v.to_text()
     rows = {what: (exp, got) for what, exp, got in v.rows}

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_lab import exercises
-from fsdp_lab.exercises import hsdp, hsdp_mesh
+from fsdp_lab import course
+from fsdp_lab.hsdp.exercises import hsdp_reduce_grad as hsdp
+from fsdp_lab.hsdp.exercises import mesh_groups as hsdp_mesh
 
 
 def test_the_reference_passes_every_case(exercise_pool):
-    v = exercises.grade("hsdp_reduce_grad", hsdp.hsdp_reduce_grad, exercise_pool)
+    v = course.grade("hsdp_reduce_grad", hsdp.hsdp_reduce_grad, exercise_pool)
     assert v.passed, v.to_text()
     assert len(v.passed_cases) == len(hsdp.HSDP_REDUCE_GRAD.cases)
 
@@ -32,7 +33,7 @@ def test_the_reference_passes_every_case(exercise_pool):
 )
 def test_each_bug_fails_with_its_own_hint(exercise_pool, slug, case, summary, hint):
     bug = hsdp.HSDP_REDUCE_GRAD.bug(slug)
-    v = exercises.grade("hsdp_reduce_grad", bug.wrong, exercise_pool)
+    v = course.grade("hsdp_reduce_grad", bug.wrong, exercise_pool)
     assert v.kind == "wrong result" and v.score == 0, v.to_text()
     assert v.case.startswith(case) and summary in v.summary and hint in v.hint, v.to_text()
 
@@ -41,7 +42,7 @@ def test_each_bug_fails_with_its_own_hint(exercise_pool, slug, case, summary, hi
 
 
 def test_the_reference_layout_passes_every_case(exercise_pool):
-    v = exercises.grade("mesh_groups", hsdp_mesh.mesh_groups, exercise_pool)
+    v = course.grade("mesh_groups", hsdp_mesh.mesh_groups, exercise_pool)
     assert v.passed, v.to_text()
     assert len(v.passed_cases) == len(hsdp_mesh.MESH_GROUPS.cases) == 3
 
@@ -50,7 +51,7 @@ def test_the_transposed_layout_trains_right_but_its_gathers_cross_the_nodes(exer
     """Measured: rank 0's all-gathers/reduce-scatters go to rank 2 (node 1), and its
     all-reduce, which the reference sends between nodes, stays inside node 0."""
     bug = hsdp_mesh.MESH_GROUPS.bug("transposed")
-    v = exercises.grade("mesh_groups", bug.wrong, exercise_pool)
+    v = course.grade("mesh_groups", bug.wrong, exercise_pool)
     assert v.kind == "wrong result" and v.score == 0, v.to_text()
     assert v.case.startswith("4 ranks as a 2x2"), v.to_text()
     assert "values right" in v.summary and "(ranks 0,2) spans nodes [0, 1]" in v.summary
@@ -73,7 +74,7 @@ def test_the_transposed_layout_trains_right_but_its_gathers_cross_the_nodes(exer
 )
 def test_a_bad_layout_is_refused_before_any_group(exercise_pool, slug, case, summary, hint):
     bug = hsdp_mesh.MESH_GROUPS.bug(slug)
-    v = exercises.grade("mesh_groups", bug.wrong, exercise_pool)
+    v = course.grade("mesh_groups", bug.wrong, exercise_pool)
     assert v.kind == "wrong output" and v.score == 0, v.to_text()
     assert v.case.startswith(case) and summary in v.summary and hint in v.hint, v.to_text()
 
@@ -85,6 +86,6 @@ def test_a_layout_that_depends_on_the_rank_is_refused_not_hung(exercise_pool):
         groups = hsdp_mesh.mesh_groups(world_size, shard_size)
         return groups if dist.get_rank() == 0 else groups[::-1]
 
-    v = exercises.grade("mesh_groups", by_rank, exercise_pool)
+    v = course.grade("mesh_groups", by_rank, exercise_pool)
     assert v.kind == "wrong output", v.to_text()
     assert "not on the rank" in v.hint, v.to_text()

@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_lab import exercises
-from fsdp_lab.exercises import meta_init, meta_retie
-from fsdp_lab.meta_init import DeterministicInit, build_on_meta, init_param_shards
+from fsdp_lab import course
+from fsdp_lab.meta_init.counter_init import DeterministicInit, build_on_meta, init_param_shards
+from fsdp_lab.meta_init.exercises import EXERCISES
+from fsdp_lab.meta_init.exercises import param_shard as meta_init
+from fsdp_lab.meta_init.exercises import retie as meta_retie
 from fsdp_lab.models import tiny_gpt
-from fsdp_lab.tying import to_empty_tied
+from fsdp_lab.tying.ties import to_empty_tied
 
 
 @pytest.mark.parametrize("world", [1, 3, 4])
@@ -35,9 +37,9 @@ def test_to_empty_tied_keeps_the_tie_and_plain_to_empty_does_not():
     assert model.head.weight is not model.tok_emb.weight
 
 
-@pytest.mark.parametrize("exercise", meta_init.EXERCISES, ids=lambda e: e.name)
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.name)
 def test_the_reference_passes_every_case(exercise_pool, exercise):
-    v = exercises.grade(exercise.name, exercise.solution, exercise_pool)
+    v = course.grade(exercise.name, exercise.solution, exercise_pool)
     assert v.passed, v.to_text()
     assert len(v.passed_cases) == len(exercise.cases)
 
@@ -52,7 +54,7 @@ def test_the_reference_passes_every_case(exercise_pool, exercise):
     ],
 )
 def test_each_param_shard_bug_fails_with_its_own_hint(exercise_pool, slug, case, hint):
-    v = exercises.grade("param_shard", meta_init.PARAM_SHARD.bug(slug).wrong, exercise_pool)
+    v = course.grade("param_shard", meta_init.PARAM_SHARD.bug(slug).wrong, exercise_pool)
     assert v.kind == "wrong result" and v.score == 0
     assert v.case.startswith(case) and hint in v.hint, v.to_text()
     if slug == "whole-tensor":  # measured: every rank's peak above the reference's
@@ -69,7 +71,7 @@ def test_each_param_shard_bug_fails_with_its_own_hint(exercise_pool, slug, case,
     ],
 )
 def test_each_retie_bug_fails_with_its_own_hint(exercise_pool, slug, case, hint):
-    v = exercises.grade("retie", meta_retie.RETIE.bug(slug).wrong, exercise_pool)
+    v = course.grade("retie", meta_retie.RETIE.bug(slug).wrong, exercise_pool)
     assert v.kind == "wrong result" and v.score == 0
     assert v.case.startswith(case) and hint in v.hint, v.to_text()
     rows = {r[0]: (r[1], r[2]) for r in v.rows}

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import fsdp_lab
-from fsdp_lab import RankError, exercises
-from fsdp_lab.exercises import pp_seed, pp_seed_handover
+from fsdp_lab import RankError, course
+from fsdp_lab.pipeline.exercises import hand_over as pp_seed_handover
+from fsdp_lab.pipeline.exercises import stage_seeds as pp_seed
 from fsdp_lab.pipeline.model import PipeGPTConfig
 from fsdp_lab.pipeline.rng import per_stage_seed
 from fsdp_lab.pipeline.stages import stage_info
@@ -19,7 +20,7 @@ from fsdp_lab.pipeline.stages import stage_info
 
 @pytest.mark.parametrize("exercise", [pp_seed.STAGE_SEEDS, pp_seed_handover.HAND_OVER])
 def test_the_reference_passes_every_case(exercise_pool, exercise):
-    v = exercises.grade(exercise.name, exercise.solution, exercise_pool)
+    v = course.grade(exercise.name, exercise.solution, exercise_pool)
     assert v.passed, v.to_text()
     assert v.passed_cases == [c.label for c in exercise.cases]
 
@@ -29,7 +30,7 @@ def _cells(v, row: int) -> tuple[str, str]:
 
 
 def test_same_seed_repeats_stage_0s_numbers_on_stage_1(exercise_pool):
-    v = exercises.grade("stage_seeds", pp_seed.STAGE_SEEDS.bug("same-seed").wrong, exercise_pool)
+    v = course.grade("stage_seeds", pp_seed.STAGE_SEEDS.bug("same-seed").wrong, exercise_pool)
     assert v.kind == "wrong result" and v.case.startswith("2 stages"), v.to_text()
     assert "every stage got the same seed" in v.hint
     (exp0, got0), (exp1, got1) = _cells(v, 0), _cells(v, 1)
@@ -40,7 +41,7 @@ def test_same_seed_repeats_stage_0s_numbers_on_stage_1(exercise_pool):
 
 def test_seed_plus_stage_makes_neighbouring_runs_share_a_stage(exercise_pool):
     bug = pp_seed.STAGE_SEEDS.bug("seed-plus-stage")
-    v = exercises.grade("stage_seeds", bug.wrong, exercise_pool)
+    v = course.grade("stage_seeds", bug.wrong, exercise_pool)
     assert v.kind == "wrong result" and v.case.startswith("2 stages"), v.to_text()
     assert "seed + stage" in v.hint and "seed 8 draws on stage 0" in v.summary
     (exp_a, got_a), (exp_b, got_b) = _cells(v, 0), _cells(v, 1)
@@ -49,7 +50,7 @@ def test_seed_plus_stage_makes_neighbouring_runs_share_a_stage(exercise_pool):
 
 
 def test_seeds_from_the_global_rng_are_not_reproducible(exercise_pool):
-    v = exercises.grade("stage_seeds", pp_seed.STAGE_SEEDS.bug("global-rng").wrong, exercise_pool)
+    v = course.grade("stage_seeds", pp_seed.STAGE_SEEDS.bug("global-rng").wrong, exercise_pool)
     assert v.kind == "wrong result" and v.case.startswith("2 stages"), v.to_text()
     assert "global RNG" in v.hint
     (exp1, got1), (exp2, got2) = _cells(v, 0), _cells(v, 1)
@@ -62,7 +63,7 @@ def _as_list(seed, stages):
 
 
 def test_a_list_of_seeds_is_wrong_output_on_every_rank_before_the_broadcast(exercise_pool):
-    v = exercises.grade("stage_seeds", _as_list, exercise_pool)
+    v = course.grade("stage_seeds", _as_list, exercise_pool)
     assert v.kind == "wrong output", v.to_text()
     assert "expected a torch.Tensor of shape (2,), got list" in v.summary
 
@@ -76,7 +77,7 @@ def test_a_list_of_seeds_is_wrong_output_on_every_rank_before_the_broadcast(exer
 )
 def test_hand_over_bugs_that_repeat_a_stage(exercise_pool, slug, hint, messages):
     bug = pp_seed_handover.HAND_OVER.bug(slug)
-    v = exercises.grade("hand_over", bug.wrong, exercise_pool)
+    v = course.grade("hand_over", bug.wrong, exercise_pool)
     assert v.kind == "wrong result" and v.case.startswith("2 stages"), v.to_text()
     assert hint in v.hint
     (exp0, got0), (exp1, got1) = _cells(v, 0), _cells(v, 1)
@@ -88,7 +89,7 @@ def test_hand_over_bugs_that_repeat_a_stage(exercise_pool, slug, hint, messages)
 
 def test_a_state_received_but_never_set(exercise_pool):
     bug = pp_seed_handover.HAND_OVER.bug("not-set")
-    v = exercises.grade("hand_over", bug.wrong, exercise_pool)
+    v = course.grade("hand_over", bug.wrong, exercise_pool)
     assert v.kind == "wrong result" and v.case.startswith("2 stages"), v.to_text()
     assert "set_generator_state" in v.hint and v.summary.startswith("stage 1")
     expected, got = _cells(v, 0)

@@ -9,8 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_lab import comm, exercises
-from fsdp_lab.exercises import sharding, sharding_memory, sharding_prefetch
+from fsdp_lab import comm, course
+from fsdp_lab.sharding.exercises import free_unsharded as sharding_memory
+from fsdp_lab.sharding.exercises import reduce_scatter_grad as sharding
+from fsdp_lab.sharding.exercises import unit_to_prefetch as sharding_prefetch
 
 
 @pytest.mark.parametrize(
@@ -23,7 +25,7 @@ from fsdp_lab.exercises import sharding, sharding_memory, sharding_prefetch
     ids=lambda e: e.name,
 )
 def test_the_reference_passes_every_case(exercise_pool, exercise):
-    v = exercises.grade(exercise.name, exercise.solution, exercise_pool)
+    v = course.grade(exercise.name, exercise.solution, exercise_pool)
     assert v.passed, v.to_text()
     assert len(v.passed_cases) == len(exercise.cases)
 
@@ -37,7 +39,7 @@ def _divide_first(full_grad, group):
 
 
 def test_dividing_before_the_sum_passes(exercise_pool):
-    v = exercises.grade("reduce_scatter_grad", _divide_first, exercise_pool)
+    v = course.grade("reduce_scatter_grad", _divide_first, exercise_pool)
     assert v.passed, v.to_text()
 
 
@@ -51,7 +53,7 @@ def test_dividing_before_the_sum_passes(exercise_pool):
 )
 def test_each_reduce_bug_fails_with_its_own_hint(exercise_pool, slug, case, hint, series):
     bug = sharding.REDUCE_SCATTER_GRAD.bug(slug)
-    v = exercises.grade("reduce_scatter_grad", bug.wrong, exercise_pool)
+    v = course.grade("reduce_scatter_grad", bug.wrong, exercise_pool)
     assert v.kind == "wrong result" and v.score == 0, v.to_text()
     assert v.case.startswith(case) and hint in v.hint, v.to_text()
     if series:  # the loss drifts from the reference's, step by step
@@ -63,7 +65,7 @@ def test_each_reduce_bug_fails_with_its_own_hint(exercise_pool, slug, case, hint
 
 def test_never_freeing_shows_a_memory_trace_that_never_drops(exercise_pool):
     bug = sharding_memory.FREE_UNSHARDED.bug("never-frees")
-    v = exercises.grade("free_unsharded", bug.wrong, exercise_pool)
+    v = course.grade("free_unsharded", bug.wrong, exercise_pool)
     assert v.kind == "wrong result" and v.summary.startswith("values right, but"), v.to_text()
     assert "resize_(0)" in v.hint
     ref, yours = v.series["lines"]["reference"], v.series["lines"]["yours"]
@@ -77,7 +79,7 @@ def test_never_freeing_shows_a_memory_trace_that_never_drops(exercise_pool):
 
 def test_zeroing_instead_of_freeing_is_caught_by_the_gradients(exercise_pool):
     bug = sharding_memory.FREE_UNSHARDED.bug("zeroes")
-    v = exercises.grade("free_unsharded", bug.wrong, exercise_pool)
+    v = course.grade("free_unsharded", bug.wrong, exercise_pool)
     assert v.kind == "wrong result" and "backward computed with zeros" in v.summary, v.to_text()
     assert "still looks gathered" in v.hint, v.hint
     held = dict((what, got) for what, _, got in v.rows)
@@ -94,12 +96,12 @@ def test_zeroing_instead_of_freeing_is_caught_by_the_gradients(exercise_pool):
 )
 def test_each_prefetch_bug_keeps_the_values_and_shows_the_waits(exercise_pool, slug, symptom, hint):
     bug = sharding_prefetch.UNIT_TO_PREFETCH.bug(slug)
-    v = exercises.grade("unit_to_prefetch", bug.wrong, exercise_pool)
+    v = course.grade("unit_to_prefetch", bug.wrong, exercise_pool)
     assert v.kind == "wrong result" and v.summary.startswith("values right, but"), v.to_text()
     assert symptom in v.summary and hint in v.hint, v.to_text()
     assert v.series is not None and v.series["lines"]["yours"] != v.series["lines"]["reference"]
 
 
 def test_a_prefetch_of_an_unknown_unit_is_a_wrong_output(exercise_pool):
-    v = exercises.grade("unit_to_prefetch", lambda order, position: "blocks.9", exercise_pool)
+    v = course.grade("unit_to_prefetch", lambda order, position: "blocks.9", exercise_pool)
     assert v.kind == "wrong output" and "'blocks.9'" in v.summary, v.to_text()

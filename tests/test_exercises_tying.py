@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_lab import exercises
-from fsdp_lab.exercises import tied_models, tying, tying_mend
-from fsdp_lab.wrap import PlanError, build_plan, group_tied_units
+from fsdp_lab import course
+from fsdp_lab.sharding.wrap import PlanError, build_plan, group_tied_units
+from fsdp_lab.tying.exercises import EXERCISES, tied_models
+from fsdp_lab.tying.exercises import group_tied_units as tying_mend
+from fsdp_lab.tying.exercises import split_ties as tying
 
 
 def test_a_check_that_misses_a_split_tie_gives_each_unit_its_own_copy():
@@ -35,9 +37,9 @@ def test_group_tied_units_merges_only_the_units_a_tie_splits():
     assert set(plan.units) == {"", "first+second", "pos_in+pos_out", "emb+head"}
 
 
-@pytest.mark.parametrize("exercise", tying.EXERCISES, ids=lambda e: e.name)
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.name)
 def test_the_reference_passes_every_case(exercise_pool, exercise):
-    v = exercises.grade(exercise.name, exercise.solution, exercise_pool)
+    v = course.grade(exercise.name, exercise.solution, exercise_pool)
     assert v.passed, v.to_text()
     assert len(v.passed_cases) == len(exercise.cases)
 
@@ -61,7 +63,7 @@ def test_the_reference_passes_every_case(exercise_pool, exercise):
     ],
 )
 def test_each_split_ties_bug_fails_with_its_own_hint(exercise_pool, slug, case, hint, series):
-    v = exercises.grade("split_ties", tying.SPLIT_TIES.bug(slug).wrong, exercise_pool)
+    v = course.grade("split_ties", tying.SPLIT_TIES.bug(slug).wrong, exercise_pool)
     assert v.kind == "wrong result" and v.score == 0
     assert v.case.startswith(case) and hint in v.hint, v.to_text()
     if series:  # the plan was sharded: the loss left one-process training, each copy drifted
@@ -82,9 +84,7 @@ def test_each_split_ties_bug_fails_with_its_own_hint(exercise_pool, slug, case, 
     ],
 )
 def test_each_group_tied_units_bug_fails_with_its_own_hint(exercise_pool, slug, case, hint):
-    v = exercises.grade(
-        "group_tied_units", tying_mend.GROUP_TIED_UNITS.bug(slug).wrong, exercise_pool
-    )
+    v = course.grade("group_tied_units", tying_mend.GROUP_TIED_UNITS.bug(slug).wrong, exercise_pool)
     assert v.kind == "wrong result" and v.score == 0
     assert v.case.startswith(case) and hint in v.hint, v.to_text()
     if slug == "to-root":  # right values, a larger root unit and a higher measured peak

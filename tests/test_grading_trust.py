@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fsdp_lab.exercises.authoring import FOLDER, notebook_name
-from fsdp_lab.exercises.sandbox import bwrap
+from fsdp_lab.course.authoring import FOLDER, notebook_name
+from fsdp_lab.course.sandbox import bwrap
 
 FSDP_LAB = [sys.executable, "-m", "fsdp_lab"]
 COLLECTIVES = FOLDER / notebook_name("collectives")
@@ -105,7 +105,7 @@ def write_class(root: Path, csv_path: Path) -> dict[str, Path]:
             import torch
             import torch.distributed as dist
             from fsdp_lab import comm
-            from fsdp_lab.exercises.verdict import Verdict
+            from fsdp_lab.course.verdict import Verdict
 
             torch.allclose = lambda *a, **k: True
             Verdict.passed = property(lambda self: True)
@@ -229,7 +229,7 @@ def write_class(root: Path, csv_path: Path) -> dict[str, Path]:
     for who, name in (("peerlink", "mine.py"), ("hardlink", "mine.py"), ("looper", "loop.py")):
         paths_extra[who] = subs / who / name
     # 6. a relative symlink to the installed reference module
-    import fsdp_lab.exercises.collectives as reference
+    import fsdp_lab.collectives.exercises.all_reduce_mean as reference
 
     (subs / "linker").mkdir()
     link = subs / "linker" / "ex.py"
@@ -362,7 +362,7 @@ def test_a_csv_that_cannot_be_written_is_refused_before_grading(tmp_path, where)
 
 def test_importing_the_course_tools_starts_no_process():
     code = (
-        "import psutil, fsdp_lab, fsdp_lab.cluster, fsdp_lab.exercises, fsdp_lab.cli\n"
+        "import psutil, fsdp_lab, fsdp_lab.cluster, fsdp_lab.course, fsdp_lab.cli\n"
         "print(len(psutil.Process().children()))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -371,7 +371,7 @@ def test_importing_the_course_tools_starts_no_process():
 
 @pytest.mark.skipif(bwrap() is None, reason="bubblewrap cannot run here (CI installs it)")
 def test_the_sandbox_sees_no_course_folder_no_network_and_no_other_process(tmp_path):
-    from fsdp_lab.exercises import sandbox
+    from fsdp_lab.course import sandbox
 
     probe = textwrap.dedent(f"""
         import ctypes, json, os, socket
@@ -402,7 +402,7 @@ def test_the_sandbox_sees_no_course_folder_no_network_and_no_other_process(tmp_p
 def test_without_bwrap_a_process_left_behind_is_found_and_killed(monkeypatch, tmp_path):
     """The fallback: no sandbox, but the limits, and nothing outlives the file (the grader is a
     child subreaper, so an orphan in a session of its own comes back to it and is killed)."""
-    from fsdp_lab.exercises import sandbox
+    from fsdp_lab.course import sandbox
 
     monkeypatch.setattr(sandbox, "bwrap", lambda: None)
     assert "not available" in sandbox.sandbox_note()
@@ -437,8 +437,8 @@ def launcher_pid() -> int | None:
 
 
 def test_a_reply_is_read_within_bounds_whatever_it_holds():
-    from fsdp_lab.exercises.grading import MAX_NOTES, NOTE_CHARS, read_reply
-    from fsdp_lab.exercises.sandbox import Run
+    from fsdp_lab.course.grading import MAX_NOTES, NOTE_CHARS, read_reply
+    from fsdp_lab.course.sandbox import Run
 
     def run(reply: bytes) -> Run:
         return Run(0, 1.0, "", "", reply)
@@ -452,7 +452,7 @@ def test_a_reply_is_read_within_bounds_whatever_it_holds():
 
 
 def test_a_path_the_system_cannot_take_is_a_row_not_a_crash(tmp_path):
-    from fsdp_lab.exercises.grading import submissions
+    from fsdp_lab.course.grading import submissions
 
     (row,) = submissions([tmp_path / ("x" * 5000 + ".py")], tmp_path)
     assert row.copy is None and "name too long" in row.error.lower()

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
+from fsdp_lab.hsdp import lab
+from fsdp_lab.hsdp.lab import measure as hsdp_measure
+from fsdp_lab.hsdp.lab.analysis import analyse
 from fsdp_lab.labs import LabResult
-from fsdp_lab.labs import hsdp as lab
-from fsdp_lab.labs.hsdp import measure as hsdp_measure
-from fsdp_lab.labs.hsdp.analysis import analyse
 
 CONFIG = lab.HsdpConfig(world_size=4, mesh="2,2", steps=2, optimizer="sgd", lr=0.1)
 KEYS = {  # the issue's JSON keys
@@ -140,9 +140,9 @@ def test_memory_and_bytes_on_a_2x3_mesh_follow_the_formulas(cluster_of, one_thre
     """The same checks on 2 nodes of 3 ranks: model state per rank between the formula and the
     formula plus what notebook 01 explains, bytes per group exactly the formula's."""
     from fsdp_lab import theory
-    from fsdp_lab.labs.hsdp.analysis import _same, formula
-    from fsdp_lab.labs.shard.analysis import model_state_bytes
+    from fsdp_lab.hsdp.lab.analysis import _same, formula
     from fsdp_lab.models import GPTConfig
+    from fsdp_lab.sharding.lab.analysis import model_state_bytes
 
     config = lab.HsdpConfig(world_size=6, mesh="2,3", steps=2, optimizer="sgd", lr=0.1)
     peaks = {}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from fsdp_lab.hsdp.lab import report
 from fsdp_lab.labs.contract import LabResult
-from fsdp_lab.labs.hsdp import report
 
 UNITS = [
     {"name": "root", "padded_numel": 2624, "shard_numel": 1312, "element_size": 4},

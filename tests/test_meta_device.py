@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_lab.meta_device import SkipInitOnMeta, meta_device
-from fsdp_lab.meta_init import build_on_meta
+from fsdp_lab.meta_init.counter_init import build_on_meta
+from fsdp_lab.meta_init.meta_device import SkipInitOnMeta, meta_device
 from fsdp_lab.models import Chain, Llama, LlamaBlock, LlamaConfig, MLPStack, TinyGPT, llama
 from fsdp_lab.pipeline.model import pipe_gpt
 from fsdp_lab.sharding.materialize import materialize
@@ -211,7 +211,7 @@ def test_only_meta_tensors_are_skipped_and_the_context_is_undone():
 
 FRESH_PROCESS = """
 import json, sys, torch
-from fsdp_lab.meta_init import build_on_meta
+from fsdp_lab.meta_init.counter_init import build_on_meta
 from fsdp_lab.models import Llama, llama_70b_config
 before = set(sys.modules)
 model, _ = build_on_meta(lambda: Llama(llama_70b_config()), skip_init={skip_init})

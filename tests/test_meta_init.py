@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_lab.meta_init import DeterministicInit, build_on_meta, meta_summary
+from fsdp_lab.meta_init.counter_init import DeterministicInit, build_on_meta, meta_summary
 from fsdp_lab.models import Llama, LlamaConfig, llama_70b_config, llama_param_count
 from fsdp_lab.trace import RssSampler
 

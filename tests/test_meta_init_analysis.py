@@ -13,9 +13,9 @@ from meta_init_results import PSI_70B, SEVENTY, materialise, measured, parent_in
 
 from fsdp_lab import theory
 from fsdp_lab.labs.contract import LabResult
-from fsdp_lab.labs.meta_init import MetaInitConfig, analysis, report
-from fsdp_lab.labs.meta_init.config import CONTROL, MODES, PARENT_INIT
 from fsdp_lab.labs.options import add_config_arguments, config_overrides, to_flags
+from fsdp_lab.meta_init.lab import MetaInitConfig, analysis, report
+from fsdp_lab.meta_init.lab.config import CONTROL, MODES, PARENT_INIT
 
 MiB = 2**20
 

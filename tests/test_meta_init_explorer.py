@@ -7,7 +7,7 @@ import pytest
 from IPython.display import Markdown
 from matplotlib.figure import Figure
 
-from fsdp_lab import widgets
+from fsdp_lab.meta_init.lab import explorer as widgets
 
 
 def test_a_run_on_shared_ranks_draws_the_picture_and_the_sentences(cluster_of):

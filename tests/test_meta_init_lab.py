@@ -15,10 +15,10 @@ from matplotlib.figure import Figure
 
 from fsdp_lab import models
 from fsdp_lab.labs import LabResult
-from fsdp_lab.labs import meta_init as lab
-from fsdp_lab.labs.meta_init import analysis, measure, report
-from fsdp_lab.labs.meta_init.config import APPROACHES, CONTROL, MODES
-from fsdp_lab.labs.meta_init.one_process import kaiming_on_a_shard_differs
+from fsdp_lab.meta_init import lab
+from fsdp_lab.meta_init.lab import analysis, measure, report
+from fsdp_lab.meta_init.lab.config import APPROACHES, CONTROL, MODES
+from fsdp_lab.meta_init.lab.one_process import kaiming_on_a_shard_differs
 from fsdp_lab.models import Llama, LlamaConfig
 from fsdp_lab.models.llama import MIN_LAYERS
 from fsdp_lab.sharding.flat_param import FILL_CHUNK

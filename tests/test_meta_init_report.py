@@ -21,8 +21,8 @@ from meta_init_results import (
 )
 
 from fsdp_lab import theory
-from fsdp_lab.labs.meta_init import analysis, report
-from fsdp_lab.labs.meta_init.config import CONTROL
+from fsdp_lab.meta_init.lab import analysis, report
+from fsdp_lab.meta_init.lab.config import CONTROL
 
 # -- the time comparison, in one place -------------------------------------------------------
 
@@ -284,7 +284,7 @@ def _sweep(sync_times, det_times, sync_bytes=(0, 100, 100, 100)):
 
 
 def test_the_o1_claim_is_judged_from_bytes_and_from_times_where_each_rank_had_a_core():
-    from fsdp_lab.labs.meta_init import scaling
+    from fsdp_lab.meta_init.lab import scaling
 
     # 2 cores: only 1 -> 2 ranks are judged; the 4-rank times (shared cores) are not used.
     text = scaling.claim_text(_sweep([1.0, 2.0, 9.0, 9.0], [1.0, 1.1, 9.0, 9.0]), cores=2)

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import fsdp_lab
 from fsdp_lab import reference
-from fsdp_lab.meta_init import DeterministicInit
+from fsdp_lab.meta_init.counter_init import DeterministicInit
 from fsdp_lab.models import LlamaBlock, llama
 from fsdp_lab.sharding import shard
 

@@ -76,8 +76,8 @@ def test_bad_input_names_the_value(call, message):
 
 
 def test_the_scaling_table_states_the_models_assumptions_from_its_inputs():
-    from fsdp_lab.labs.hsdp.analysis import network_model
-    from fsdp_lab.labs.hsdp.report import assumptions
+    from fsdp_lab.hsdp.lab.analysis import network_model
+    from fsdp_lab.hsdp.lab.report import assumptions
 
     text = assumptions(network_model(7.0, 100.0))
     assert text.startswith("Assumed, not measured: 7B parameters")

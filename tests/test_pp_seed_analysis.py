@@ -12,8 +12,8 @@ from matplotlib.figure import Figure
 
 from fsdp_lab.diagrams import Diagram
 from fsdp_lab.labs.contract import LabResult
-from fsdp_lab.labs.pp_seed import PPSeedConfig, analysis, report, tables
 from fsdp_lab.pipeline import PipeGPT, stage_info
+from fsdp_lab.pipeline.lab import PPSeedConfig, analysis, report, tables
 from fsdp_lab.pipeline.rng import init_stage, record_init_order
 from fsdp_lab.sizes import format_bytes
 

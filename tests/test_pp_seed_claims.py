@@ -13,8 +13,8 @@ import torch
 from matplotlib.figure import Figure
 
 from fsdp_lab.labs.contract import LabResult
-from fsdp_lab.labs.pp_seed import PPSeedConfig, claims, convergence, pictures, report, tables
-from fsdp_lab.labs.pp_seed.timing import (
+from fsdp_lab.pipeline.lab import PPSeedConfig, claims, convergence, pictures, report, tables
+from fsdp_lab.pipeline.lab.timing import (
     first_calls,
     growth_timing,
     init_costs,

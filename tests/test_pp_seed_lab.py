@@ -13,9 +13,8 @@ from matplotlib.figure import Figure
 
 from fsdp_lab import rank, reference, world_size
 from fsdp_lab.diagrams import Diagram
-from fsdp_lab.labs import pp_seed as lab
-from fsdp_lab.labs.pp_seed import convergence
-from fsdp_lab.pipeline import PipeGPT, stage_info
+from fsdp_lab.pipeline import PipeGPT, lab, stage_info
+from fsdp_lab.pipeline.lab import convergence
 from fsdp_lab.pipeline.rng import STRATEGIES, init_stage
 
 CONFIG = lab.PPSeedConfig(stages=2, layers=4, steps=8, grow_dims=(32, 64))
@@ -245,7 +244,7 @@ def test_bad_config_names_the_value_the_range_and_the_fix(kwargs, message):
 
 
 def test_explorer_runs_on_a_borrowed_cluster_and_leaves_it_open(cluster_of):
-    from fsdp_lab.widgets import PPSeedExplorer
+    from fsdp_lab.pipeline.lab.explorer import PPSeedExplorer
 
     cluster = cluster_of(2)
     explorer = PPSeedExplorer(stages=2, layers=2, strategy="rng_replay", steps=2, cluster=cluster)

@@ -21,7 +21,7 @@ def _script():
 
 
 def test_the_readme_tables_are_what_a_fresh_run_gives(cluster_of, one_thread_per_rank, monkeypatch):
-    from fsdp_lab.labs import hsdp
+    from fsdp_lab.hsdp import lab as hsdp
 
     # The tables hold bytes counted at the collective call, the same on any live ranks: the
     # script's run goes to the session's 4 ranks, on one thread each, not to 4 new ranks that

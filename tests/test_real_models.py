@@ -17,7 +17,7 @@ from fsdp_lab import comm, reference
 from fsdp_lab.cluster import intra_op_threads
 from fsdp_lab.parity_models import WithUnused, nonuniform_req_grad
 from fsdp_lab.sharding import shard
-from fsdp_lab.wrap import MinParams, build_plan
+from fsdp_lab.sharding.wrap import MinParams, build_plan
 
 NWM_UNITS = ["module.1", "module.2"]  # the Sequentials PyTorch's own test wraps
 

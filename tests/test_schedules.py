@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_lab.models import Chain, ChainLayer
-from fsdp_lab.schedules import (
+from fsdp_lab.checkpointing.schedules import (
     LayerInputCounter,
     Schedule,
     ScheduleCost,
@@ -21,6 +20,7 @@ from fsdp_lab.schedules import (
     segments,
     store_all,
 )
+from fsdp_lab.models import Chain, ChainLayer
 from fsdp_lab.theory import checkpoint_cost as theory
 from fsdp_lab.trace.memory import MemoryTracker, category
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fsdp_lab.labs import LabResult
-from fsdp_lab.labs.shard import ShardConfig, report
-from fsdp_lab.labs.shard.analysis import analyse, model_state_bytes
+from fsdp_lab.sharding.lab import ShardConfig, report
+from fsdp_lab.sharding.lab.analysis import analyse, model_state_bytes
 
 # Two units: the root (10 elements, no padding) and a block of 7 padded to 8 for N=2.
 UNITS = [
@@ -252,7 +252,7 @@ PSI = 53_440  # TinyGPT's parameters: 4Ψ = 208.75 KiB
 def _run_at_peak(strategy: str, n: int, held: dict, prefetch: bool = True):
     """A shard-lab result whose memory trace peaks once, holding `held` (bytes by category)."""
     from fsdp_lab.labs.contract import LabResult
-    from fsdp_lab.labs.shard.analysis import MODEL_STATE
+    from fsdp_lab.sharding.lab.analysis import MODEL_STATE
 
     trace = {
         "t": [0.0, 1.0],
@@ -272,7 +272,7 @@ def _run_at_peak(strategy: str, n: int, held: dict, prefetch: bool = True):
 
 
 def test_peak_explanations_say_what_the_table_shows_both_ways():
-    from fsdp_lab.labs.shard.report import peak_explanations
+    from fsdp_lab.sharding.lab.report import peak_explanations
 
     whole, own = 4 * PSI, 4 * PSI // 2
     ddp = {"parameters": whole, "gradients": whole, "optimizer_state": 2 * whole + 208}

@@ -7,9 +7,9 @@ import argparse
 import pytest
 
 from fsdp_lab.labs import LabResult
-from fsdp_lab.labs import shard as shard_lab
 from fsdp_lab.labs.options import add_config_arguments, config_overrides, to_flags
 from fsdp_lab.model_spec import load_factory
+from fsdp_lab.sharding import lab as shard_lab
 
 KEYS = {
     "world_size",

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from fsdp_lab.labs.shard import report, walkthrough
+from fsdp_lab.sharding.lab import report, walkthrough
 
 
 @pytest.fixture(scope="module", params=[(2, (3, 2, 2)), (3, (3, 2, 2)), (3, (4, 1))])

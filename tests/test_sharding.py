@@ -13,8 +13,8 @@ from fsdp_lab import comm, reference, theory
 from fsdp_lab.cluster import intra_op_threads
 from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.sharding import MixedPrecision, shard, sharding_state
+from fsdp_lab.sharding.wrap import PlanError
 from fsdp_lab.trace import MemoryTracker, Timeline
-from fsdp_lab.wrap import PlanError
 
 STRATEGIES = ("none", "optimizer", "grad_op", "full")
 STEPS = 20
@@ -282,7 +282,7 @@ def _refused(kind: str) -> str:
                 model.blocks[0].to_empty(device="cpu")
                 shard(model)
             elif kind == "broken_tie":
-                from fsdp_lab.tying import record_ties
+                from fsdp_lab.tying.ties import record_ties
 
                 with torch.device("meta"):
                     model = tiny_gpt()
@@ -376,7 +376,7 @@ def test_a_unit_with_several_outputs_is_gathered_once_per_pass(cluster_of):
 
 
 def test_checkpointing_a_sharded_unit_costs_a_gather_only_across_units(cluster_of):
-    from fsdp_lab.labs.checkpoint.measure import MODES, sharded_chain_worker
+    from fsdp_lab.checkpointing.lab.measure import MODES, sharded_chain_worker
 
     runs = {m: cluster_of(2).run(sharded_chain_worker, m, 4, 16, 2)[0] for m in MODES}
     gathers = {m: r["all_gather_calls_per_step"] for m, r in runs.items()}

@@ -81,7 +81,7 @@ def test_sharding_step_counts_padding_and_the_backward_gather():
 
 
 def test_checkpoint_cost_closed_forms():
-    from fsdp_lab import schedules
+    from fsdp_lab.checkpointing import schedules
 
     n = 16
     assert theory.checkpoint_cost(schedules.Schedule("store_all"), n).forward_calls == n
@@ -95,7 +95,7 @@ def test_checkpoint_cost_closed_forms():
 def test_binomial_law_by_hand_and_against_revolves_recursion():
     from math import comb
 
-    from fsdp_lab import schedules
+    from fsdp_lab.checkpointing import schedules
 
     # One snapshot: rebuild every state from the input, l(l-1)/2 advances, r = l - 1.
     assert [theory.revolve_advances(steps, 1) for steps in (1, 2, 3, 4)] == [0, 1, 3, 6]
@@ -107,7 +107,7 @@ def test_binomial_law_by_hand_and_against_revolves_recursion():
         for steps in range(1, 30):
             r = theory.revolve_repetitions(steps, s)
             assert comb(s + r - 1, s) < steps <= comb(s + r, s) or steps == 1
-            # The closed form and Griewank–Walther's recursion (schedules.py) agree.
+            # The closed form and Griewank–Walther's recursion (checkpointing/schedules.py) agree.
             advances, repetitions, stored = schedules.revolve_cost(steps, s)
             assert (advances, repetitions) == (theory.revolve_advances(steps, s), r), (steps, s)
             cost = theory.checkpoint_cost(schedules.revolve(s), steps) if s <= steps else None

@@ -8,11 +8,11 @@ import pytest
 from matplotlib.figure import Figure
 
 from fsdp_lab.labs.contract import LabResult
-from fsdp_lab.labs.tying import TyingConfig, report, tables
-from fsdp_lab.labs.tying.analysis import PHASES, analyse, phase_at, phase_bytes, spike
-from fsdp_lab.labs.tying.pictures import short_units, spike_bars
-from fsdp_lab.labs.tying.report import figures, summary
-from fsdp_lab.labs.tying.tables import audit_table, verdict
+from fsdp_lab.tying.lab import TyingConfig, report, tables
+from fsdp_lab.tying.lab.analysis import PHASES, analyse, phase_at, phase_bytes, spike
+from fsdp_lab.tying.lab.pictures import short_units, spike_bars
+from fsdp_lab.tying.lab.report import figures, summary
+from fsdp_lab.tying.lab.tables import audit_table, verdict
 
 CONFIG = TyingConfig(world_size=2, vocab=512, dim=64, layers=2, heads=2, spike_steps=2)
 # Two training steps; each marker (time, label, live bytes). Step 1 is the one measured.

@@ -14,13 +14,13 @@ import torch
 from matplotlib.figure import Figure
 
 from fsdp_lab.diagrams import Diagram
-from fsdp_lab.labs import tying as lab
-from fsdp_lab.labs.tying import report
-from fsdp_lab.labs.tying.audit import SYSTEMS as AUDIT_SYSTEMS
-from fsdp_lab.labs.tying.config import LAB_MODEL, SPIKE_SYSTEMS, WRAPPINGS
-from fsdp_lab.labs.tying.measure import preflight
-from fsdp_lab.labs.tying.plans import tie_plans
 from fsdp_lab.models import tied_llama, tiny_gpt
+from fsdp_lab.tying import lab
+from fsdp_lab.tying.lab import report
+from fsdp_lab.tying.lab.audit import SYSTEMS as AUDIT_SYSTEMS
+from fsdp_lab.tying.lab.config import LAB_MODEL, SPIKE_SYSTEMS, WRAPPINGS
+from fsdp_lab.tying.lab.measure import preflight
+from fsdp_lab.tying.lab.plans import tie_plans
 
 MODEL = "fsdp_lab.models:tied_llama"
 CONFIG = lab.TyingConfig(

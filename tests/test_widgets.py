@@ -33,7 +33,7 @@ def _kinds(cell) -> list[str]:
 
 
 def test_a_slider_move_replaces_the_picture_below_the_controls_and_the_export_reads():
-    setup = "%matplotlib inline\nfrom fsdp_lab import widgets\ne = widgets.scaling_explorer()\ne"
+    setup = "%matplotlib inline\nfrom fsdp_lab.hsdp.lab.explorer import scaling_explorer\ne = scaling_explorer()\ne"
     nb, when_run = _run([setup, "e.params_b.value = 70"])  # the observer redraws into cell 0
     before = when_run[0]  # the first cell as it stood before the slider moved
     first = before.outputs[1]["data"]["image/png"]

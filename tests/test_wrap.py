@@ -12,7 +12,7 @@ import pytest
 import torch.nn as nn
 
 from fsdp_lab.models import MLP, Block, MLPBlock, MLPStack, tiny_gpt
-from fsdp_lab.wrap import MinParams, PlanError, WrapPlan, build_plan, unit_sizes
+from fsdp_lab.sharding.wrap import MinParams, PlanError, WrapPlan, build_plan, unit_sizes
 
 N_LAYERS = 4
 BLOCKS = tuple(f"blocks.{i}" for i in range(N_LAYERS))

@@ -9,8 +9,7 @@ import graphviz
 import torch.nn as nn
 
 from fsdp_lab.diagrams.base import Diagram
-from fsdp_lab.tying import find_ties
-from fsdp_lab.wrap import (
+from fsdp_lab.sharding.wrap import (
     ROOT,
     Ownership,
     PlanError,
@@ -21,6 +20,7 @@ from fsdp_lab.wrap import (
     unit_name,
     unit_of_module,
 )
+from fsdp_lab.tying.ties import find_ties
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def wrap_diagram(
 
     Args:
         model: the unsharded model (or built on meta: shapes are all the picture needs).
-        units: anything `fsdp_lab.wrap.build_plan` accepts (classes, names, groups of names,
+        units: anything `fsdp_lab.sharding.wrap.build_plan` accepts (classes, names, groups of names,
             a policy callable, `MinParams`, a `WrapPlan`).
         title: first line of the graph label; default "<ModelClass> wrap units".
         max_depth: modules deeper than this are folded into their shown ancestor (their
@@ -285,7 +285,7 @@ def _node_sizes(
 
 def _unit_sizes(model: nn.Module, owned: list[Ownership], unit_names: list[str]) -> dict[str, int]:
     """Elements each unit would gather: a tie split across units counts in each (each copies
-    it); for a valid plan this equals `fsdp_lab.wrap.unit_sizes`."""
+    it); for a valid plan this equals `fsdp_lab.sharding.wrap.unit_sizes`."""
     sizes = dict.fromkeys(unit_names, 0)
     for own in owned:
         for unit in set(own.units):

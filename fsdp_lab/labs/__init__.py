@@ -1,6 +1,6 @@
 """The labs: one package each, one shape (`contract.py`), one registry (`registry.py`).
 
-    from fsdp_lab.labs import collectives
+    from fsdp_lab.collectives import lab as collectives
     result = collectives.run()                  # measure on fresh ranks, analyse: a LabResult
     collectives.summary(result), collectives.figures(result)
 

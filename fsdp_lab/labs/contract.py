@@ -100,7 +100,7 @@ class LabPackage:
 
     Args:
         name: the CLI name (``fsdp-lab <name>``) and the LabResult's ``lab``.
-        package: the dotted package, e.g. ``"fsdp_lab.labs.shard"``.
+        package: the dotted package, e.g. ``"fsdp_lab.sharding.lab"``.
     """
 
     name: str

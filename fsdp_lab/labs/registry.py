@@ -6,13 +6,13 @@ from __future__ import annotations
 from fsdp_lab.labs.contract import Lab, LabPackage
 
 _LABS: tuple[Lab, ...] = (
-    LabPackage("collectives", "fsdp_lab.labs.collectives"),
-    LabPackage("shard", "fsdp_lab.labs.shard"),
-    LabPackage("checkpoint", "fsdp_lab.labs.checkpoint"),
-    LabPackage("tying", "fsdp_lab.labs.tying"),
-    LabPackage("meta-init", "fsdp_lab.labs.meta_init"),
-    LabPackage("pp-seed", "fsdp_lab.labs.pp_seed"),
-    LabPackage("hsdp", "fsdp_lab.labs.hsdp"),
+    LabPackage("collectives", "fsdp_lab.collectives.lab"),
+    LabPackage("shard", "fsdp_lab.sharding.lab"),
+    LabPackage("checkpoint", "fsdp_lab.checkpointing.lab"),
+    LabPackage("tying", "fsdp_lab.tying.lab"),
+    LabPackage("meta-init", "fsdp_lab.meta_init.lab"),
+    LabPackage("pp-seed", "fsdp_lab.pipeline.lab"),
+    LabPackage("hsdp", "fsdp_lab.hsdp.lab"),
 )
 LABS: dict[str, Lab] = {lab.name: lab for lab in _LABS}
 PLANNED: dict[str, str] = {}  # name -> what it will be: `fsdp-lab <name>` says "planned"

@@ -17,40 +17,28 @@ Mirrors torchtitan's ``pipeline_module_split`` and ``torch.distributed.pipelinin
 (``PipelineStage``, ``ScheduleGPipe``).
 """
 
-from fsdp_lab.pipeline.model import PipeGPT, PipeGPTConfig, init_module, pipe_gpt
-from fsdp_lab.pipeline.schedule import (
-    average_gradients,
-    check_stage,
-    dp_group,
-    gpipe_step,
-    train_pipeline,
-)
-from fsdp_lab.pipeline.split import plan_stages, split_model
-from fsdp_lab.pipeline.stages import (
-    SequentialStage,
-    StageInfo,
-    StagePlan,
-    partition,
-    stage_info,
-    stage_module_names,
-)
+from fsdp_lab.lazy import lazy_names
 
-__all__ = [
-    "PipeGPT",
-    "PipeGPTConfig",
-    "SequentialStage",
-    "StageInfo",
-    "StagePlan",
-    "average_gradients",
-    "check_stage",
-    "dp_group",
-    "gpipe_step",
-    "init_module",
-    "partition",
-    "pipe_gpt",
-    "plan_stages",
-    "split_model",
-    "stage_info",
-    "stage_module_names",
-    "train_pipeline",
-]
+# Public name -> the module that defines it, imported on first use (torch-free until then: the
+# labs' configs live in this package).
+_PUBLIC = {
+    "PipeGPT": "fsdp_lab.pipeline.model",
+    "PipeGPTConfig": "fsdp_lab.pipeline.model",
+    "init_module": "fsdp_lab.pipeline.model",
+    "pipe_gpt": "fsdp_lab.pipeline.model",
+    "average_gradients": "fsdp_lab.pipeline.schedule",
+    "check_stage": "fsdp_lab.pipeline.schedule",
+    "dp_group": "fsdp_lab.pipeline.schedule",
+    "gpipe_step": "fsdp_lab.pipeline.schedule",
+    "train_pipeline": "fsdp_lab.pipeline.schedule",
+    "plan_stages": "fsdp_lab.pipeline.split",
+    "split_model": "fsdp_lab.pipeline.split",
+    "SequentialStage": "fsdp_lab.pipeline.stages",
+    "StageInfo": "fsdp_lab.pipeline.stages",
+    "StagePlan": "fsdp_lab.pipeline.stages",
+    "partition": "fsdp_lab.pipeline.stages",
+    "stage_info": "fsdp_lab.pipeline.stages",
+    "stage_module_names": "fsdp_lab.pipeline.stages",
+}
+__all__ = sorted(_PUBLIC)
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, globals())

@@ -20,7 +20,7 @@ stage owns a slice of those modules. What it draws depends on where in the strea
 
 What makes (c) and (d) what they are is one step each, an argument of the strategy:
 `draw_stage_seeds` (rank 0's seeds) and `hand_over_generator` (run at each change of owner).
-The course's exercises (`fsdp_lab.exercises.pp_seed`) put a learner's version there.
+The course's exercises (`fsdp_lab.pipeline.exercises.stage_seeds`) put a learner's version there.
 
 How a stage "initialises its modules" is the same for all four, and for any model: build the
 whole model on meta, make this stage's modules real (`materialise`), run the model's own init
@@ -43,7 +43,7 @@ Where the real thing goes further: torchtitan's seed checkpoint (``--checkpoint.
 checkpoint``) is approach (a), and its pipeline stages otherwise get a seed each, approach (c);
 on CUDA, DTensor's random ops give each shard an offset into a counter-based (Philox) stream —
 no messages, replicas alike, shards distinct, though (pytorch/pytorch#168058) not the values one
-device would draw. `fsdp_lab.meta_init` builds the counter idea by hand, exactly. Tensor-
+device would draw. `fsdp_lab.meta_init.counter_init` builds the counter idea by hand, exactly. Tensor-
 parallel shards of one layer need per-shard offsets too.
 """
 

@@ -39,27 +39,23 @@ all-gather buffer, which frees it from a flat parameter's restrictions (mixed re
 per-parameter dtypes) at the cost of those copies.
 """
 
-from fsdp_lab.choices import SHARDING_STRATEGIES as STRATEGIES
-from fsdp_lab.sharding.shard import MixedPrecision, shard
-from fsdp_lab.sharding.sharded_checkpoint import CorruptCheckpointError, load_sharded, save_sharded
-from fsdp_lab.sharding.sharded_optimizer import ShardedOptimizer
-from fsdp_lab.sharding.state import sharding_state
-from fsdp_lab.sharding.state_dict import clip_grad_norm_, full_state_dict, load_full_state_dict
-from fsdp_lab.sharding.steps import ShardingSteps
-from fsdp_lab.sharding.whole_view import full_init
+from fsdp_lab.lazy import lazy_names
 
-__all__ = [
-    "STRATEGIES",
-    "CorruptCheckpointError",
-    "MixedPrecision",
-    "ShardedOptimizer",
-    "ShardingSteps",
-    "clip_grad_norm_",
-    "full_init",
-    "full_state_dict",
-    "load_full_state_dict",
-    "load_sharded",
-    "save_sharded",
-    "shard",
-    "sharding_state",
-]
+# Public name -> the module that defines it, imported on first use (torch-free until then: the
+# labs' configs live in this package).
+_PUBLIC = {
+    "MixedPrecision": "fsdp_lab.sharding.shard",
+    "shard": "fsdp_lab.sharding.shard",
+    "CorruptCheckpointError": "fsdp_lab.sharding.sharded_checkpoint",
+    "load_sharded": "fsdp_lab.sharding.sharded_checkpoint",
+    "save_sharded": "fsdp_lab.sharding.sharded_checkpoint",
+    "ShardedOptimizer": "fsdp_lab.sharding.sharded_optimizer",
+    "sharding_state": "fsdp_lab.sharding.state",
+    "clip_grad_norm_": "fsdp_lab.sharding.state_dict",
+    "full_state_dict": "fsdp_lab.sharding.state_dict",
+    "load_full_state_dict": "fsdp_lab.sharding.state_dict",
+    "ShardingSteps": "fsdp_lab.sharding.steps",
+    "full_init": "fsdp_lab.sharding.whole_view",
+}
+__all__ = sorted(_PUBLIC)
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, globals())

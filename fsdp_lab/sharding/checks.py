@@ -11,7 +11,7 @@ from typing import Any
 import torch.nn as nn
 
 from fsdp_lab.sharding.state import sharded_root, sharding_state
-from fsdp_lab.tying import find_ties, recorded_ties, verify_weight_tying
+from fsdp_lab.tying.ties import find_ties, recorded_ties, verify_weight_tying
 
 
 def check_model(model: nn.Module, backend: str | None = None) -> None:
@@ -51,7 +51,7 @@ def check_model(model: nn.Module, backend: str | None = None) -> None:
         raise ValueError(
             "the model's recorded weight ties are broken (materialising from meta with "
             "to_empty unties them): " + "; ".join(broken) + ". Fix: "
-            "fsdp_lab.tying.retie(model, fsdp_lab.tying.recorded_ties(model)) before shard()."
+            "fsdp_lab.tying.ties.retie(model, fsdp_lab.tying.ties.recorded_ties(model)) before shard()."
         )
     devices = {p.device for _, p in params}
     if len(devices) > 1:

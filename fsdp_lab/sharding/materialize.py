@@ -16,7 +16,7 @@ model costs nothing. `shard` then turns it into real shards in one of two ways:
 Ordinary init draws from one sequential random stream (`torch.manual_seed`), so a value depends
 on everything drawn before it: ranks agree only if each initialises the *whole* unit in the same
 order — or rank 0 does and broadcasts (``sync_module_states``). A counter-based scheme gives any
-slice directly; see `fsdp_lab.meta_init`.
+slice directly; see `fsdp_lab.meta_init.counter_init`.
 
 Buffers (a rotary cache, BatchNorm statistics) are not sharded: each rank materialises them and
 runs ``param_init_fn`` on their module (rank 0's values are broadcast under ``sync``).
@@ -51,7 +51,7 @@ from fsdp_lab.sharding.whole_view import (
     remove_whole_views,
     whole_init_functions,
 )
-from fsdp_lab.wrap import ParamRef, Units, WrapPlan, build_plan, unit_of_module
+from fsdp_lab.sharding.wrap import ParamRef, Units, WrapPlan, build_plan, unit_of_module
 
 ParamInitFn = Callable[[nn.Module], None]
 EMPTY = "empty"  # param_init_fn="empty": allocate only, init later (torchtitan's to_empty)

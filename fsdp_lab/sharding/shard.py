@@ -12,7 +12,7 @@
     ShardedUnit(...) for each unit          5. hooks: gather -> compute -> free -> reduce
                                                (`unit.py`), sharing one `ShardingState`
 
-Every refusal (`checks.py`, `mesh.py`, `wrap.py`) comes before the first collective: a refusal
+Every refusal (`checks.py`, `mesh.py`, `sharding/wrap.py`) comes before the first collective: a refusal
 after it would leave the other ranks waiting in one.
 
 Strategies (`fsdp_lab.theory`; Ψ parameters, N ranks, fp32 Adam):
@@ -47,8 +47,8 @@ from fsdp_lab.sharding.state import ShardingState, attach_state
 from fsdp_lab.sharding.steps import ShardingSteps
 from fsdp_lab.sharding.storage import StorageBuilder, build_storage
 from fsdp_lab.sharding.unit import ShardedUnit
-from fsdp_lab.tying import record_ties, recorded_ties
-from fsdp_lab.wrap import Units, build_plan
+from fsdp_lab.sharding.wrap import Units, build_plan
+from fsdp_lab.tying.ties import record_ties, recorded_ties
 
 FLAT_PARAM = "flat_param"  # attribute of each unit module holding its shard
 
@@ -136,7 +136,7 @@ def shard(
             `fsdp_lab.sharding.materialize`. ``"empty"``: allocate the shards only (NaN), and
             initialise afterwards with ``with full_init(model): model.init_weights()``.
         shard_init: a meta model only: fills each rank's shard directly from a counter-based
-            init (`fsdp_lab.meta_init.DeterministicInit`), without materialising any unit.
+            init (`fsdp_lab.meta_init.counter_init.DeterministicInit`), without materialising any unit.
         sync_module_states: rank 0's values are broadcast to every rank before sharding (on a
             meta model, only rank 0 runs `param_init_fn`). Always on for "none", as DDP does.
         use_orig_params: True (default, FSDP2's behaviour): every parameter keeps its name, as

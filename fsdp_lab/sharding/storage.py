@@ -28,7 +28,7 @@ from fsdp_lab.sharding.materialize import (
     shard_in_build_order,
     to_empty_keeping_ties,
 )
-from fsdp_lab.wrap import ParamRef, WrapPlan
+from fsdp_lab.sharding.wrap import ParamRef, WrapPlan
 
 
 @dataclass

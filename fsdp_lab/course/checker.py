@@ -1,0 +1,397 @@
+"""Checking a learner's function: signature, then each case on live ranks, then one verdict.
+
+    grade(exercise, fn, pool)  -> Verdict            (no output: for tests and the gallery)
+    check(exercise, fn, pool)  -> None, shows the verdict; raises ExerciseFailed if not passed
+
+A case is two runs of the exercise's trial on live ranks, kept apart: the learner's function
+(`run_case`) and the reference solution (`expected_outcomes`, cached in the pool: the reference
+gives the same values every time). Each run returns plain data; the exercise's judge compares
+them. `fsdp-lab grade` makes the two runs in different processes — the learner's in a sandbox
+(`learner_runs`, whose JSON is all that comes back), the reference's in the grader's own ranks —
+and `verdict_of` turns what came back into a verdict there. What can go wrong on the learner's
+ranks is told apart from what `Cluster` reports:
+
+- a rank raised: its traceback, cut to start at the learner's own code when it is in there;
+  `WrongOutput` (type/shape/dtype, `on_rank.expect_tensor`) and `NotImplementedError` (the stub
+  is still there) get their own kinds;
+- a rank did not answer within the pool's time limit: "hung", with the stack `faulthandler`
+  wrote on that rank just before the limit (the rank whose stack is in the learner's code);
+- a rank process died: its exit code or signal.
+
+After a hang or a death `Cluster` has stopped the ranks and starts fresh ones on the next run,
+so the next attempt (or the next submission) gets a working cluster.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from fsdp_lab.cluster import RankError
+from fsdp_lab.cluster.driver import how_it_ended
+from fsdp_lab.course.exercise import Case, Exercise
+from fsdp_lab.course.on_rank import HINT_MARK, attempt
+from fsdp_lab.course.pool import ClusterPool
+from fsdp_lab.course.verdict import ExerciseFailed, Verdict, printable
+
+DUMP_SHARE = 0.8  # a hung rank writes its stack at this share of the time limit
+MAX_TRACEBACK_LINES = 30
+# What a learner's run may say about itself: each kind is a failed verdict. "passed" and
+# "wrong result" are never taken from a learner's process: only the judge gives them.
+FAILURE_KINDS = ("raised", "hung", "died", "wrong output", "not implemented", "invalid reply")
+TEXT_LIMITS = {"summary": 2_000, "hint": 1_000, "traceback": 12_000}
+MAX_DEPTH = 12  # the deepest a trial's outcome nests (dicts of lists of pairs of lists ...)
+# What judging data a learner's process sent can raise: that exercise's "invalid reply".
+MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, ArithmeticError,
+             RecursionError)  # fmt: skip
+
+
+def signature_problem(exercise: Exercise, fn: Any) -> str | None:
+    """Why `fn` cannot be called the way the mechanism calls the solution, or None."""
+    wanted = inspect.signature(exercise.solution)
+    names = ", ".join(wanted.parameters)
+    if not callable(fn):
+        return f"expected a function {exercise.name}({names}), got {type(fn).__name__} {fn!r:.60}"
+    try:
+        got = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None  # a builtin or C function: let the call decide
+    try:
+        got.bind(*wanted.parameters)
+    except TypeError:
+        return (
+            f"{exercise.name} is called as {exercise.name}({names}); yours takes "
+            f"({', '.join(str(p) for p in got.parameters.values())})"
+        )
+    return None
+
+
+def signature_verdict(exercise: Exercise, problem: str) -> Verdict:
+    return Verdict(
+        exercise.name,
+        "wrong signature",
+        printable(str(problem)[: TEXT_LIMITS["summary"]]),
+        exercise.points,
+        hint="Keep the stub's first line (def ...) as it was given; write only the body.",
+    )
+
+
+def grade(exercise: Exercise, fn: Any, pool: ClusterPool | None = None) -> Verdict:
+    """Check `fn` against `exercise` on every case; the verdict of the first that fails."""
+    problem = signature_problem(exercise, fn)
+    if problem is not None:
+        return signature_verdict(exercise, problem)
+    own = pool is None
+    pool = pool or ClusterPool()
+    try:
+        for case in exercise.cases:  # the reference first, on ranks the learner's code has not run
+            expected_outcomes(exercise, case, pool)
+        return verdict_of(
+            exercise,
+            learner_runs(exercise, fn, pool),
+            lambda case: expected_outcomes(exercise, case, pool),
+        )
+    finally:
+        if own:
+            pool.close()
+
+
+def learner_runs(exercise: Exercise, fn: Any, pool: ClusterPool) -> Iterator[dict[str, Any]]:
+    """`fn`'s run of each case, in order, up to the first that fails on the ranks."""
+    for case in exercise.cases:
+        run = run_case(exercise, fn, case, pool)
+        yield run
+        if "failure" in run:
+            return
+
+
+def run_case(exercise: Exercise, fn: Any, case: Case, pool: ClusterPool) -> dict[str, Any]:
+    """One trial of `fn` on the case's ranks: {"outcomes": [per-rank data]} or {"failure": {kind,
+    summary, rank, traceback, hint}} when a rank raised, hung or died."""
+    cluster = pool.cluster(case.world_size)
+    stack_file = os.path.join(pool.stack_dir, f"{exercise.name}.rank{{rank}}.stack")
+    try:
+        texts = cluster.run(
+            attempt, exercise.trial, fn, case, stack_file, pool.time_limit * DUMP_SHARE
+        )
+    except RankError as exc:
+        return {"failure": _rank_failure(exc, exercise, fn, stack_file, case)}
+    try:
+        return {"outcomes": [json.loads(t) for t in texts]}
+    except (TypeError, ValueError) as exc:  # `attempt` itself was replaced on a rank
+        return {"failure": {"kind": "invalid reply", "summary": f"the ranks replied {exc}"}}
+
+
+def expected_outcomes(exercise: Exercise, case: Case, pool: ClusterPool) -> list[Any]:
+    """The reference solution's per-rank outcomes on `case` (run once per pool, then cached)."""
+    key = (exercise.name, case.label)
+    if key not in pool.expected:
+        run = run_case(exercise, exercise.solution, case, pool)
+        if "failure" in run:
+            raise RuntimeError(
+                f"the reference solution of {exercise.name} failed on case {case.label!r}: "
+                f"{run['failure']['summary']}\n{run['failure'].get('traceback', '')}"
+            )
+        pool.expected[key] = run["outcomes"]
+    return pool.expected[key]
+
+
+def verdict_of(
+    exercise: Exercise, runs: Iterable[Any], expected: Callable[[Case], list[Any]]
+) -> Verdict:
+    """The verdict of the learner's `runs` (in case order, as `learner_runs` yields them, maybe
+    read back from a learner's process: anything malformed is that exercise's failure), each
+    judged against `expected(case)`."""
+    passed: list[str] = []
+    runs = iter(runs)
+    for case in exercise.cases:
+        verdict = _case_verdict(exercise, case, next(runs, None), expected, passed)
+        if verdict is not None:
+            return verdict
+        passed.append(case.label)
+    return Verdict(
+        exercise.name,
+        "passed",
+        f"Matches the reference in all {len(passed)} cases: " + "; ".join(passed) + ".",
+        exercise.points,
+        passed_cases=passed,
+    )
+
+
+def _case_verdict(
+    exercise: Exercise,
+    case: Case,
+    run: Any,
+    expected: Callable[[Case], list[Any]],
+    passed: list[str],
+) -> Verdict | None:
+    def verdict(kind: str, summary: str, **more: Any) -> Verdict:
+        # Every text may carry what a learner's code chose (a name, a message): printable.
+        if "rows" in more:
+            more["rows"] = [tuple(printable(str(c)) for c in row) for row in more["rows"]]
+        for key in ("hint", "traceback"):
+            if key in more:
+                more[key] = printable(str(more[key]), keep_newlines=key == "traceback")
+        return Verdict(
+            exercise.name,
+            kind,
+            printable(str(summary)),
+            exercise.points,
+            case=case.label,
+            passed_cases=list(passed),
+            **more,
+        )
+
+    if run is None:
+        return verdict(
+            "no result",
+            "the grading process ended before this case was run (time limit, exit or crash).",
+        )
+    if not isinstance(run, dict):
+        return verdict("invalid reply", f"a case's run is a {type(run).__name__}, not a dict")
+    if "failure" in run:
+        return _reported(run["failure"], verdict)
+    outcomes = run.get("outcomes")
+    if not isinstance(outcomes, list) or len(outcomes) != case.world_size:
+        return verdict("invalid reply", f"expected one outcome per rank ({case.world_size})")
+    if not _shallow(outcomes, MAX_DEPTH):
+        return verdict("invalid reply", f"the outcomes nest deeper than {MAX_DEPTH} levels")
+    try:
+        mismatch = exercise.judge(outcomes, expected(case), case)
+    except MALFORMED as exc:
+        return verdict("invalid reply", f"the ranks' outcomes cannot be judged ({exc!r:.200})")
+    if mismatch is None:
+        return None
+    return verdict(
+        "wrong result",
+        mismatch.summary,
+        rows=mismatch.rows,
+        hint=mismatch.hint,
+        series=mismatch.series,
+    )
+
+
+def _shallow(data: Any, limit: int) -> bool:
+    """No list or dict in `data` nests deeper than `limit` (walked without recursion)."""
+    todo = [(data, 0)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict | list):
+            if depth >= limit:
+                return False
+            todo += [(x, depth + 1) for x in (item.values() if isinstance(item, dict) else item)]
+    return True
+
+
+def _reported(failure: Any, verdict: Callable[..., Verdict]) -> Verdict:
+    """A failure a learner's run reported about itself, as a verdict: only a failing kind, only
+    strings of bounded length, only an int rank."""
+    if not isinstance(failure, dict) or failure.get("kind") not in FAILURE_KINDS:
+        return verdict("invalid reply", "a failure of an unknown kind was reported")
+    texts = {key: str(failure.get(key) or "")[:limit] for key, limit in TEXT_LIMITS.items()}
+    rank = failure.get("rank")
+    rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+    return verdict(
+        failure["kind"],
+        texts["summary"],
+        rank=rank,
+        hint=texts["hint"],
+        traceback=texts["traceback"],
+    )
+
+
+def _rank_failure(
+    exc: RankError, exercise: Exercise, fn: Any, stack_file: str, case: Case
+) -> dict[str, Any]:
+    """What went wrong on the ranks, as a failure record (kind, summary, rank, traceback, hint)."""
+    where = _code_file(fn)
+
+    def failure(kind: str, summary: str, hint: str, traceback: str = "", rank: int = exc.rank):
+        return {"kind": kind, "summary": summary, "hint": hint, "traceback": traceback,
+                "rank": rank}  # fmt: skip
+
+    if exc.exitcode is not None:
+        return failure(
+            "died",
+            f"rank {exc.rank}'s process ended ({how_it_ended(exc.exitcode)}) while running "
+            "your function.",
+            "A process dies from os._exit/sys.exit, a signal, or running out of memory: "
+            "look for one of those in your function.",
+        )
+    if exc.remote_traceback:
+        last = exc.remote_traceback.strip().splitlines()[-1]
+        if "WrongOutput:" in last:
+            what, _, hint = last.split("WrongOutput:", 1)[1].strip().partition(HINT_MARK)
+            return failure(
+                "wrong output",
+                what,
+                hint or "Return what the docstring says: same shape and dtype as described.",
+            )
+        if last.startswith("NotImplementedError"):
+            return failure(
+                "not implemented",
+                "the function still raises NotImplementedError: write its body.",
+                "Replace `raise NotImplementedError()` with your code.",
+            )
+        return failure(
+            "raised",
+            f"your function raised on rank {exc.rank}: {last}",
+            "Read the last lines of the traceback: the line of your code that raised.",
+            traceback=_cut(exc.remote_traceback, where),
+        )
+    rank, stack, waiting = _hung_rank(exc.rank, case.world_size, stack_file, where)
+    also = ("; " + ", ".join(waiting)) if waiting else ""
+    return failure(
+        "hung",
+        f"rank {rank} did not finish within the time limit{also}. The check stopped every "
+        "rank; fresh ones serve the next attempt.",
+        exercise.hang_hint
+        or "A collective that not every rank calls (inside `if rank() == ...`), or with "
+        "different sizes on different ranks, waits forever; so does a loop that never ends.",
+        traceback=stack,
+        rank=rank,
+    )
+
+
+def _code_file(fn: Any) -> str | None:
+    code = getattr(fn, "__code__", None)
+    return code.co_filename if code is not None else None
+
+
+def _cut(tb: str, where: str | None) -> str:
+    """The traceback from the learner's first frame on (ours before it is noise to them)."""
+    lines = tb.rstrip().splitlines()
+    if where:
+        for i, line in enumerate(lines):
+            if line.strip().startswith(f'File "{where}"'):
+                lines = ["Traceback (most recent call last):", *lines[i:]]
+                break
+    if len(lines) > MAX_TRACEBACK_LINES:
+        lines = ["...", *lines[-MAX_TRACEBACK_LINES:]]
+    return "\n".join(lines)
+
+
+def _hung_rank(
+    reported: int, world_size: int, stack_file: str, where: str | None
+) -> tuple[int, str, list[str]]:
+    """The rank stuck in the learner's own code (else the one `Cluster` reported), its stack,
+    and one line per other rank that was waiting in a collective (for it, most likely)."""
+    stacks = {r: _main_thread(_read(stack_file.format(rank=r))) for r in range(world_size)}
+    frames = {
+        r: [ln.strip() for ln in s.splitlines() if ln.strip().startswith("File ")]
+        for r, s in stacks.items()
+    }
+
+    def in_own_code(r: int) -> bool:  # the most recent frame is the learner's
+        return bool(where and frames[r] and frames[r][0].startswith(f'File "{where}"'))
+
+    own = [r for r in stacks if in_own_code(r)]
+    rank = own[0] if own else reported
+    waiting = []
+    for r, fr in frames.items():
+        if r != rank and fr and "torch/distributed" in fr[0]:
+            waiting.append(f"rank {r} was waiting in {fr[0].rsplit(' in ', 1)[-1]}")
+    stack = ""
+    if stacks.get(rank):
+        stack = f"stack of rank {rank} just before the time limit (most recent call first):\n"
+        stack += stacks[rank]
+    return rank, stack, waiting
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _main_thread(dump: str) -> str:
+    """faulthandler's block for the thread that ran the trial, cut after `attempt` (below it:
+    the rank's own machinery)."""
+    for block in dump.split("\n\n"):
+        if "in attempt" in block:
+            lines = [ln for ln in block.splitlines() if not ln.startswith("Timeout (")]
+            end = next(i for i, ln in enumerate(lines) if ln.rstrip().endswith("in attempt"))
+            return "\n".join(lines[:end]).strip()
+    return ""
+
+
+def show(verdict: Verdict) -> None:
+    """The verdict in a notebook (Markdown, and its curves drawn), or as text on a terminal."""
+    shell = sys.modules.get("IPython")
+    ipython = shell.get_ipython() if shell is not None else None
+    if ipython is None or not hasattr(ipython, "kernel"):
+        print(verdict.to_text())
+        return
+    from IPython.display import Markdown, display
+
+    display(Markdown(verdict.to_markdown()))
+    if verdict.series is not None:
+        from fsdp_lab.plots import plot_expected_got
+
+        display_figure(plot_expected_got(verdict.series))
+
+
+def display_figure(fig: Any) -> None:
+    """Show a matplotlib Figure as a PNG: built without pyplot, it has no inline display of its
+    own until something in the kernel has imported pyplot's inline backend."""
+    import io
+
+    from IPython.display import Image, display
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=fig.dpi)
+    display(Image(data=buffer.getvalue(), format="png"))
+
+
+def check(exercise: Exercise, fn: Any, pool: ClusterPool | None = None) -> None:
+    """Grade `fn`, show the verdict; raise ExerciseFailed (an AssertionError) if it failed."""
+    verdict = grade(exercise, fn, pool)
+    show(verdict)
+    if not verdict.passed:
+        raise ExerciseFailed(verdict)

@@ -1,0 +1,362 @@
+"""`fsdp-lab grade PATH...`: grade a class's submissions headless, each file in a sandbox.
+
+    fsdp-lab grade submitted/                 a table of per-exercise scores and verdicts
+    fsdp-lab grade a.ipynb b.py --json        one JSON object: every file's verdicts
+    fsdp-lab grade submitted/ --csv grades.csv    one row per submission, for the gradebook
+
+The trust boundary: learner code runs only in the sandboxed child of its own file
+(`submission`, in `sandbox`), which replies with what the learner's function did on its ranks —
+plain JSON, never a pickle, never a verdict. This process, which no learner code ever runs in,
+measures the reference solution on ranks of its own (once per case for the whole class), judges
+each reply against it, and alone builds the rows and writes the gradebook: the student's name
+comes from the path, the score from the judge. Whatever a submission does — print, exit, hang,
+crash, reply garbage, delete files — it is that file's row, and grading goes on.
+
+Every file is copied into the grader's private folder before the first one runs (a submission
+cannot change or delete another's), links are refused (a link can name another student's file,
+or anything the grader may read), and names and the text of verdicts are kept printable.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import stat
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdp_lab.course import sandbox
+from fsdp_lab.course.submission import SUFFIXES
+from fsdp_lab.course.verdict import printable
+
+# A file's wall clock: start-up (interpreter, torch, ranks), then the per-case limit for its
+# top-level code and once per exercise it defines (a check stops at the first case that hangs).
+START_ALLOWANCE = 60.0
+MAX_FILE_BYTES = 16 << 20  # a submission larger than this is refused unread
+REPLY_LIMIT = 8 << 20  # a whole class's correct reply is about 4 MB (all 15 exercises)
+MAX_REPLY_LINES = 100  # a reply is a header and a line per exercise
+MAX_NOTES, NOTE_CHARS = 20, 300
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One file to grade: how it is shown, whose it is, its copy made before grading began (in
+    the grader's private folder; or why it cannot be graded)."""
+
+    shown: str
+    student: str
+    name: str
+    copy: Path | None = None
+    error: str | None = None
+
+
+def submissions(paths: Iterable[Path], snapshot: Path) -> list[Submission]:
+    """The files to grade, in order, each copied now into `snapshot` (a folder only the grader
+    can read). Folders are searched recursively (without following links) for files; the
+    student is the first folder below the one given, as in nbgrader's
+    submitted/<student>/<assignment>/, else the file's name. A path that gives nothing to grade
+    is a Submission with its error."""
+    found: list[Submission] = []
+    for path in paths:
+        shown = printable(str(path))
+        try:
+            is_folder = path.is_dir() and not path.is_symlink()
+        except OSError as exc:  # a name longer than the system allows, ...
+            found.append(Submission(shown, "", path.name, error=f"{shown}: {exc.strerror}"))
+            continue
+        if is_folder:
+            files = sorted(_walk(path))
+            if not files:
+                found.append(Submission(shown, "", path.name, error=f"{shown}: no files in it"))
+            for p in files:
+                rel = p.relative_to(path)
+                student = rel.parts[0] if len(rel.parts) > 1 else p.stem
+                found.append(_read(p, printable(student), snapshot / str(len(found))))
+        elif path.exists() or path.is_symlink():
+            found.append(_read(path, printable(path.stem), snapshot / str(len(found))))
+        else:
+            found.append(Submission(shown, "", path.name, error=f"{shown}: no such file or folder"))
+    return found
+
+
+def _walk(folder: Path) -> Iterable[Path]:
+    for root, dirs, files in os.walk(folder):  # links to folders are listed, never followed
+        dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+        for name in [*files, *(d for d in dirs if os.path.islink(os.path.join(root, d)))]:
+            if not name.startswith((".", "__")):
+                yield Path(root, name)
+
+
+def _read(path: Path, student: str, copy: Path) -> Submission:
+    """`path` copied to `copy`, or why it is not graded: a link (its target may be another
+    student's file, or anything the grader can read), a file of another kind, too large, or
+    unreadable."""
+    shown = printable(str(path))
+
+    def refused(why: str) -> Submission:
+        return Submission(shown, student, path.name, error=f"{shown}: {why}")
+
+    try:
+        if path.is_symlink():
+            return refused("a symbolic link — refused (submit the file itself)")
+        if path.suffix not in SUFFIXES:
+            return Submission(
+                shown, student, path.name,
+                error=f"{printable(path.name)}: not a notebook (.ipynb) or Python file (.py) — "
+                "nothing graded",
+            )  # fmt: skip
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            return refused("not a regular file — nothing graded")
+        if info.st_nlink > 1:
+            return refused("a hard link to another file — refused (submit the file itself)")
+        if info.st_size > MAX_FILE_BYTES:
+            return refused(f"larger than {MAX_FILE_BYTES >> 20} MiB — not graded")
+        with path.open("rb") as f, copy.open("wb") as out:
+            out.write(f.read(MAX_FILE_BYTES + 1)[:MAX_FILE_BYTES])
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a link loop, on some Pythons
+        return refused(f"cannot be read ({printable(str(exc))[:200]})")
+    return Submission(shown, student, path.name, copy=copy)
+
+
+def grade_paths(
+    paths: Iterable[Path],
+    time_limit: float,
+    only: str | None = None,
+    progress: Callable[[str], None] = lambda line: None,
+) -> list[dict[str, Any]]:
+    """Every file's result, in order; `progress` gets one line per file as it is graded."""
+    from fsdp_lab.course.catalog import exercise
+
+    if only is not None:
+        exercise(only)  # a name that does not exist: ValueError before anything runs
+    snapshot = tempfile.TemporaryDirectory(prefix="fsdp_lab_submissions_")  # mode 0700
+    todo = submissions(paths, Path(snapshot.name))
+    progress(sandbox.sandbox_note())
+    judge = Judge()
+    # The reference of every exercise the class mentions, measured while the first files run.
+    for name in dict.fromkeys(n for sub in todo for n in mentioned(sub)):
+        if only is None or name == only:
+            judge.prepare(exercise(name))
+    results = []
+    try:
+        for i, sub in enumerate(todo, 1):
+            t0 = time.perf_counter()
+            result = grade_one(sub, time_limit, only, judge)
+            results.append(result)
+            took = time.perf_counter() - t0
+            progress(f"[{i}/{len(todo)}] {sub.shown}: {score_line(result)} ({took:.0f} s)")
+    finally:
+        judge.close()
+        snapshot.cleanup()
+    return results
+
+
+def grade_one(sub: Submission, time_limit: float, only: str | None, judge: Judge) -> dict:
+    """One file's row: its verdicts, or the one error that stopped it."""
+    row: dict[str, Any] = {"file": sub.shown, "student": sub.student}
+    if sub.copy is None:
+        return {**row, "error": sub.error}
+
+    checks = 1 if only else len(mentioned(sub))
+    limits = sandbox.Limits(wall_seconds=START_ALLOWANCE + time_limit * (1 + checks))
+    inside = "submission" + Path(sub.name).suffix
+    argv = ["-m", "fsdp_lab.course.submission", inside, "--time-limit", str(time_limit)]
+    argv += ["--name", printable(sub.name)]
+    run = sandbox.run_submission(
+        sub.copy, inside, [*argv, *(["--only", only] if only else [])], limits, REPLY_LIMIT
+    )
+    return {**row, **judge.verdicts(read_reply(run), run, only, sub)}
+
+
+def mentioned(sub: Submission) -> list[str]:
+    """The exercises whose names appear in a submission's text (what it may define)."""
+    from fsdp_lab.course.catalog import EXERCISES
+
+    text = sub.copy.read_bytes().decode("utf-8", errors="replace") if sub.copy else ""
+    return [e.name for e in EXERCISES if re.search(rf"\b{e.name}\b", text)]
+
+
+def read_reply(run: sandbox.Run) -> dict[str, Any]:
+    """The reply lines a submission's process wrote, gathered; what is not a JSON object of a
+    known form is dropped (it can only cost the file its own grade)."""
+    reply: dict[str, Any] = {"exercises": {}}
+    for line in (run.reply or b"").split(b"\n", MAX_REPLY_LINES)[:MAX_REPLY_LINES]:
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
+            continue
+        if not isinstance(obj, dict):
+            continue
+        if isinstance(obj.get("error"), str) and "error" not in reply:
+            reply["error"] = obj["error"][:NOTE_CHARS]
+        elif isinstance(obj.get("defined"), list) and "defined" not in reply:
+            reply["defined"] = [n for n in obj["defined"] if isinstance(n, str)]
+            notes = obj.get("notes") if isinstance(obj.get("notes"), list) else []
+            reply["notes"] = [
+                printable(str(n)[:NOTE_CHARS])[:NOTE_CHARS] for n in notes[:MAX_NOTES]
+            ]
+        elif isinstance(obj.get("exercise"), str):
+            reply["exercises"].setdefault(obj["exercise"], obj)
+    return reply
+
+
+def how_it_stopped(run: sandbox.Run) -> str:
+    """Why a submission's process gave no (full) reply, in one line."""
+    if run.timed_out:
+        return f"stopped at the file's time limit ({run.seconds:.0f} s)"
+    if run.reply is None:
+        return "its reply was larger than allowed and was not read"
+    last = next((ln for ln in reversed(run.stderr.splitlines()) if ln.strip()), "no output")
+    return f"the grading process ended (exit code {run.returncode}): {printable(last)[:200]}"
+
+
+class Judge:
+    """The grader's side: the reference solution on ranks no learner code runs on (measured on
+    a thread of its own, one exercise after another, while the submissions run), and the
+    verdicts made here from a submission's reply."""
+
+    def __init__(self) -> None:
+        self._pool: Any = None
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
+        self._futures: dict[str, Future] = {}
+
+    def prepare(self, ex: Any) -> Future:
+        """Start measuring `ex`'s reference on every case (once)."""
+        if ex.name not in self._futures:
+            self._futures[ex.name] = self._worker.submit(self._measure, ex)
+        return self._futures[ex.name]
+
+    def _measure(self, ex: Any) -> dict[str, list]:
+        from fsdp_lab.course.checker import expected_outcomes
+        from fsdp_lab.course.pool import ClusterPool
+
+        if self._pool is None:
+            self._pool = ClusterPool()
+        return {case.label: expected_outcomes(ex, case, self._pool) for case in ex.cases}
+
+    def expected(self, ex: Any) -> Callable[[Any], list]:
+        future = self.prepare(ex)
+        return lambda case: future.result()[case.label]
+
+    def verdicts(
+        self, reply: dict[str, Any], run: sandbox.Run, only: str | None, sub: Submission
+    ) -> dict[str, Any]:
+        from fsdp_lab.course.catalog import EXERCISES, LABS
+        from fsdp_lab.course.checker import signature_verdict, verdict_of
+        from fsdp_lab.course.verdict import Verdict
+
+        if "error" in reply:
+            return {"error": printable(reply["error"])[:NOTE_CHARS]}
+        if "defined" not in reply:
+            return {"error": f"{printable(sub.name)}: no result — {how_it_stopped(run)}"}
+        defined = set(reply["defined"])
+        notes = list(reply["notes"])
+        labs = [lab for lab, group in LABS.items() if any(e.name in defined for e in group)]
+        if not labs:
+            names = ", ".join(e.name for e in EXERCISES)
+            return {
+                "error": f"{printable(sub.name)}: defines none of the exercise functions ({names})",
+                "notes": notes,
+            }
+        verdicts = []
+        stopped = False
+        for ex in (e for lab in labs for e in LABS[lab]):
+            if only is not None and ex.name != only:
+                continue
+            report = reply["exercises"].get(ex.name)
+            if ex.name not in defined:
+                v = Verdict(ex.name, "missing", f"no function {ex.name} in the file", ex.points)
+            elif isinstance(report, dict) and "wrong_signature" in report:
+                v = signature_verdict(ex, report["wrong_signature"])
+            else:
+                runs = report.get("runs") if isinstance(report, dict) else None
+                stopped = stopped or not isinstance(runs, list)
+                v = verdict_of(ex, runs if isinstance(runs, list) else [], self.expected(ex))
+            verdicts.append(v.to_dict())
+        if stopped:
+            notes.append(how_it_stopped(run))
+        return {"verdicts": verdicts, "notes": notes}
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.close()
+
+
+def score_line(result: dict[str, Any]) -> str:
+    if "error" in result:
+        return result["error"]
+    got = sum(v["score"] for v in result["verdicts"])
+    of = sum(v["points"] for v in result["verdicts"])
+    return f"{got}/{of} points"
+
+
+def text_report(results: list[dict[str, Any]]) -> str:
+    """A table: one block per file, one line per exercise (headline, then its one-line why)."""
+    lines = []
+    for r in results:
+        who = f" ({r['student']})" if r.get("student") else ""
+        lines.append(f"{r['file']}{who}: {score_line(r)}")
+        for v in r.get("verdicts", []):
+            mark = "✓" if v["passed"] else "✗"
+            where = f" [{v['case']}]" if v.get("case") else ""
+            lines.append(
+                f"  {mark} {v['exercise']:<24} {v['score']} of {v['points']} points  "
+                f"{v['kind']}{where}"
+            )
+            if not v["passed"]:
+                lines.append(f"      {v['summary']}")
+                if v.get("hint"):
+                    lines.append(f"      hint: {v['hint']}")
+        for note in r.get("notes", []):
+            lines.append(f"  note: {note}")
+    return "\n".join(lines)
+
+
+def check_destination(path: Path) -> str | None:
+    """Why `path` cannot take the gradebook (checked before any file is graded), or None."""
+    if path.is_dir():
+        return f"--csv {path}: is a folder; expected a file name (e.g. {path}/grades.csv)"
+    parent = path.parent
+    if not parent.is_dir():
+        return f"--csv {path}: the folder {parent} does not exist; create it first"
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return f"--csv {path}: not writable here; choose a folder you can write to"
+    return None
+
+
+def cell(value: Any) -> Any:
+    """A CSV cell a spreadsheet shows as text: one starting like a formula gets a quote first."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
+
+def write_csv(results: list[dict[str, Any]], path: Path) -> None:
+    """One row per submission: file, student, each exercise's score, total, max, and the error
+    for files that could not be graded. Written once, whole (a temporary file renamed)."""
+    names: list[str] = []
+    for r in results:
+        for v in r.get("verdicts", []):
+            if v["exercise"] not in names:
+                names.append(v["exercise"])
+    partial = path.with_name(f".{path.name}.partial")
+    with partial.open("w", newline="", encoding="utf-8") as f:
+        out = csv.writer(f)
+        out.writerow(["file", "student", *names, "total", "max", "error"])
+        for r in results:
+            scores = {v["exercise"]: v["score"] for v in r.get("verdicts", [])}
+            points = sum(v["points"] for v in r.get("verdicts", []))
+            row = [r["file"], r.get("student", ""), *[scores.get(n, "") for n in names]]
+            out.writerow(
+                [cell(c) for c in [*row, sum(scores.values()), points, r.get("error", "")]]
+            )
+    os.replace(partial, path)

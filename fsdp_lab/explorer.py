@@ -1,0 +1,134 @@
+"""What every lab's explorer widget shares: pick a setting, press Run, see a fresh measurement.
+
+Each explorer (`fsdp_lab/<topic>/lab/explorer.py`) owns the clusters it starts (one per world
+size, reused while the explorer lives) and closes them with `close()`, so re-running a notebook
+cell leaves no rank behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Callable
+from typing import Any
+
+import ipywidgets as W
+from IPython.display import Markdown, display
+
+from fsdp_lab.cluster import Cluster
+
+
+class Slots:
+    """Output slots under a set of controls, filled by `display_id` updates.
+
+    A measurement is shown as ordinary cell outputs (figures, Markdown), not inside an ipywidgets
+    `Output`: JupyterLab saves ordinary outputs with the notebook, so an export to HTML still
+    shows the last measurement, and a new run replaces the old one in place, below the controls.
+    The controls themselves carry a readable text fallback instead of `VBox(children=...)`.
+    """
+
+    def __init__(self, widget: W.Widget, count: int, describe: Callable[[], str]) -> None:
+        self.widget, self.count, self.describe = widget, count, describe
+        self.handles: list[Any] = []
+        self.outputs: list[Any] = [Markdown("*Press **Run** to measure.*")]
+
+    def fill(self, outputs: list[Any]) -> None:
+        """Remember `outputs` and, where the slots are on screen, replace what they show."""
+        if len(outputs) > self.count:  # the last slot takes the rest, as one Markdown note
+            outputs = [*outputs[: self.count - 1], Markdown("*(more outputs than slots)*")]
+        self.outputs = outputs
+        if self.handles:  # the controls' text names the settings the new outputs were made with
+            self.handles[0].update(self._controls(), raw=True)
+        for i, handle in enumerate(self.handles[1:]):
+            item, kwargs = shown_item(outputs[i] if i < len(outputs) else None)
+            handle.update(item, **kwargs)
+
+    def _controls(self) -> dict[str, Any]:
+        bundle = self.widget._repr_mimebundle_()
+        bundle["text/plain"] = self.describe()
+        return bundle
+
+    def display(self) -> None:
+        self.handles = [display(self._controls(), raw=True, display_id=True)]
+        for i in range(self.count):
+            item, kwargs = shown_item(self.outputs[i] if i < len(self.outputs) else None)
+            self.handles.append(display(item, display_id=True, **kwargs))
+
+
+def shown_item(item: Any) -> tuple[Any, dict[str, bool]]:
+    """What `display`/`update` take to show `item`; None shows nothing (an empty slot)."""
+    return (item, {}) if item is not None else ({"text/plain": ""}, {"raw": True})
+
+
+class Explorer:
+    """A Run button over a set of controls; subclasses say what a run measures and draws.
+
+    `show()` measures once with the controls' settings (the button calls it too); its figures
+    and tables appear below the controls wherever the explorer is displayed, and each run
+    replaces the previous one. `SLOTS` is the most outputs one run of the explorer draws.
+    """
+
+    SLOTS = 4
+
+    def __init__(self, controls: list[W.Widget], backend: str = "auto") -> None:
+        self.backend = backend
+        self.controls = controls
+        self.button = W.Button(description="Run", button_style="primary", icon="play")
+        self.button.on_click(lambda _: self.refresh())
+        self._clusters: dict[int, Cluster] = {}
+        self.widget = W.HBox([*controls, self.button])
+        self.slots = Slots(self.widget, self.SLOTS, self._describe)
+
+    def cluster(self, n: int) -> Cluster:
+        if n not in self._clusters:
+            self._clusters[n] = Cluster(n, self.backend, verbose=False)
+        return self._clusters[n]
+
+    def _describe(self) -> str:
+        return settings_text(self)
+
+    def show(self) -> None:
+        """Measure once with the current settings and show it below the controls."""
+        captured = io.StringIO()
+        with contextlib.redirect_stdout(captured):  # rank output joins the measurement's slots
+            outputs = self.draw()
+        if captured.getvalue().strip():
+            outputs = [Markdown(f"```\n{captured.getvalue().rstrip()}\n```"), *outputs]
+        self.slots.fill(outputs)
+
+    def refresh(self) -> None:
+        """What the Run button does: `show()`, an error shown in the slots instead of lost."""
+        self.button.disabled, self.button.description = True, "Running…"
+        try:
+            self.show()
+        except Exception as err:  # a button callback has no cell to raise into
+            self.slots.fill([Markdown(f"**The run failed:** `{type(err).__name__}: {err}`")])
+        finally:
+            self.button.disabled, self.button.description = False, "Run"
+
+    def draw(self) -> list[Any]:  # pragma: no cover - defined by subclasses
+        """Run one measurement; return what to show, in order (figures, Markdown)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for cluster in self._clusters.values():
+            cluster.close()
+        self._clusters.clear()
+
+    def _ipython_display_(self) -> None:
+        self.slots.display()
+
+
+def settings_text(explorer: Any) -> str:
+    """The controls as text: what an HTML export or a plain console shows in their place."""
+
+    def shown(control: W.Widget) -> str:
+        labels = getattr(control, "_options_labels", None)  # a selection's shown text ("4 KiB");
+        if labels and control.index is not None:  # its `label` is '' until the index first moves
+            return str(labels[control.index])
+        return str(control.value)
+
+    settings = ", ".join(f"{c.description} = {shown(c)}" for c in explorer.controls)
+    return (
+        f"[{type(explorer).__name__}: {settings}; open the notebook in JupyterLab to change them]"
+    )

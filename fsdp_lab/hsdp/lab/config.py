@@ -1,0 +1,151 @@
+"""Lab 06 — hybrid sharding (HSDP): shard inside a node, replicate across nodes.
+
+The lab's config: its fields are the command-line options (`fsdp_lab.labs.options`), its errors
+are in Python terms and the CLI says them in flags. Torch-free, so ``fsdp-lab --help`` is fast.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fsdp_lab.config_checks import check_counts, check_ranges, is_int
+from fsdp_lab.emulate import parse_rate
+from fsdp_lab.sharding.lab.config import DEFAULT_MODEL, check_batch_divides
+
+SYSTEMS = ("full", "hybrid", "hybrid_zero2")  # ours, measured on the same ranks
+NODES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the network model's x axis
+
+
+def default_mesh(world_size: int) -> tuple[int, int]:
+    """(R, S) with the largest shard group short of the world: 4 -> (2, 2), 6 -> (2, 3)."""
+    s = next((world_size // p for p in range(2, world_size + 1) if world_size % p == 0), 1)
+    return world_size // s, s
+
+
+def parse_mesh(mesh: object, world_size: int) -> tuple[int, int]:
+    """ "R,S", "RxS" or (R, S) -> (R, S), checked against `world_size`."""
+    fix = "mesh='{},{}'".format(*default_mesh(world_size))  # a string: Python and CLI alike
+    parts: object = mesh
+    if isinstance(mesh, str):
+        parts = [p.strip() for p in mesh.replace("x", ",").split(",")]
+        parts = [int(p) if p.lstrip("-").isdigit() else p for p in parts]
+    if not (
+        isinstance(parts, (tuple, list)) and len(parts) == 2 and all(is_int(d, 1) for d in parts)
+    ):
+        raise ValueError(
+            f"mesh={mesh!r}: expected two positive ints R,S (R replicas of S-rank shard "
+            f"groups). Fix: {fix}"
+        )
+    r, s = parts
+    if r * s != world_size:
+        raise ValueError(
+            f"mesh={mesh!r} has {r}x{s}={r * s} ranks but world_size={world_size}: R·S must "
+            f"equal the world size. Fix: {fix}, or world_size={r * s}"
+        )
+    return int(r), int(s)
+
+
+# What one host runs in a lab's time; the network model's inputs as sold.
+RANGES = {
+    "steps": (1, 100_000),
+    "global_batch": (1, 4096),
+    "lr": (1e-8, 10.0),
+    "params_b": (1e-3, 1e5),
+    "vram_gb": (1.0, 1e4),
+    "gpus_per_node": (1, 1024),
+    "inter_node_gbit": (1e-3, 1e5),
+    "emulate_steps": (2, 100_000),
+}
+
+
+@dataclass(frozen=True)
+class HsdpConfig:
+    """Args:
+    world_size: ranks (R·S).
+    mesh: "R,S": R replicas of S-rank shard groups — S ranks stand for a node (default: the
+        largest shard group short of the world, e.g. 2,2 on 4 ranks).
+    steps: training steps of every run.
+    model: "module:factory" returning a token model (default: TinyGPT with a tied head).
+    optimizer: "adam" (16 B/param of model state) or "sgd" (momentum).
+    lr: learning rate.
+    global_batch: sequences per step over all ranks (must divide by world_size).
+    compare_pytorch: also train fully_shard on the same 2-D DeviceMesh and FSDP1's
+        HYBRID_SHARD (and their ZeRO-2 twins); on by default.
+    params_b: the model of the capacity argument and the network model, billions of parameters.
+    vram_gb: one GPU's memory in the capacity argument (GB).
+    gpus_per_node: GPUs per node in the network model.
+    inter_node_gbit: the network model's bandwidth between nodes (Gbit/s per node).
+    overlap: the network model's fraction of compute that communication can hide behind.
+    emulate_nodes: 2 puts the ranks of each shard group in their own network namespace, the
+        two joined by a veth pair shaped to `inter_node_bandwidth`, and times full FSDP and HSDP
+        steps there (Linux, root); 0 skips it.
+    inter_node_bandwidth: the emulated link's rate, in tc's spelling ("1gbit", "200mbit").
+    emulate_steps: training steps timed per system on the emulated nodes.
+    backend: "auto", "gloo" or "nccl".
+    """
+
+    world_size: int = 4
+    mesh: str | None = field(default=None, metadata={"metavar": "R,S"})
+    steps: int = 3
+    model: str = DEFAULT_MODEL
+    optimizer: str = field(default="adam", metadata={"choices": ["adam", "sgd"]})
+    lr: float = 1e-3
+    global_batch: int = 12
+    compare_pytorch: bool = field(default=True, metadata={"flag": "--no-pytorch"})
+    params_b: float = 7.0
+    vram_gb: float = 80.0
+    gpus_per_node: int = 8
+    inter_node_gbit: float = 100.0
+    overlap: float = 1.0
+    emulate_nodes: int = 0
+    inter_node_bandwidth: str = "1gbit"
+    emulate_steps: int = 4
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_counts(self, {"world_size": 1, "steps": 1, "global_batch": 1, "gpus_per_node": 1})
+        check_ranges(self, RANGES)
+        mesh = self.mesh if self.mesh is not None else default_mesh(self.world_size)
+        object.__setattr__(self, "mesh", parse_mesh(mesh, self.world_size))  # frozen: once
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(
+                f"optimizer={self.optimizer!r}: expected 'adam' or 'sgd'. Fix: optimizer='adam'"
+            )
+        for name, low in (("lr", 0), ("params_b", 0), ("vram_gb", 0), ("inter_node_gbit", 0)):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and value > low)
+            ):
+                default = self.__dataclass_fields__[name].default
+                raise ValueError(f"{name}={value!r}: expected a number > 0. Fix: {name}={default}")
+        if not (isinstance(self.overlap, (int, float)) and 0 <= self.overlap <= 1):
+            raise ValueError(
+                f"overlap={self.overlap!r}: expected a fraction in 0..1. Fix: overlap=1.0"
+            )
+        if ":" not in self.model:
+            raise ValueError(
+                f"model={self.model!r}: expected 'module:factory'. Fix: model={DEFAULT_MODEL!r}"
+            )
+        check_batch_divides(self.global_batch, self.world_size)
+        try:
+            parse_rate(self.inter_node_bandwidth)
+        except ValueError:
+            raise ValueError(
+                f"inter_node_bandwidth={self.inter_node_bandwidth!r}: expected a rate in tc's "
+                "spelling, a number and kbit, mbit or gbit. Fix: inter_node_bandwidth='1gbit'"
+            ) from None
+        check_counts(self, {"emulate_steps": 2})  # the first step is a warm-up, not timed
+        r = self.mesh[0]
+        if self.emulate_nodes not in (0, 2) or (self.emulate_nodes and r != 2):
+            raise ValueError(
+                f"emulate_nodes={self.emulate_nodes!r} with mesh='{r},{self.mesh[1]}': two "
+                "emulated nodes hold the two replicas of a mesh of R = 2. Fix: emulate_nodes=0, "
+                f"or emulate_nodes=2 with mesh='2,{self.world_size // 2}'"
+            )
+
+
+CONFIG = HsdpConfig
+TOUR = {"world_size": 4, "steps": 2, "compare_pytorch": False}  # the tour: ours only, fast

@@ -1,0 +1,88 @@
+"""The pp-seed lab's explorer: stages, layers and an init strategy under controls; who owns
+which module, and what each stage draws.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ipywidgets as W
+from IPython.display import Markdown
+
+from fsdp_lab.cluster import Cluster
+from fsdp_lab.explorer import Explorer
+
+
+class PPSeedExplorer(Explorer):
+    """Stages S, layers L and an init strategy for lab 05: the picture of who owns which
+    layers and where the seed or RNG state travels, then one measured run of that strategy.
+
+    A run initialises a pipeline of S stages on S ranks with the chosen strategy, compares
+    every stage with the unsplit init and the stages with each other, trains it `steps` GPipe
+    steps beside single-process training, and shows the table rows and the loss curves.
+    `cluster`: a live `Cluster` to use when S equals its size (the explorer leaves it open).
+    """
+
+    SLOTS = 5  # rank output, the diagram, the tables, the loss curves, the same-seed draws
+
+    def __init__(
+        self,
+        stages: int = 2,
+        layers: int = 4,
+        strategy: str = "rng_replay",
+        steps: int = 20,
+        cluster: Cluster | None = None,
+        backend: str = "auto",
+    ) -> None:
+        from fsdp_lab.pipeline.rng import STRATEGIES
+
+        self.stages = W.IntSlider(value=stages, min=1, max=4, description="S stages")
+        self.layers = W.IntSlider(value=layers, min=1, max=12, description="L layers")
+        self.strategy = W.Dropdown(options=list(STRATEGIES), value=strategy, description="init")
+        self.steps = steps
+        super().__init__([self.stages, self.layers, self.strategy], backend)
+        self._borrowed = cluster
+        if cluster is not None:
+            self._clusters[cluster.world_size] = cluster
+        self.last_result: Any = None
+
+    def close(self) -> None:
+        if self._borrowed is not None and self._clusters.get(self._borrowed.world_size) is (
+            self._borrowed
+        ):
+            del self._clusters[self._borrowed.world_size]  # not ours to close
+        super().close()
+
+    def draw(self) -> list[Any]:
+        from fsdp_lab.diagrams import pipeline_diagram
+        from fsdp_lab.pipeline import lab as pp_seed
+        from fsdp_lab.pipeline.lab import pictures, report, tables
+
+        s, strategy = self.stages.value, self.strategy.value
+        try:
+            config = pp_seed.PPSeedConfig(
+                stages=s,
+                layers=self.layers.value,
+                steps=self.steps,
+                strategies=(strategy,),
+                grow_dims=(),
+                backend=self.backend,
+            )
+        except ValueError as err:  # e.g. more stages than layers: say why, run nothing
+            return [Markdown(f"**Not run:** {err}")]
+        diagram = pipeline_diagram(config.gpt(), s, strategy=strategy)
+        result = pp_seed.run(config, cluster=self.cluster(s))
+        self.last_result = result
+        text = [tables.results_table(result), report.exactness_sentence(result)]
+        text += [tables.overlap_table(result), report.loss_sentence(result)]
+        outputs = [diagram, Markdown("\n\n".join(text)), pictures.loss_figure(result)]
+        if strategy == "same_seed" and s > 1:
+            outputs.append(pictures.same_seed_figure(result))
+        return outputs
+
+
+def pp_seed_explorer(
+    stages: int = 2, layers: int = 4, strategy: str = "rng_replay", cluster: Cluster | None = None
+) -> PPSeedExplorer:
+    """Controls for S, L and the init strategy; press Run to initialise, compare and train."""
+    return PPSeedExplorer(stages, layers, strategy, cluster=cluster)
