@@ -4,9 +4,12 @@ reports that do not pull in matplotlib."""
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_lab"
 
@@ -157,7 +160,7 @@ def _function(path: Path, name: str) -> ast.FunctionDef:
 def test_shard_reads_as_its_lifecycle():
     # Issue 27: shard() was a 154-line hub with two interleaved init paths and closures; its
     # body (docstring aside) now names five steps in order, in about 40 lines.
-    fn = _function(PACKAGE / "sharding" / "shard.py", "shard")
+    fn = _function(PACKAGE / "sharding" / "apply.py", "shard")
     body = fn.body[1:]  # the docstring first
     lines = body[-1].end_lineno - body[0].lineno + 1
     assert lines <= 55, f"shard() body is {lines} lines"
@@ -183,3 +186,15 @@ def test_no_course_module_writes_a_mechanism_attribute():
                 if named and t.value.id in ("state", "unit", "units", "sharding_state"):
                     offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert offenders == []
+
+
+@pytest.mark.parametrize("package", ["fsdp_lab", "fsdp_lab.sharding", "fsdp_lab.pipeline"])
+def test_a_lazy_public_name_is_never_shadowed_by_a_submodule(package):
+    # Importing `fsdp_lab.sharding.shard` (a module) binds `shard` on the package: had the
+    # entry point's module been named like the function, `from fsdp_lab.sharding import shard`
+    # would give a module once anything had imported it (it did, until apply.py).
+    module = importlib.import_module(package)
+    folder = Path(module.__file__).parent
+    submodules = {p.stem for p in folder.glob("*.py")} | {p.name for p in folder.iterdir()}
+    for name, where in module._PUBLIC.items():
+        assert name not in submodules or where == f"{package}.{name}", (package, name)

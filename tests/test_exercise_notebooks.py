@@ -92,7 +92,7 @@ def test_with_the_reference_solutions_every_check_passes(path, executed, record_
     nb, seconds = executed[path.name]
     if isinstance(nb, Exception):
         raise nb
-    record_property("notebook_seconds", (f"course/{path.name} (two at a time)", seconds))
+    record_property("notebook_seconds", (f"exercises/{path.name} (two at a time)", seconds))
     shown = [
         o["data"]["text/markdown"]
         for c in nb.cells

@@ -1,6 +1,6 @@
 """FSDP / ZeRO from scratch: flat parameters, gather/free per unit, reduce-scatter, prefetch.
 
-Read in this order: `shard.py` (the entry point: the lifecycle in five steps), `steps.py` (the
+Read in this order: `apply.py` (`shard()`, the entry point: the lifecycle in five steps), `steps.py` (the
 four steps a learner writes), `flat_param.py` (the storage), `unit.py` (one unit's step, hook by
 hook), `state.py` (what the units share), `mesh.py` (the process groups), `checks.py` (what
 shard refuses, before any message), `storage.py` (each unit's shard and slices),
@@ -44,8 +44,8 @@ from fsdp_lab.lazy import lazy_names
 # Public name -> the module that defines it, imported on first use (torch-free until then: the
 # labs' configs live in this package).
 _PUBLIC = {
-    "MixedPrecision": "fsdp_lab.sharding.shard",
-    "shard": "fsdp_lab.sharding.shard",
+    "MixedPrecision": "fsdp_lab.sharding.apply",
+    "shard": "fsdp_lab.sharding.apply",
     "CorruptCheckpointError": "fsdp_lab.sharding.sharded_checkpoint",
     "load_sharded": "fsdp_lab.sharding.sharded_checkpoint",
     "save_sharded": "fsdp_lab.sharding.sharded_checkpoint",

@@ -68,7 +68,7 @@ def _wrap(system: str, model: nn.Module, group: dist.ProcessGroup, split: str) -
             fully_shard(model.get_submodule(block), mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
-    from fsdp_lab.sharding.shard import shard
+    from fsdp_lab.sharding.apply import shard
 
     return shard(model, units=[split], mesh=group)
 
