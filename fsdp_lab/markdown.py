@@ -48,3 +48,15 @@ def timeline_sentence(shares: dict[str, float]) -> str:
         f"rank computed (hidden behind compute; an asynchronous all-gather's span ends when the "
         f"rank waits for it, so this is an upper bound)."
     )
+
+
+def source(fn: Any) -> str:
+    """Markdown: `fn`'s own code, read from the installed package, under the file it lives in —
+    so a notebook shows the function the mechanism runs, never a copy of it."""
+    import inspect
+    from pathlib import Path
+
+    import fsdp_lab
+
+    where = Path(inspect.getsourcefile(fn)).relative_to(Path(fsdp_lab.__file__).parents[1])
+    return f"`{where.as_posix()}`\n\n```python\n{inspect.getsource(fn).rstrip()}\n```"

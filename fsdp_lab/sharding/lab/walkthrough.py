@@ -3,15 +3,17 @@
 The lab (`measure.py`) trains a whole model; this walkthrough slows one step down on a tiny
 unit whose values say where they came from — parameter ``a`` holds 1, 2, …, ``b`` 11, 12, …,
 ``c`` 21, 22, … — and stops after every stage to record what each rank holds. The stages are
-the ones `ShardedUnit` runs from its hooks, called here one at a time with the same pieces
-(`FlatParameter`, `fsdp_lab.comm`):
+the ones `ShardedUnit` runs from its hooks, called here one at a time — the free and the
+reduce-scatter are the mechanism's own steps (`fsdp_lab.sharding.steps`), the very functions
+`shard()` calls, so what this walkthrough measures is what the mechanism does:
 
     flatten         a, b, c -> one flat buffer, padded to a multiple of N
     shard           rank r keeps flat[r*S : (r+1)*S]                 (the only persistent copy)
     gather          all-gather: every rank holds the full flat buffer again
     compute         forward + backward on the rank's own data -> unsharded gradient
-    free            the unsharded buffer's storage is resized to 0 bytes
-    reduce-scatter  rank r keeps shard r of the gradient summed over ranks, divided by N
+    free            steps.free_unsharded: the unsharded buffer's storage is resized to 0 bytes
+    reduce-scatter  steps.reduce_grad_shard: rank r keeps shard r of the gradient summed over
+                    ranks, divided by N
     optimizer step  SGD on the shard: shard - lr * grad
 
 Rank r's batch is the single number x = r + 1 (as in the collectives lab, values say where
@@ -30,6 +32,7 @@ import torch.nn as nn
 
 from fsdp_lab import comm
 from fsdp_lab.cluster import AttachedCluster, Cluster, rank, world_size
+from fsdp_lab.sharding import steps
 from fsdp_lab.sharding.flat_param import FlatParameter
 from fsdp_lab.sharding.lab.measure import flat_layout
 
@@ -92,14 +95,12 @@ def _walk_on_rank(numel_per_param: tuple[int, ...], lr: float) -> dict[str, Any]
     record("compute", flat.unsharded.grad)  # the views' gradients, summed into (padded,)
 
     # free: the parameters' storage goes to 0 bytes (the views stay valid Python objects).
-    flat.free_unsharded()
+    steps.free_unsharded(flat.unsharded)  # the mechanism's post-forward step
     record("free", flat.shard)
 
     # reduce-scatter: sum over ranks, keep shard r, divide by N; the full gradient is dropped.
-    shard_grad = torch.empty(flat.shard_numel)
     with comm.CommLog() as log, torch.no_grad():
-        comm.reduce_scatter_tensor(shard_grad, flat.unsharded.grad)
-        shard_grad.div_(n)
+        shard_grad = steps.reduce_grad_shard(flat.unsharded.grad, None)  # post-backward step
     moved["reduce-scatter"] = sum(log.bytes_by_op().values())
     ops["reduce-scatter"] = list(log.bytes_by_op())
     flat.shard.grad, flat.unsharded.grad = shard_grad, None
