@@ -1,5 +1,8 @@
 """``fsdp-lab <lab> [options]`` — run a lab headless, save its figures and JSON.
 
+(Over 450 lines on purpose: every subcommand's options, checks, messages and exit codes are the
+command line's one contract, read in one sitting; the labs themselves live in their topics.)
+
     fsdp-lab collectives --world-size 4 --out out/     figures (PNG, diagrams SVG) + JSON in out/
     fsdp-lab collectives --json                        exactly one JSON object on stdout
     fsdp-lab tour --out out/                           every lab, with a summary.md/.json

@@ -198,3 +198,21 @@ def test_a_lazy_public_name_is_never_shadowed_by_a_submodule(package):
     submodules = {p.stem for p in folder.glob("*.py")} | {p.name for p in folder.iterdir()}
     for name, where in module._PUBLIC.items():
         assert name not in submodules or where == f"{package}.{name}", (package, name)
+
+
+def test_every_lab_has_one_report_shape():
+    # Issue 27: the labs' output had grown by output type (tables, pictures, charts, words,
+    # claims, textbook). Now prose and tables are `report.py`, pictures `figures.py`.
+    for topic in TOPICS:
+        lab = {p.stem for p in (PACKAGE / topic / "lab").glob("*.py")}
+        assert {"config", "measure", "analysis", "report", "figures"} <= lab, topic
+        by_output = {"tables", "pictures", "charts", "words", "claims", "textbook"}
+        assert not lab & by_output, (topic, lab & by_output)
+
+
+def test_a_file_over_450_lines_says_why_it_is_one_file():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 450:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            assert "lines on purpose" in doc, path.relative_to(PACKAGE)

@@ -9,7 +9,7 @@ import pytest
 import fsdp_lab
 from fsdp_lab.models import tiny_gpt
 from fsdp_lab.tying.lab.audit import STAGES, SYSTEMS, _agree, audit_worker
-from fsdp_lab.tying.lab.tables import audit_table
+from fsdp_lab.tying.lab.report import audit_table
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ from fsdp_lab.checkpointing.lab.analysis import (
     revolve_frontier,
 )
 from fsdp_lab.checkpointing.lab.config import MODES
-from fsdp_lab.checkpointing.lab.report import figures, summary
+from fsdp_lab.checkpointing.lab.figures import figures
+from fsdp_lab.checkpointing.lab.report import summary
 from fsdp_lab.labs.contract import LabResult
 from fsdp_lab.trace import MemoryTracker, category
 

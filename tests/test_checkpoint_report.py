@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import re
 
-from fsdp_lab.checkpointing.lab import report, textbook
+from fsdp_lab.checkpointing.lab import report
 from fsdp_lab.labs.contract import LabResult
 
 
@@ -187,7 +187,7 @@ def test_explorer_note_follows_the_bytes():
 
 
 def test_textbook_verdicts_on_counts_as_the_schedules_make_them():
-    text = textbook.textbook_verdicts(chains_result())
+    text = report.textbook_verdicts(chains_result())
     assert "mixes two schemes" in text
     # a checkpoint every k layers, rerun once per segment: the segments row's own counts
     first = text.splitlines()[0]
@@ -203,7 +203,7 @@ def test_textbook_verdicts_turn_with_the_numbers():
     result = changed(result, 32, "segments(6)", forward_calls=70)  # over 2N
     result = changed(result, 16, "optimal(7)", forward_calls=28)  # as many as segments
     result = changed(result, 32, "optimal(10)", forward_calls=70)
-    text = textbook.textbook_verdicts(result)
+    text = report.textbook_verdicts(result)
     assert "did not grow with N" in text and "grew with N" not in text
     assert "not under 2N calls everywhere" in text and "more than one extra forward" in text
     assert "under 2N" not in text.splitlines()[0] and "more measured here" in text
@@ -212,33 +212,33 @@ def test_textbook_verdicts_turn_with_the_numbers():
 
 def test_frontier_in_bytes_compares_at_equal_kept_inputs_both_ways():
     result = chains_result()
-    text = textbook.frontier_in_bytes(result)
+    text = report.frontier_in_bytes(result)
     assert "`optimal(7)` made fewer calls (27 vs 28) and held more activation memory" in text
     assert "`optimal(10)` made fewer calls (57 vs 85) and held more" in text
     less = changed(result, 16, "optimal(7)", peak_activation_bytes=300 * KIB)
-    text = textbook.frontier_in_bytes(less)
+    text = report.frontier_in_bytes(less)
     assert "(27 vs 28) and held less activation memory (300.00 KiB vs 384.00 KiB)" in text
     unequal = changed(result, 16, "segments(4)", stored_activations=6)
-    assert "`segments(4)`" not in textbook.frontier_in_bytes(unequal)  # not at equal kept inputs
+    assert "`segments(4)`" not in report.frontier_in_bytes(unequal)  # not at equal kept inputs
 
 
 def test_binomial_note_follows_the_hooks():
     result = chains_result()
-    assert "the hooks saw the law" in textbook.binomial_note(result)
-    assert "the advances equal" in textbook.binomial_note(result)
+    assert "the hooks saw the law" in report.binomial_note(result)
+    assert "the advances equal" in report.binomial_note(result)
     result.data["binomial_law"][0]["past"]["repetitions"] = 2
     result.data["binomial_law"][0]["at"]["advances"] = 9
-    text = textbook.binomial_note(result)
+    text = report.binomial_note(result)
     assert "did not see the law everywhere" in text and "differ from t" in text
-    assert "| 2 | 2 | 6 | 9 (8) · 2 (2) | 2 (3) |" in textbook.binomial_table(result)
+    assert "| 2 | 2 | 6 | 9 (8) · 2 (2) | 2 (3) |" in report.binomial_table(result)
 
 
 def test_the_corrected_table_sets_each_formula_beside_the_measured_run():
-    text = textbook.corrected_table(chains_result())
+    text = report.corrected_table(chains_result())
     assert "| every(C): C checkpoints, N/C layers apart | C + 1 — O(C) |" in text
     assert "`segments(6)`: 10 · 62 · 576.00 KiB" in text
     assert "O(N√N)" not in text  # the wrong compute is the sources', not ours
-    assert "theoretically optimal" in textbook.SOURCES_TABLE
+    assert "theoretically optimal" in report.SOURCES_TABLE
 
 
 # -- one recording for the explorer's table and figures; the memory-vs-compute figure -------------

@@ -14,7 +14,7 @@ from meta_init_results import PSI_70B, SEVENTY, materialise, measured, parent_in
 from fsdp_lab import theory
 from fsdp_lab.labs.contract import LabResult
 from fsdp_lab.labs.options import add_config_arguments, config_overrides, to_flags
-from fsdp_lab.meta_init.lab import MetaInitConfig, analysis, report
+from fsdp_lab.meta_init.lab import MetaInitConfig, analysis, figures, report
 from fsdp_lab.meta_init.lab.config import CONTROL, MODES, PARENT_INIT
 
 MiB = 2**20
@@ -112,7 +112,7 @@ def test_summary_and_figures_from_an_analysed_result():
     # The control, as measured here: it matched (the builders' control has no mismatch).
     assert f"the control ({CONTROL}: no broadcast) **also** matched the reference" in text
     assert "The recipe's claim fails here: on rank 1, 2 of 53 parameters" in text
-    figs = report.figures(result)
+    figs = figures(result)
     assert set(figs) == {"rss_over_time", "agreement"}
     assert all(isinstance(f, Figure) for f in figs.values())
     assert len(figs["rss_over_time"].axes) == 2  # one panel per rank

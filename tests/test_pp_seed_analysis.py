@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 from fsdp_lab.diagrams import Diagram
 from fsdp_lab.labs.contract import LabResult
 from fsdp_lab.pipeline import PipeGPT, stage_info
-from fsdp_lab.pipeline.lab import PPSeedConfig, analysis, report, tables
+from fsdp_lab.pipeline.lab import PPSeedConfig, analysis, figures, report
 from fsdp_lab.pipeline.rng import init_stage, record_init_order
 from fsdp_lab.sizes import format_bytes
 
@@ -219,7 +219,7 @@ def test_tables_and_summary_say_what_was_measured(result):
     assert "median of 3 repeat(s)" in text
     assert "| (d) rng_replay | yes | 0 | 1000 B | 1001 B | 400.0 ms | 5,056 B | 2 |" in text
     assert "| (b) same_seed | no |" in text
-    overlap = tables.overlap_table(result).splitlines()[-2]  # (b): rows follow the strategies
+    overlap = report.overlap_table(result).splitlines()[-2]  # (b): rows follow the strategies
     cells = [c.strip() for c in overlap.split("|")[1:-1]]
     # corr 1-2 needs 3 stages; no identical first layers with 2; the shared prefix; every value
     # of stage 1 repeats stage 0's; not distinct; no replicas at dp = 1.
@@ -231,7 +231,7 @@ def test_tables_and_summary_say_what_was_measured(result):
 
 
 def test_figures_by_stem(result):
-    figs = report.figures(result)
+    figs = figures(result)
     assert set(figs) == {
         "pipeline_same_seed", "pipeline_rng_replay", "loss_curves", "growth", "growth_time",
         "same_seed_draws",
@@ -243,4 +243,7 @@ def test_figures_by_stem(result):
     losses = {"rng_replay": [BASELINE], "same_seed": [BASELINE]}
     measured = _measured(lean, 2, losses)
     data = analysis.analyse(lean, measured)
-    assert set(report.figures(LabResult("pp-seed", data))) == {"pipeline_rng_replay", "loss_curves"}
+    assert set(figures(LabResult("pp-seed", data))) == {
+        "pipeline_rng_replay",
+        "loss_curves",
+    }

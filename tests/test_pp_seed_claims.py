@@ -13,14 +13,9 @@ import torch
 from matplotlib.figure import Figure
 
 from fsdp_lab.labs.contract import LabResult
-from fsdp_lab.pipeline.lab import PPSeedConfig, claims, convergence, pictures, report, tables
-from fsdp_lab.pipeline.lab.timing import (
-    first_calls,
-    growth_timing,
-    init_costs,
-    scaling_rows,
-    trend,
-)
+from fsdp_lab.pipeline.lab import PPSeedConfig, convergence, report
+from fsdp_lab.pipeline.lab.figures import growth_figure, growth_time_figure, scaling_figure
+from fsdp_lab.pipeline.lab.timing import first_calls, growth_timing, init_costs, scaling_rows, trend
 
 SCALED = ("seed_checkpoint", "per_stage_seed", "rng_replay")
 
@@ -73,7 +68,7 @@ def test_scaling_sentence_says_the_claim_holds_when_the_exact_inits_stay_flat():
         "per_stage_seed": [0.1, 0.07, 0.05, 0.04]
     }
     result = _scaling_result(flat)
-    text = claims.scaling_sentence(result)
+    text = report.scaling_sentence(result)
     assert "The claim holds for (d) rng_replay here" in text  # exact seeding: (d) only
     assert "(a) seed_checkpoint here" not in text  # (a) is sync, not exact seeding
     assert "nor did it fall" in text and "fails" not in text
@@ -84,7 +79,7 @@ def test_scaling_sentence_says_the_claim_holds_when_the_exact_inits_stay_flat():
 
 def test_scaling_sentence_says_the_claim_fails_when_an_exact_init_grows():
     wall = {s: [0.10, 0.11, 0.10, 0.11] for s in SCALED} | {"rng_replay": [0.1, 0.15, 0.2, 0.3]}
-    text = claims.scaling_sentence(_scaling_result(wall))
+    text = report.scaling_sentence(_scaling_result(wall))
     assert "The claim fails for (d) rng_replay: its init time grew with the ranks (3.00x)" in text
     assert "The claim holds" not in text  # (a) stayed flat, but it is sync: it does not count
 
@@ -101,7 +96,7 @@ def test_scaling_counts_no_growth_inside_the_spread_of_the_repeats():
     measured[0]["per_rank"][0]["rng_replay"]["init_time_s_runs"] = [0.09, 0.1, 0.4]
     noisy = LabResult("pp-seed", {"scaling": scaling_rows(config, measured, 4), "cores": 4})
     assert noisy["scaling"]["trends"]["rng_replay"]["wall"] == "flat"
-    text = claims.scaling_sentence(noisy)
+    text = report.scaling_sentence(noisy)
     assert "The claim holds for (d) rng_replay here" in text
 
 
@@ -110,10 +105,10 @@ def test_scaling_judges_wall_time_only_where_every_rank_had_a_core():
     wall = {s: [0.10, 0.11, 0.5, 0.9] for s in SCALED}
     result = _scaling_result(wall, cores=2)
     assert result["scaling"]["judged_ranks"] == [1, 2]
-    text = claims.scaling_sentence(result)
+    text = report.scaling_sentence(result)
     assert "on 1 and on 2 ranks" in text and "The claim holds for" in text
     assert "Above 2 ranks the ranks share 2 cores" in text
-    on_four = claims.scaling_sentence(_scaling_result(wall, cores=4))
+    on_four = report.scaling_sentence(_scaling_result(wall, cores=4))
     assert "The claim fails for (d) rng_replay" in on_four
 
 
@@ -122,7 +117,7 @@ def test_scaling_on_one_rank_count_has_no_trend():
     rows = scaling_rows(
         config, [{"ranks": 1, "per_rank": [{s: _init(0.1, 0.1) for s in SCALED}]}], 2
     )
-    text = claims.scaling_sentence(LabResult("pp-seed", {"scaling": rows, "cores": 2}))
+    text = report.scaling_sentence(LabResult("pp-seed", {"scaling": rows, "cores": 2}))
     assert text.startswith("Measured on one number of ranks only")
 
 
@@ -149,14 +144,14 @@ def _growth_result(wall: list[float], cpu: list[float], spread: float = 1.2) -> 
 
 
 def test_a_hump_in_wall_time_only_is_called_waiting():
-    text = claims.growth_timing_sentence(_growth_result([0.5, 0.1, 0.3], [0.01, 0.02, 0.04], 3.0))
+    text = report.growth_timing_sentence(_growth_result([0.5, 0.1, 0.3], [0.01, 0.02, 0.04], 3.0))
     assert "a hump" in text and "(d) rng_replay (width 32 -> 64)" in text
     assert "the hump is waiting (for a core, or for another rank), not work" in text
     assert "up to 3.0x apart in wall time (4 ranks on 2 cores)" in text
 
 
 def test_a_hump_in_cpu_time_too_is_not_called_waiting():
-    text = claims.growth_timing_sentence(_growth_result([0.5, 0.1, 0.3], [0.04, 0.01, 0.05]))
+    text = report.growth_timing_sentence(_growth_result([0.5, 0.1, 0.3], [0.04, 0.01, 0.05]))
     assert "The CPU time dips too, for (d) rng_replay (width 32 -> 64)" in text
     assert "not work" not in text
 
@@ -169,7 +164,7 @@ def test_first_calls_are_called_costly_only_when_they_were():
     rows = {"rng_replay": {"init_time_s": 0.05}, "same_seed": {"init_time_s": 0.02}}
 
     def sentence() -> str:
-        return claims.first_call_sentence(
+        return report.first_call_sentence(
             LabResult("pp-seed", {"first_call": first_calls(ranks, rows)})
         )
 
@@ -190,7 +185,7 @@ def test_first_calls_are_called_costly_only_when_they_were():
 
 
 def test_no_hump_when_the_time_never_falls():
-    text = claims.growth_timing_sentence(_growth_result([0.1, 0.11, 0.3], [0.01, 0.02, 0.04]))
+    text = report.growth_timing_sentence(_growth_result([0.1, 0.11, 0.3], [0.01, 0.02, 0.04]))
     assert text.startswith("Measured: no hump") and "waiting" not in text
 
 
@@ -210,14 +205,14 @@ def _convergence(unsplit: list[float], same: list[float]) -> LabResult:
 def test_convergence_harm_is_shown_only_when_the_paired_interval_excludes_zero():
     worse = _convergence([2.00, 2.02, 2.01, 2.03, 2.00], [2.10, 2.12, 2.09, 2.12, 2.11])
     assert worse["convergence"]["harm_shown"] is True
-    text = claims.convergence_sentence(worse)
+    text = report.convergence_sentence(worse)
     assert "ended +0.0960 from the unsplit init on average" in text
     assert "95 % interval of that difference (Student's t, 4 degrees of freedom)" in text
     assert "above 0: here the same seed on every stage did harm convergence" in text
     # Mixed signs: the interval holds 0, whatever the spread of the unsplit init.
     mixed = _convergence([2.00, 2.02, 2.01, 2.0, 2.0], [2.20, 1.90, 2.01, 2.0, 2.05])
     assert mixed["convergence"]["harm_shown"] is False
-    text = claims.convergence_sentence(mixed)
+    text = report.convergence_sentence(mixed)
     assert (
         text.startswith("Measured (5 seeds, 20 steps each): inconclusive") and "includes 0" in text
     )
@@ -232,21 +227,21 @@ def test_the_convergence_verdict_needs_five_seeds_and_says_so():
     it is too few; at 5 it judges."""
     three = _convergence([2.000, 2.008, 2.004], [2.0096, 2.0271, 2.0177])  # as measured: +0.015
     assert three["convergence"]["interval"][0] > 0 and three["convergence"]["harm_shown"] is False
-    text = claims.convergence_sentence(three)
+    text = report.convergence_sentence(three)
     assert "inconclusive" in text and "3 seeds are fewer than the 5 a verdict needs" in text
     five = _convergence(
         [2.000, 2.008, 2.004, 2.025, 1.995], [2.0096, 2.0271, 2.0177, 2.0182, 2.0197]
     )
     assert five["convergence"]["interval"][0] < 0 < five["convergence"]["interval"][1]
-    assert "includes 0" in claims.convergence_sentence(five)
+    assert "includes 0" in report.convergence_sentence(five)
 
 
 def test_convergence_the_other_way_and_with_one_seed():
-    better = claims.convergence_sentence(
+    better = report.convergence_sentence(
         _convergence([2.1, 2.12, 2.11, 2.1, 2.13], [2.0, 2.01, 2.0, 2.02, 2.01])
     )
     assert "below 0: here it did not harm convergence" in better
-    one = claims.convergence_sentence(_convergence([2.0], [2.5]))
+    one = report.convergence_sentence(_convergence([2.0], [2.5]))
     assert "with one seed there is nothing to judge it by" in one and "did harm" not in one
 
 
@@ -397,16 +392,16 @@ def test_growth_sentence_says_whose_rank_0_followed_the_model():
 def test_readme_table_does_not_move_with_times_or_peaks():
     row = _row(bytes_moved=5056, messages=2, init_time_s=0.03, checkpoint_file_bytes=1000)
     data = {"strategies": {"rng_replay": row}, "handoffs": 1, "generator_state_bytes": 5056}
-    first = tables.readme_table(LabResult("pp-seed", data))
+    first = report.readme_table(LabResult("pp-seed", data))
     moved = copy.deepcopy(data)
     moved["strategies"]["rng_replay"] |= {"init_time_s": 9.9, "peak_bytes_per_rank": [1, 2]}
-    assert tables.readme_table(LabResult("pp-seed", moved)) == first
+    assert report.readme_table(LabResult("pp-seed", moved)) == first
     assert (
         "| (d) rng_replay | yes | 5,056 B in 2 message(s) = 1 handoff(s) x 5,056 B | yes | yes |"
         in first
     )
     moved["strategies"]["rng_replay"]["bitwise_equal"] = False
-    assert tables.readme_table(LabResult("pp-seed", moved)) != first
+    assert report.readme_table(LabResult("pp-seed", moved)) != first
 
 
 def _hidden_lines(fig: Figure) -> list[tuple[str, str]]:
@@ -447,5 +442,5 @@ def test_no_series_hides_another_in_the_growth_and_scaling_figures():
         "growth": growth, "strategies": dict.fromkeys(strategies), "world_size": 4, "repeats": 3,
         "model": {"n_layers": 8}, "scaling": result["scaling"], "cores": 4,
     }  # fmt: skip
-    for draw in (pictures.growth_figure, pictures.growth_time_figure, pictures.scaling_figure):
+    for draw in (growth_figure, growth_time_figure, scaling_figure):
         assert _hidden_lines(draw(LabResult("pp-seed", data))) == [], draw.__name__

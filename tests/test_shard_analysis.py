@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdp_lab.labs import LabResult
-from fsdp_lab.sharding.lab import ShardConfig, report
+from fsdp_lab.sharding.lab import ShardConfig, figures, report
 from fsdp_lab.sharding.lab.analysis import analyse, model_state_bytes
 
 # Two units: the root (10 elements, no padding) and a block of 7 padded to 8 for N=2.
@@ -195,7 +195,7 @@ def test_the_zero1_table_sets_both_zero1s_beside_their_formulas():
 
 def test_figures_keep_their_stems():
     data = analyse(CONFIG, _measured())
-    assert set(report.figures(LabResult("shard", data))) == {
+    assert set(figures(LabResult("shard", data))) == {
         "memory_trace",
         "bytes_vs_theory",
         "timeline",

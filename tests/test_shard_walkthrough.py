@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fsdp_lab.sharding.lab import report, walkthrough
+from fsdp_lab.sharding.lab.figures import stage_figure
 
 
 @pytest.fixture(scope="module", params=[(2, (3, 2, 2)), (3, (3, 2, 2)), (3, (4, 1))])
@@ -103,9 +104,9 @@ def test_optimizer_step_updates_only_the_shard(walk):
 
 
 def test_figures_and_table_show_the_measurement(walk):
-    flatten = report.stage_figure(walk, "flatten")
+    flatten = stage_figure(walk, "flatten")
     assert len(flatten.axes) == 2  # the separate parameters, then the flat buffer
-    free = report.stage_figure(walk, "free")
+    free = stage_figure(walk, "free")
     zeros = ", ".join(["0"] * walk["world_size"])
     assert f"after free (unsharded storage: {zeros} B)" == free.axes[1].get_title()
     table = report.stage_table(walk).splitlines()

@@ -8,11 +8,10 @@ import pytest
 from matplotlib.figure import Figure
 
 from fsdp_lab.labs.contract import LabResult
-from fsdp_lab.tying.lab import TyingConfig, report, tables
+from fsdp_lab.tying.lab import TyingConfig, report
 from fsdp_lab.tying.lab.analysis import PHASES, analyse, phase_at, phase_bytes, spike
-from fsdp_lab.tying.lab.pictures import short_units, spike_bars
-from fsdp_lab.tying.lab.report import figures, summary
-from fsdp_lab.tying.lab.tables import audit_table, verdict
+from fsdp_lab.tying.lab.figures import figures, short_units, spike_bars
+from fsdp_lab.tying.lab.report import audit_table, summary, verdict
 
 CONFIG = TyingConfig(world_size=2, vocab=512, dim=64, layers=2, heads=2, spike_steps=2)
 # Two training steps; each marker (time, label, live bytes). Step 1 is the one measured.
@@ -374,35 +373,35 @@ def test_audit_paragraph_follows_a_torch_that_answers_otherwise():
 
 def test_tables_show_every_dict_as_rows():
     result = LabResult("tying", analyse(CONFIG, _measured()))
-    sections = tables.sections_table(result).splitlines()
+    sections = report.sections_table(result).splitlines()
     assert sections[0].startswith("| section | model | tied V × d | blocks | parameters |")
-    assert len(sections) == 2 + len(tables.SECTIONS)
+    assert len(sections) == 2 + len(report.SECTIONS)
     assert sections[3] == (
         "| 3 · shard, train, verify | fsdp_lab.models:tiny_gpt | 512 × 64 | 2 | 133,504 | "
         "2 × 16 | 2 |"
     )
-    to_empty = tables.to_empty_table(result["to_empty"], "to_empty").splitlines()
+    to_empty = report.to_empty_table(result["to_empty"], "to_empty").splitlines()
     assert to_empty[0] == "| on torch 2.99 | rank 0 | rank 1 |"
     assert "| tied after to_empty | False | rank 1's |" in to_empty
-    assert "| tie problems after a step | 0 | 0 |" in tables.to_empty_table(
+    assert "| tie problems after a step | 0 | 0 |" in report.to_empty_table(
         result["to_empty"], "retie"
     )
     with pytest.raises(ValueError, match="stage='later': expected one of"):
-        tables.to_empty_table(result["to_empty"], "later")
-    config = tables.config_table(CONFIG)
+        report.to_empty_table(result["to_empty"], "later")
+    config = report.config_table(CONFIG)
     assert (
         "| vocab | 512 | rows of the tied embedding/head matrix (TinyGPT, every section). |"
         in config
     )
-    verification = tables.verification_table(result).splitlines()
+    verification = report.verification_table(result).splitlines()
     assert verification[2].startswith("| root_unit | blocks.0, blocks.1,  | 0 | 1 | True | 3e-08 |")
     ties = [{"names": TIE, "modules": ["tok_emb", "head"], "module_types": ["Embedding", "Linear"]}]
     ties[0].update(kind="identity", shape=[512, 64], bytes=MATRIX)
-    assert tables.ties_table(ties).splitlines()[2] == (
+    assert report.ties_table(ties).splitlines()[2] == (
         "| tok_emb.weight = head.weight | tok_emb (Embedding), head (Linear) | identity | "
         "512 × 64 | 128.00 KiB |"
     )
-    assert "| split_tie | ['head'] | refused |" in tables.plans_table(result["plans"])
+    assert "| split_tie | ['head'] | refused |" in report.plans_table(result["plans"])
 
 
 def test_readme_spike_table_has_a_row_per_run_and_rank_0s_bytes():

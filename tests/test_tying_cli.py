@@ -11,7 +11,7 @@ import pytest
 from fsdp_lab.labs.contract import LabResult
 from fsdp_lab.tying.lab import report
 from fsdp_lab.tying.lab.config import LAB_MODEL, SPIKE_SYSTEMS, WRAPPINGS
-from fsdp_lab.tying.lab.tables import SECTIONS
+from fsdp_lab.tying.lab.report import SECTIONS
 
 SIZES = {"vocab": 768, "dim": 48, "layers": 3, "heads": 2, "seq_len": 12, "batch": 3}
 # The command test_cli also checks (its JSON keys, its diagrams in --out): one run for both.

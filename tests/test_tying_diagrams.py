@@ -12,7 +12,7 @@ import torch
 from fsdp_lab.diagrams import wrap_diagram
 from fsdp_lab.diagrams.base import has_dot
 from fsdp_lab.models import tiny_gpt
-from fsdp_lab.tying.lab.pictures import DIAGRAM_WIDTH_IN
+from fsdp_lab.tying.lab.figures import DIAGRAM_WIDTH_IN
 from fsdp_lab.tying.lab.plans import as_units, tie_plans
 
 NOTEBOOK = {"rankdir": "LR", "collapse_repeats": True, "max_width_in": DIAGRAM_WIDTH_IN}

@@ -10,8 +10,11 @@ A lab is a package ``fsdp_lab/labs/<lab>/`` with the same four parts, in the ord
                  Optionally ``preflight(config)``: checks of this machine before ranks start.
     analysis.py  ``analyse(config, measured) -> dict``: pure functions from measured data to
                  figures and verdicts (the LabResult's data); testable without a cluster.
-    report.py    ``summary(result) -> str`` (markdown) and ``figures(result) -> {stem: figure}``,
-                 built with `fsdp_lab.plots` / `fsdp_lab.diagrams`.
+    report.py    ``summary(result) -> str``: every sentence and table (markdown), each a
+                 function of the result; torch- and matplotlib-free.
+    figures.py   ``figures(result) -> {stem: figure}``, built with `fsdp_lab.plots` /
+                 `fsdp_lab.diagrams` (imported when drawn).
+    explorer.py  optional: the notebook's widget (`fsdp_lab.explorer`).
 
 `LabPackage` implements the protocol over those modules, importing each only when it is
 needed; `fsdp_lab.labs.registry.LABS` lists the labs, and `cli.py`, the tour and the notebooks
@@ -96,7 +99,7 @@ class LabInterrupted(KeyboardInterrupt):
 
 @dataclass(frozen=True)
 class LabPackage:
-    """A lab laid out as ``<package>/{config,measure,analysis,report}.py``.
+    """A lab laid out as ``<package>/{config,measure,analysis,report,figures}.py``.
 
     Args:
         name: the CLI name (``fsdp-lab <name>``) and the LabResult's ``lab``.
@@ -107,7 +110,7 @@ class LabPackage:
     package: str
 
     def part(self, part: str) -> ModuleType:
-        """One of the lab's modules: "config", "measure", "analysis" or "report"."""
+        """One of the lab's modules: "config", "measure", "analysis", "report" or "figures"."""
         return importlib.import_module(f"{self.package}.{part}")
 
     @property
@@ -144,4 +147,4 @@ class LabPackage:
         return self.part("report").summary(result)
 
     def figures(self, result: LabResult) -> dict[str, Any]:
-        return self.part("report").figures(result)
+        return self.part("figures").figures(result)

@@ -24,9 +24,12 @@ the measurement beside it: `report.corrected_table`, `report.textbook_verdicts`.
 """
 
 from fsdp_lab.checkpointing.lab.config import CheckpointConfig
+
+# Its module first, then this name: `figures` is the function (the module is `figures.py`).
+from fsdp_lab.checkpointing.lab.figures import figures
 from fsdp_lab.labs.registry import LABS
 
 LAB = LABS["checkpoint"]
-run, summary, figures = LAB.run, LAB.report, LAB.figures
+run, summary = LAB.run, LAB.report
 
 __all__ = ["LAB", "CheckpointConfig", "figures", "run", "summary"]

@@ -12,9 +12,12 @@ call, and the memory trace of the buffers involved.
 """
 
 from fsdp_lab.collectives.lab.config import CollectivesConfig
+
+# Its module first, then this name: `figures` is the function (the module is `figures.py`).
+from fsdp_lab.collectives.lab.figures import figures
 from fsdp_lab.labs.registry import LABS
 
 LAB = LABS["collectives"]
-run, summary, figures = LAB.run, LAB.report, LAB.figures
+run, summary = LAB.run, LAB.report
 
 __all__ = ["LAB", "CollectivesConfig", "figures", "run", "summary"]

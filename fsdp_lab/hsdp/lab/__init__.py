@@ -18,13 +18,17 @@ and an alpha-beta network model (`fsdp_lab.netsim`) from 1 to 256 nodes.
     config.py    HsdpConfig: mesh, steps, optimizer, model, network-model knobs (CLI options)
     measure.py   the runs on the ranks, and one process
     analysis.py  agreement, bytes per group, memory, NIC bytes, capacity, the network model
-    report.py    the mesh diagram, figures and tables
+    report.py    the tables and the notebook's paragraphs
+    figures.py   the mesh diagram and the figures
 """
 
 from fsdp_lab.hsdp.lab.config import HsdpConfig
+
+# Its module first, then this name: `figures` is the function (the module is `figures.py`).
+from fsdp_lab.hsdp.lab.figures import figures
 from fsdp_lab.labs.registry import LABS
 
 LAB = LABS["hsdp"]
-run, summary, figures = LAB.run, LAB.report, LAB.figures
+run, summary = LAB.run, LAB.report
 
 __all__ = ["LAB", "HsdpConfig", "figures", "run", "summary"]

@@ -58,7 +58,7 @@ class ScalingExplorer:
 
     def show(self) -> None:
         """Draw the model at the sliders' settings below them (instant: no ranks)."""
-        from fsdp_lab.hsdp.lab.report import draw_scaling
+        from fsdp_lab.hsdp.lab.figures import draw_scaling
 
         self.slots.fill([draw_scaling(self.model())])
 

@@ -1,6 +1,8 @@
-"""Lab 06, shown: the mesh and the link each collective uses (graphviz), bytes per group and
-memory per rank against the formulas, the network model's scaling picture beside the chart
-commonly quoted for it; the tables the notebook and the command line print."""
+"""Lab 06, in words: bytes per group and memory per rank against the formulas, the network
+model's scaling beside the chart commonly quoted for it, the emulated nodes — every table and
+paragraph the notebook and the command line print, built from the result. The figures are in
+`figures.py`.
+"""
 
 from __future__ import annotations
 
@@ -17,122 +19,9 @@ QUOTED_NODES = (1, 2, 4, 8, 16)
 QUOTED_TFLOPS = {"fsdp": (180, 175, 160, 130, 95), "hsdp": (180, 178, 176, 174, 172)}
 
 
-def _flat(by_group: dict[str, dict[str, float]]) -> dict[str, float]:
+def flat_bytes(by_group: dict[str, dict[str, float]]) -> dict[str, float]:
+    """{group: {op: bytes}} as {"group: op": bytes}."""
     return {f"{g}: {op}": b for g, ops in by_group.items() for op, b in ops.items()}
-
-
-def bytes_figure(result: LabResult) -> Any:
-    """Rank 0's bytes per step, by system, group and op, beside the formulas."""
-    from fsdp_lab import plots
-
-    measured, theory = {}, {}
-    for system in SYSTEMS:
-        row = result["systems"][system]
-        measured |= {f"{system} · {k}": b for k, b in _flat(row["comm_bytes_per_rank"][0]).items()}
-        theory |= {f"{system} · {k}": b for k, b in _flat(row["theory_comm_bytes"]).items()}
-    return plots.plot_measured_vs_theory(
-        measured, theory, title="bytes per step on rank 0, by group: measured vs formula"
-    )
-
-
-def memory_figure(result: LabResult) -> Any:
-    """Peak model state per rank, measured (bars) and the formula (dotted), per system, in the
-    workbench's system colours; the legend beside the axes, naming the formula lines too."""
-    from matplotlib.figure import Figure
-
-    from fsdp_lab.plots import SYSTEM_COLORS
-
-    fig = Figure(figsize=(9, 4), layout="constrained")
-    ax = fig.subplots()
-    n = result["world_size"]
-    width = 0.8 / len(SYSTEMS)
-    for i, system in enumerate(SYSTEMS):
-        row, color = result["systems"][system], SYSTEM_COLORS[system]
-        xs = [r + (i - 1) * width for r in range(n)]
-        peaks = [b / 2**20 for b in row["peak_model_state_bytes_per_rank"]]
-        ax.bar(xs, peaks, width, label=f"{system}, measured", color=color)
-        ax.hlines(
-            row["theory_peak_bytes"] / 2**20,
-            xs[0] - width / 2,
-            xs[-1] + width / 2,
-            colors=color,
-            linestyles=":",
-            zorder=3,  # over the bars
-            label=f"{system}, formula {fb(row['theory_peak_bytes'])}",
-        )
-    ax.set(xlabel="rank", ylabel="peak model state (MiB)", title="model state per rank")
-    ax.set_xticks(range(n))
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    return fig
-
-
-def scaling_figure(result: LabResult) -> Any:
-    """The network model's scaling picture of the run's settings (`draw_scaling`)."""
-    return draw_scaling(result["network_model"])
-
-
-def draw_scaling(model: dict[str, Any]) -> Any:
-    """Per-GPU TFLOPS and inter-node bytes vs nodes, FSDP and HSDP, from one
-    `analysis.network_model`, with the quoted chart's points beside."""
-    from matplotlib.figure import Figure
-
-    nodes = model["nodes"]
-    fig = Figure(figsize=(12, 4.2), layout="constrained")
-    tput, nic = fig.subplots(1, 2)
-    for system, color in (("fsdp", "#C44E52"), ("hsdp", "#4C72B0")):
-        rows = model["scaling"][system]
-        tput.plot(
-            nodes,
-            [r["tflops_per_gpu"] for r in rows],
-            "o-",
-            color=color,
-            label=f"{system.upper()}: model",
-        )
-        tput.plot(
-            QUOTED_NODES,
-            QUOTED_TFLOPS[system],
-            "x--",
-            color=color,
-            alpha=0.6,
-            label=f"{system.upper()}: quoted chart",
-        )
-        nic.plot(
-            nodes,
-            [r["node_nic_bytes"] / 1e9 for r in rows],
-            "o-",
-            color=color,
-            label=system.upper(),
-        )
-    w, net = model["workload"], model["network"]
-    tput.set(
-        xscale="log",
-        xlabel="nodes",
-        ylabel="TFLOPS per GPU",
-        title=f"{w['parameters'] / 1e9:.3g}B params, {net['inter_bandwidth'] * 8 / 1e9:g} Gbit/s between nodes, overlap {w['overlap']:g}, HSDP S = {model['shard']}",
-    )
-    nic.set(
-        xscale="log",
-        xlabel="nodes",
-        ylabel="GB per step through a node's NICs",
-        title="inter-node bytes per node and step",
-    )
-    for ax in (tput, nic):
-        ax.set_xticks(nodes, [str(n) for n in nodes])
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    return fig
-
-
-def figures(result: LabResult) -> dict[str, Any]:
-    """The mesh diagram, bytes per group, memory per rank, the scaling picture — by file stem."""
-    from fsdp_lab.diagrams import mesh_diagram
-
-    return {
-        "mesh": mesh_diagram(tuple(result["mesh"]), result["comm_bytes_per_rank"][0]),
-        "bytes_per_group": bytes_figure(result),
-        "memory": memory_figure(result),
-        "scaling": scaling_figure(result),
-    }
 
 
 def bytes_table(result: LabResult) -> str:
@@ -140,7 +29,10 @@ def bytes_table(result: LabResult) -> str:
     rows = []
     for system in SYSTEMS:
         row = result["systems"][system]
-        measured, theory = _flat(row["comm_bytes_per_rank"][0]), _flat(row["theory_comm_bytes"])
+        measured, theory = (
+            flat_bytes(row["comm_bytes_per_rank"][0]),
+            flat_bytes(row["theory_comm_bytes"]),
+        )
         for key in dict.fromkeys([*measured, *theory]):
             group, op = key.split(": ")
             rows.append([system, group, op, fb(measured.get(key, 0.0)), fb(theory.get(key, 0.0))])

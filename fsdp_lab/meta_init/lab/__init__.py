@@ -24,13 +24,16 @@ This is torchtitan's order (meta build -> parallelise -> ``to_empty`` -> ``init_
 FSDP1's ``param_init_fn`` / ``sync_module_states``, each step measured. The parts, in the order
 the data flows: `config` · `measure` (the ranks and the fresh process; `parent_init`, part 5
 on the ranks) · `one_process` (the references the ranks must equal, no ranks) · `analysis` ·
-`report` (the sentences and the summary; `charts` and `tables` beside it).
+`report` (the sentences, the tables and the summary) and `figures`.
 """
 
 from fsdp_lab.labs.registry import LABS
 from fsdp_lab.meta_init.lab.config import MetaInitConfig
 
+# Its module first, then this name: `figures` is the function (the module is `figures.py`).
+from fsdp_lab.meta_init.lab.figures import figures
+
 LAB = LABS["meta-init"]
-run, summary, figures = LAB.run, LAB.report, LAB.figures
+run, summary = LAB.run, LAB.report
 
 __all__ = ["LAB", "MetaInitConfig", "figures", "run", "summary"]

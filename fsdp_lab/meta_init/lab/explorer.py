@@ -64,6 +64,7 @@ class MetaInitExplorer(Explorer):
 
     def draw(self) -> list[Any]:
         from fsdp_lab.meta_init.lab import analysis, measure, report
+        from fsdp_lab.meta_init.lab.figures import rss_figure
 
         n, mb = self.world_size.value, self.model_mb.value
         cluster = self.cluster(n)
@@ -71,7 +72,7 @@ class MetaInitExplorer(Explorer):
         row = analysis.agreement_row(measure.measure_size(mb, self.seed, cluster))
         self.last_result = {"materialise": memory, "agreement": row}
         return [
-            report.rss_figure(memory),
+            rss_figure(memory),
             Markdown(report.memory_table(memory) + "\n\n" + report.memory_text(memory)),
             Markdown(report.agreement_table([row]) + "\n\n" + report.agreement_time_text([row])),
         ]

@@ -17,9 +17,9 @@ costs rank 0, and if asked times the init again on 1, 2, ... ranks (`scale_ranks
 the unsplit and the same-seed inits on a learnable task (`convergence.py`). `analysis.py`
 compares every stage with the reference and the stages with each other, and, with more ranks
 than stages (pp x dp), the replicas of each stage; `timing.py` turns the repeats into medians
-and trends. `report.py` says what was measured in sentences built from the result (`claims.py`:
+and trends. `report.py` says what was measured in sentences and tables built from the result (with
 the course-note claims "exact seeding makes init O(1) in the number of nodes" and "the same seed
-on every stage harms convergence", judged), `tables.py` and `pictures.py` show it. Mirrors
+on every stage harms convergence", judged), `figures.py` draws it. Mirrors
 torchtitan's seed checkpoint (``--checkpoint.create_seed_checkpoint``) and
 ``torch.distributed.pipelining``.
 """
@@ -27,7 +27,10 @@ torchtitan's seed checkpoint (``--checkpoint.create_seed_checkpoint``) and
 from fsdp_lab.labs.registry import LABS
 from fsdp_lab.pipeline.lab.config import PPSeedConfig
 
+# Its module first, then this name: `figures` is the function (the module is `figures.py`).
+from fsdp_lab.pipeline.lab.figures import figures
+
 LAB = LABS["pp-seed"]
-run, summary, figures = LAB.run, LAB.report, LAB.figures
+run, summary = LAB.run, LAB.report
 
 __all__ = ["LAB", "PPSeedConfig", "figures", "run", "summary"]

@@ -24,11 +24,10 @@ import torch.nn as nn
 from fsdp_lab import reference, theory
 from fsdp_lab.pipeline import PipeGPT, PipeGPTConfig, stage_info
 from fsdp_lab.pipeline.lab import convergence
-from fsdp_lab.pipeline.lab.config import PPSeedConfig
+from fsdp_lab.pipeline.lab.config import LOSS_RTOL, PPSeedConfig
 from fsdp_lab.pipeline.lab.timing import first_calls, growth_timing, init_costs, scaling_rows
 from fsdp_lab.pipeline.rng import record_init_order, stage_of_module
 
-LOSS_RTOL = 1e-5  # "within float rounding": GPipe sums M micro-batch losses in another order
 SAMPLE = 256  # values per stage kept in the result for the scatter plot
 Params = dict[str, torch.Tensor]
 

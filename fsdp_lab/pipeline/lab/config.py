@@ -14,6 +14,13 @@ from typing import TYPE_CHECKING, Any
 from fsdp_lab.choices import SEEDING_STRATEGIES as STRATEGIES
 from fsdp_lab.config_checks import check_counts, check_ranges, is_int
 
+LOSS_RTOL = 1e-5  # "within float rounding": GPipe sums M micro-batch losses in another order
+
+# Below 5 seeds a verdict is too easily undone by the next seed (3 seeds: ±4.3 standard errors,
+# and a sample that small can look tight by luck; seen here: +0.015 "shown" at 3 seeds of the
+# default pipeline, its interval across 0 at 5): said "inconclusive", with the interval.
+MIN_SEEDS = 5
+
 if TYPE_CHECKING:
     from fsdp_lab.pipeline import PipeGPTConfig
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_lab.pipeline import PipeGPT, stage_info
-from fsdp_lab.pipeline.lab.config import PPSeedConfig
+from fsdp_lab.pipeline.lab.config import MIN_SEEDS, PPSeedConfig
 from fsdp_lab.pipeline.rng import init_stage
 
 KEEP = 0.8  # probability that the next token follows the permutation
@@ -162,10 +162,6 @@ def compare(config: PPSeedConfig, curves: dict[str, dict[int, list[float]]]) -> 
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
-# Below 5 seeds a verdict is too easily undone by the next seed (3 seeds: ±4.3 standard errors,
-# and a sample that small can look tight by luck; seen here: +0.015 "shown" at 3 seeds of the
-# default pipeline, its interval across 0 at 5): said "inconclusive", with the interval.
-MIN_SEEDS = 5
 
 
 def paired_interval(diffs: list[float]) -> list[float] | None:

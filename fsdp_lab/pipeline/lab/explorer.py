@@ -56,7 +56,8 @@ class PPSeedExplorer(Explorer):
     def draw(self) -> list[Any]:
         from fsdp_lab.diagrams import pipeline_diagram
         from fsdp_lab.pipeline import lab as pp_seed
-        from fsdp_lab.pipeline.lab import pictures, report, tables
+        from fsdp_lab.pipeline.lab import report
+        from fsdp_lab.pipeline.lab.figures import loss_figure, same_seed_figure
 
         s, strategy = self.stages.value, self.strategy.value
         try:
@@ -73,11 +74,11 @@ class PPSeedExplorer(Explorer):
         diagram = pipeline_diagram(config.gpt(), s, strategy=strategy)
         result = pp_seed.run(config, cluster=self.cluster(s))
         self.last_result = result
-        text = [tables.results_table(result), report.exactness_sentence(result)]
-        text += [tables.overlap_table(result), report.loss_sentence(result)]
-        outputs = [diagram, Markdown("\n\n".join(text)), pictures.loss_figure(result)]
+        text = [report.results_table(result), report.exactness_sentence(result)]
+        text += [report.overlap_table(result), report.loss_sentence(result)]
+        outputs = [diagram, Markdown("\n\n".join(text)), loss_figure(result)]
         if strategy == "same_seed" and s > 1:
-            outputs.append(pictures.same_seed_figure(result))
+            outputs.append(same_seed_figure(result))
         return outputs
 
 

@@ -14,14 +14,18 @@ ZeroRedundancyOptimizer contract, and measures its optimizer state and bytes bes
     config.py       ShardConfig: strategy, steps, optimizer, model, ... (the CLI's options)
     measure.py      the runs, on the ranks and in one process
     analysis.py     agreement, peaks and bytes against `theory.sharding_step`
-    report.py       figures and tables (also the walkthrough's pictures)
+    report.py       the sentences and tables
+    figures.py      the figures (also the walkthrough's stages)
     walkthrough.py  one tiny unit through one step, stage by stage: notebook 01's section 3
 """
 
 from fsdp_lab.labs.registry import LABS
 from fsdp_lab.sharding.lab.config import ShardConfig
 
+# Its module first, then this name: `figures` is the function (the module is `figures.py`).
+from fsdp_lab.sharding.lab.figures import figures
+
 LAB = LABS["shard"]
-run, summary, figures = LAB.run, LAB.report, LAB.figures
+run, summary = LAB.run, LAB.report
 
 __all__ = ["LAB", "ShardConfig", "figures", "run", "summary"]

@@ -204,7 +204,7 @@ GROUP_TIED_UNITS = Exercise(
         '    """`units` (tuples of module names) with the units that split a tie merged into\n'
         '    one group unit each; every other unit unchanged."""\n'
     ),
-    setup="from fsdp_lab.tying.ties import find_ties\nfrom fsdp_lab.sharding.wrap import unit_name, unit_of_module",
+    setup="from fsdp_lab.sharding.wrap import unit_name, unit_of_module\nfrom fsdp_lab.tying.ties import find_ties",
     hints=(
         "`find_ties(model)` lists the ties; each has `.modules`, the owner of each of its names.",
         "`unit_of_module(owner, units)` is the unit name of an owner (`''`: the root); "

@@ -6,7 +6,7 @@ GPT-2). The lab finds the tie and draws valid and invalid wrap plans (`plans.py`
 the parameters against a single process), runs the live audit of an invalid plan through
 FSDP1, FSDP2 and ours (`audit.py`), shows that `to_empty` unties (and that `shard` refuses
 until `retie`), and traces what it costs to leave the tied pair to the root unit — the spike,
-read in `analysis.py`, shown in `report.py`.
+read in `analysis.py`, said in `report.py`, drawn in `figures.py`.
 
 Every section runs on TinyGPT at the config's sizes (``vocab``, ``dim``, ``layers``, ``heads``,
 ``seq_len``) and batch. With ``model="module:factory"`` (``fsdp-lab tying --model ...``) the
@@ -19,7 +19,10 @@ which model it built and its sizes, read off that model.
 from fsdp_lab.labs.registry import LABS
 from fsdp_lab.tying.lab.config import TyingConfig
 
+# Its module first, then this name: `figures` is the function (the module is `figures.py`).
+from fsdp_lab.tying.lab.figures import figures
+
 LAB = LABS["tying"]
-run, summary, figures = LAB.run, LAB.report, LAB.figures
+run, summary = LAB.run, LAB.report
 
 __all__ = ["LAB", "TyingConfig", "figures", "run", "summary"]

@@ -1,6 +1,6 @@
 """Lab 05's figures: loss curves against single-process training, what init costs as the model
 grows (memory, then time), init time on 1, 2, ... ranks, the convergence check, the same-seed
-bug's draws. `report.figures` picks the ones a result has.
+bug's draws; `figures` picks the ones a result has (the CLI saves them, the notebook shows them).
 
 Every series a figure draws stays visible where it lies on another: each strategy has its own
 marker and line style, markers are hollow, and series that share values by construction (rank 0
@@ -14,19 +14,11 @@ from typing import Any
 
 from fsdp_lab.choices import SEEDING_STRATEGIES as STRATEGIES
 from fsdp_lab.labs.contract import LabResult
-from fsdp_lab.pipeline.lab.analysis import LOSS_RTOL
+from fsdp_lab.pipeline.lab.config import LOSS_RTOL
+from fsdp_lab.pipeline.lab.report import EXACT_SEEDING, label
 
-# The course note's "exact seeding": every rank draws its own values, and together they are the
-# unsplit init — (d). (a) holds the unsplit init too, but by sync: rank 0 draws everything and
-# the others load it (notebook 05, section 4). The O(1) claim is judged on these only.
-EXACT_SEEDING = ("rng_replay",)
 _MARKERS = {"seed_checkpoint": "o", "same_seed": "s", "per_stage_seed": "^", "rng_replay": "D"}
 _LINES = {"seed_checkpoint": "-", "same_seed": "--", "per_stage_seed": "-.", "rng_replay": ":"}
-
-
-def label(strategy: str) -> str:
-    """The strategy with the letter the notebook and the README give it: (a) ... (d)."""
-    return f"({'abcd'[STRATEGIES.index(strategy)]}) {strategy}"
 
 
 def style(strategy: str) -> dict[str, Any]:
@@ -232,3 +224,30 @@ def same_seed_figure(result: LabResult) -> Any:
     )
     fig.suptitle("(b) same_seed: every stage reads the random stream from its start", fontsize=11)
     return fig
+
+
+def figures(result: LabResult) -> dict[str, Any]:
+    """The ownership / RNG-travel diagram per strategy, loss curves, growth (memory and time),
+    init time over ranks, convergence, the same-seed bug — each where the result has it."""
+    from fsdp_lab.diagrams import pipeline_diagram
+    from fsdp_lab.pipeline import PipeGPTConfig
+
+    model_config = PipeGPTConfig(**result["model"])
+    figs: dict[str, Any] = {
+        f"pipeline_{s}": pipeline_diagram(
+            model_config, result["stages"], strategy=s, dp=result["dp"]
+        )
+        for s in result["strategies"]
+    }
+    figs["loss_curves"] = loss_figure(result)
+    if result["growth"]:
+        figs["growth"] = growth_figure(result)
+        figs["growth_time"] = growth_time_figure(result)
+    if result["scaling"]:
+        figs["scaling"] = scaling_figure(result)
+    if result["convergence"]:
+        figs["convergence"] = convergence_figure(result)
+    same = result["strategies"].get("same_seed")
+    if same is not None and same["overlap"]["samples"]:
+        figs["same_seed_draws"] = same_seed_figure(result)
+    return figs
