@@ -105,8 +105,11 @@ def test_sharded_optimizer_is_measured_beside_zero1(cluster_of, one_thread_per_r
             {"optimizer": "lion"},
             "optimizer='lion': expected one of ['adam', 'sgd']. Fix: optimizer='adam'",
         ),
-        ({"steps": 0}, "steps=0: expected an int >= 1. Fix: steps=5"),
-        ({"global_batch": 0}, "global_batch=0: expected an int >= 1. Fix: global_batch=12"),
+        (
+            {"steps": 0},
+            "steps=0 is out of range: allowed an int >= 1 (training steps). Fix: steps=5",
+        ),
+        ({"global_batch": 0}, "global_batch=0 is out of range: allowed an int >= 1"),
         ({"model": "nocolon"}, "model='nocolon': expected 'module:factory'"),
         (
             {"world_size": 5},

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fsdp_lab.config_checks import check_ranges
+from fsdp_lab.config_checks import check_ranges, is_int
 
 # Where a checkpoint can sit relative to a ZeRO-3 unit (measure.sharded_chain_worker).
 MODES = ("plain", "unit_wraps_checkpoint", "checkpoint_spans_two_units")
@@ -50,9 +50,9 @@ class CheckpointConfig:
             min_budget,
         )  # torch; a config is built to run the lab
 
-        good = tuple(n for n in self.layers if isinstance(n, int) and not isinstance(n, bool))
-        if not self.layers or len(good) < len(self.layers) or min(good) < 1:
-            fix = tuple(n for n in good if n >= 1) or (8, 16, 32)
+        good = tuple(n for n in self.layers if is_int(n))  # chain lengths: ints >= 1
+        if not self.layers or len(good) < len(self.layers):
+            fix = good or (8, 16, 32)
             raise ValueError(
                 f"layers={self.layers!r}: expected chain lengths, ints >= 1. Fix: layers={fix!r}"
             )

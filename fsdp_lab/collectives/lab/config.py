@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_lab.config_checks import check_ranges
+from fsdp_lab.config_checks import check_counts, check_ranges
 
 OPS = ("broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 
@@ -28,10 +28,7 @@ class CollectivesConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("numel", "repeats"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected an int >= 1")
+        check_counts(self, {"numel": 1, "repeats": 1})
         check_ranges(self, RANGES)
 
 

@@ -1,4 +1,5 @@
-"""Lab 00, shown: who holds what per op, bytes against theory, memory and timeline; a table."""
+"""Lab 00, in words: bytes per rank against the formulas as a table, the all-reduce and the
+waiting in sentences built from the result. The figures are in `figures.py`."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ compares. Torch-free."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from fsdp_lab.config_checks import is_int
 
 MODEL_MB = (8, 16384)  # allowed model sizes, MiB of fp32 parameters
 MiB = 2**20
@@ -56,23 +57,18 @@ class MetaInitConfig:
         low, high = MODEL_MB
         sizes = self.sizes_mb
         checks = (  # (field, whether its value is allowed, what is, a value that is)
-            ("world_size", _int_in(self.world_size, 1), "an int >= 1", 2),
-            ("model_mb", _int_in(self.model_mb, low, high),
+            ("world_size", is_int(self.world_size, 1), "an int >= 1", 2),
+            ("model_mb", is_int(self.model_mb, low, high),
              f"an int in {low}..{high} (MiB of fp32 parameters)", 256),
             ("sizes_mb", isinstance(sizes, tuple) and bool(sizes)
-             and all(_int_in(s, low, high) for s in sizes),
+             and all(is_int(s, low, high) for s in sizes),
              f"a non-empty tuple of ints in {low}..{high} (MiB)", (16, 64, 256)),
-            ("seed", _int_in(self.seed, 0, 2**62 - 1), "an int in 0..2**62-1", 0),
+            ("seed", is_int(self.seed, 0, 2**62 - 1), "an int in 0..2**62-1", 0),
         )  # fmt: skip
         for name, ok, allowed, fix in checks:
             if not ok:
                 value = f"{name}={getattr(self, name)!r}"
                 raise ValueError(f"{value} is out of range: allowed {allowed}. Fix: {name}={fix!r}")
-
-
-def _int_in(value: Any, low: int, high: int | None = None) -> bool:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-    return ok and (high is None or value <= high)
 
 
 CONFIG = MetaInitConfig

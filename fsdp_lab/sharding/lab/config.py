@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from fsdp_lab.choices import SHARDING_STRATEGIES
-from fsdp_lab.config_checks import check_ranges
+from fsdp_lab.config_checks import check_counts, check_ranges
 
 DEFAULT_MODEL = "fsdp_lab.models:tiny_gpt"
 
@@ -72,12 +72,7 @@ class ShardConfig:
                     f"{f.name}={value!r}: expected one of {f.metadata['choices']}. "
                     f"Fix: {f.name}={f.default!r}"
                 )
-            if f.name in ("steps", "global_batch") and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ValueError(
-                    f"{f.name}={value!r}: expected an int >= 1. Fix: {f.name}={f.default}"
-                )
+        check_counts(self, {"steps": 1, "global_batch": 1})
         check_ranges(self, RANGES)
         if self.free_root and self.strategy != "full":
             raise ValueError(

@@ -1,6 +1,7 @@
-"""Lab 01, shown: the memory trace with its formula, bytes per collective against theory, the
-timeline; markdown tables of agreement, of what fills the model-state peak, of ZeRO-1 two ways;
-and the pictures of the one-unit walkthrough (`walkthrough.py`), stage by stage.
+"""Lab 01, in words: markdown tables of agreement, of what fills the model-state peak, of ZeRO-1
+two ways, of the one-unit walkthrough's layout and stages (`walkthrough.py`); the sentences on
+the peak, the root unit, the owner claim and the timeline, each built from the result. The
+figures are in `figures.py`.
 """
 
 from __future__ import annotations
