@@ -216,3 +216,17 @@ def test_a_file_over_450_lines_says_why_it_is_one_file():
         if text.count("\n") > 450:
             doc = ast.get_docstring(ast.parse(text)) or ""
             assert "lines on purpose" in doc, path.relative_to(PACKAGE)
+
+
+def test_a_topic_has_one_spelling_in_its_folder_and_its_notebooks():
+    # Issue 27: lab 01 was spelled `sharding`, `shard` and `01_shard`. The package folder, the
+    # lab notebook and the learner notebook now share one name (the CLI keeps the lab's name,
+    # `fsdp-lab shard`, the public contract).
+    from fsdp_lab.labs.registry import LABS
+
+    root = PACKAGE.parent / "notebooks"
+    for number, lab in enumerate(LABS.values()):
+        topic = lab.package.split(".")[1]
+        assert (PACKAGE / topic / "lab").is_dir(), lab.name
+        assert (root / f"{number:02d}_{topic}.ipynb").is_file(), lab.name
+        assert (root / "exercises" / f"{number:02d}_{topic}.ipynb").is_file(), lab.name

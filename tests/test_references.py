@@ -60,9 +60,9 @@ def test_the_package_cites_no_file_it_does_not_have():
 
 
 def test_the_guard_would_catch_a_wrong_name():
-    assert _missing("see `notebooks/01_shard.ipynb` and 02_checkpointing.ipynb") == [
-        "notebooks/01_shard.ipynb",  # it is notebooks/exercises/01_shard.ipynb
-        "02_checkpointing.ipynb",
+    assert _missing("see `notebooks/01_shard.ipynb` and 02_activation_checkpointing.ipynb") == [
+        "notebooks/01_shard.ipynb",  # the old name of notebooks/01_sharding.ipynb
+        "02_activation_checkpointing.ipynb",
     ]
     assert _missing("see `notebooks/01_sharding.ipynb`, fsdp_lab/theory.py") == []
 

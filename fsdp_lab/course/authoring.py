@@ -30,6 +30,7 @@ import nbformat
 
 from fsdp_lab.course.catalog import LABS
 from fsdp_lab.course.exercise import Exercise
+from fsdp_lab.labs.registry import LABS as LABS_BY_NAME
 
 FOLDER = Path(__file__).resolve().parents[2] / "notebooks" / "exercises"
 NUMBER = {lab: i for i, lab in enumerate(LABS)}  # 00_collectives ... 06_hsdp, as the labs
@@ -45,13 +46,10 @@ SOLUTION_BODY = "    ### BEGIN SOLUTION\n    raise NotImplementedError()\n    ##
 
 
 def notebook_name(lab: str) -> str:
-    return f"{NUMBER[lab]:02d}_{lab.replace('-', '_')}.ipynb"
-
-
-def lab_notebook_name(lab: str) -> str:
-    """The lab's own notebook in notebooks/ (the one with the lab's number)."""
-    (path,) = sorted(FOLDER.parent.glob(f"{NUMBER[lab]:02d}_*.ipynb"))
-    return path.name
+    """The lab's notebooks' file name, in notebooks/ and in notebooks/exercises/ alike: its
+    number and its topic's folder (``fsdp-lab shard`` -> ``01_sharding.ipynb``)."""
+    topic = LABS_BY_NAME[lab].package.split(".")[1]  # "fsdp_lab.sharding.lab" -> "sharding"
+    return f"{NUMBER[lab]:02d}_{topic}.ipynb"
 
 
 def _meta(
@@ -123,7 +121,7 @@ def lab_notebook(lab: str) -> Any:
         f"SOLUTION marks), then run the check cell below it. A function that raises, hangs or returns the wrong shape is "
         f"reported as such, and the ranks survive for your next attempt.\n\n"
         f"{len(group)} exercises, {total} points. The lab notebook "
-        f"`notebooks/{lab_notebook_name(lab)}` shows the mechanism these steps belong to."
+        f"`notebooks/{notebook_name(lab)}` shows the mechanism these steps belong to."
     )
     setup = (
         COMMON_IMPORTS + "\n\n"
