@@ -1,5 +1,4 @@
-"""Exercises of the checkpointing lab: a recompute that is the *same* computation, and where to
-put the checkpoints.
+"""Exercise of the checkpointing lab: a recompute that is the *same* computation.
 
 `rerun_with_forward_rng` — the step of `fsdp_lab.checkpointing.recompute.checkpoint` that reruns a
 checkpointed segment's forward during backward with the generators as they were at its

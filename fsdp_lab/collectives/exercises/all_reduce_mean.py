@@ -1,4 +1,4 @@
-"""Exercises of the collectives lab: the averaging every data-parallel step depends on.
+"""Exercise of the collectives lab: the averaging every data-parallel step depends on.
 
 `all_reduce_mean` — average a gradient over the ranks of a group. It runs inside data-parallel
 training (one model replica per rank, each on its own batch, gradients averaged before the

@@ -1,4 +1,4 @@
-"""Exercises of the meta-init lab: initialise a model no rank could hold, and keep its ties.
+"""Exercise of the meta-init lab: initialise a model no rank could hold, one rank's piece at a time.
 
 `param_shard` — with a counter-based init (`DeterministicInit`: element i of a parameter is a
 pure function of seed, name and i), each rank generates only its own piece of each parameter:

@@ -1,4 +1,4 @@
-"""Exercises of the pp-seed lab: the random stream of a model split into pipeline stages.
+"""Exercise of the pp-seed lab: the random stream of a model split into pipeline stages.
 
 The one-process model draws its initial weights from one random stream, module after module. A
 pipeline stage owns a slice of the modules and draws on its own rank, so *which* numbers it

@@ -1,4 +1,4 @@
-"""Exercises of the tying lab: a tied weight must stay one copy through sharding.
+"""Exercise of the tying lab: a tied weight must stay one copy through sharding.
 
 `split_ties` — the tie check of a wrap plan: find the Parameters reached under two names whose
 owners the plan puts in different units, so `build_plan` refuses the plan before any message is
