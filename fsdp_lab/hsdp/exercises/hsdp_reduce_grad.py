@@ -23,13 +23,12 @@ import torch.distributed as dist
 
 from fsdp_lab import comm
 from fsdp_lab.course.exercise import Bug, Case, Exercise, Mismatch
-from fsdp_lab.course.judging import close, multiple, ratio_hint
+from fsdp_lab.course.judging import close, ratio_hint
 from fsdp_lab.sharding.exercises.reduce_scatter_grad import (
     STEPS,
+    drifted,
     first,
-    loss_series,
     train_with,
-    value_rows,
 )
 from fsdp_lab.sharding.mesh import device_mesh
 from fsdp_lab.sharding.steps import reduce_grad_shard
@@ -132,14 +131,7 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
                 "with a single replica replicate_group is None, and group=None means every "
                 "rank to torch.distributed: skip the all-reduce when it is None."
             )
-        return Mismatch(
-            f"rank {r}'s gradient chunk in step 1 differs from the reference"
-            f"{multiple(got['first_grad'], exp['first_grad'])}, and training drifts from it over "
-            f"{STEPS} steps.",
-            rows=value_rows(got, exp),
-            hint=hint,
-            series=loss_series(r, got, exp),
-        )
+        return drifted(r, got, exp, hint)
     across = expected[0]["across"]
     if across is not None:
         got_b = got_all[0]["reduce_bytes"].get(across, 0.0)

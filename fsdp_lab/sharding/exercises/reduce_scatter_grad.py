@@ -167,6 +167,19 @@ def loss_series(rank: int, got: dict, exp: dict) -> dict:
     )
 
 
+def drifted(rank: int, got: dict, exp: dict, hint: str) -> Mismatch:
+    """The verdict of a reduce whose gradient chunk is wrong: the chunk beside the reference's
+    (named as an exact multiple of it when it is one) and the losses drifting apart."""
+    return Mismatch(
+        f"rank {rank}'s gradient chunk in step 1 differs from the reference"
+        f"{multiple(got['first_grad'], exp['first_grad'])}, and training drifts from it over "
+        f"{STEPS} steps.",
+        rows=value_rows(got, exp),
+        hint=hint,
+        series=loss_series(rank, got, exp),
+    )
+
+
 def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
     n = case.world_size
     for r, (got, exp) in enumerate(zip(got_all, expected, strict=True)):
@@ -192,14 +205,7 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
                 f"you returned rank {other[0]}'s chunk: rank r keeps chunk r, "
                 "dist.get_rank(group) — which reduce_scatter_tensor hands each rank by itself."
             )
-        return Mismatch(
-            f"rank {r}'s gradient chunk in step 1 differs from the reference"
-            f"{multiple(got['first_grad'], exp['first_grad'])}, and training drifts from it over "
-            f"{STEPS} steps.",
-            rows=value_rows(got, exp),
-            hint=hint,
-            series=loss_series(r, got, exp),
-        )
+        return drifted(r, got, exp, hint)
     got_bytes = sum(got_all[0]["reduce_bytes"].values())
     exp_bytes = sum(expected[0]["reduce_bytes"].values())
     if got_bytes > 1.5 * exp_bytes:
