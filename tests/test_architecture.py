@@ -230,3 +230,15 @@ def test_a_topic_has_one_spelling_in_its_folder_and_its_notebooks():
         assert (PACKAGE / topic / "lab").is_dir(), lab.name
         assert (root / f"{number:02d}_{topic}.ipynb").is_file(), lab.name
         assert (root / "exercises" / f"{number:02d}_{topic}.ipynb").is_file(), lab.name
+
+
+def test_the_course_engine_uses_the_topics_and_no_topic_uses_the_engine():
+    # The topics' exercises build on `fsdp_lab.exercise` (what an exercise is, what a judge and a
+    # rank use); the engine (`fsdp_lab.course`: catalog, checker, grading) reads the topics.
+    graph = import_graph()
+    topic_modules = [m for m in graph if (m.split(".") + [""])[1] in TOPICS]
+    for name in topic_modules:
+        assert not any(t.startswith("fsdp_lab.course") for t in graph[name]), (name, graph[name])
+    assert any(
+        t.startswith("fsdp_lab.sharding.exercises") for t in graph["fsdp_lab.course.catalog"]
+    )

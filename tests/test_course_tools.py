@@ -219,8 +219,8 @@ def test_the_teaching_guide_tables_are_current_and_time_every_exercise():
 def test_the_gallery_ends_with_a_tally_and_names_where_pieces_came_from():
     from fsdp_lab.collectives.exercises.gather_shards import _order
     from fsdp_lab.course import gallery
-    from fsdp_lab.course.exercise import Bug
     from fsdp_lab.course.verdict import Verdict
+    from fsdp_lab.exercise import Bug
 
     ok = Verdict("x", "passed", "", 2)
     bug = Bug("b", "a bug", lambda: None, "it shows")

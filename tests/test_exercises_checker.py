@@ -129,7 +129,7 @@ def test_closing_the_pool_leaves_no_rank_behind():
 
 
 def test_a_wrong_result_names_an_exact_multiple_and_only_an_exact_one():
-    from fsdp_lab.course.judging import multiple
+    from fsdp_lab.exercise import multiple
 
     assert multiple([2.0, 4.0, -6.0], [1.0, 2.0, -3.0]) == " (2× the reference's)"
     assert multiple([2.0, 4.0, -5.0], [1.0, 2.0, -3.0]) == ""  # correlated, not a multiple

@@ -29,7 +29,7 @@ from typing import Any
 import nbformat
 
 from fsdp_lab.course.catalog import LABS
-from fsdp_lab.course.exercise import Exercise
+from fsdp_lab.exercise import Exercise
 from fsdp_lab.labs.registry import LABS as LABS_BY_NAME
 
 FOLDER = Path(__file__).resolve().parents[2] / "notebooks" / "exercises"

@@ -7,7 +7,7 @@ import difflib
 
 from fsdp_lab.checkpointing.exercises import EXERCISES as CHECKPOINTING
 from fsdp_lab.collectives.exercises import EXERCISES as COLLECTIVES
-from fsdp_lab.course.exercise import Exercise
+from fsdp_lab.exercise import Exercise
 from fsdp_lab.hsdp.exercises import EXERCISES as HSDP
 from fsdp_lab.meta_init.exercises import EXERCISES as META_INIT
 from fsdp_lab.pipeline.exercises import EXERCISES as PIPELINE

@@ -33,10 +33,9 @@ from typing import Any
 
 from fsdp_lab.cluster import RankError
 from fsdp_lab.cluster.driver import how_it_ended
-from fsdp_lab.course.exercise import Case, Exercise
-from fsdp_lab.course.on_rank import HINT_MARK, attempt
 from fsdp_lab.course.pool import ClusterPool
 from fsdp_lab.course.verdict import ExerciseFailed, Verdict, printable
+from fsdp_lab.exercise import HINT_MARK, Case, Exercise, attempt
 
 DUMP_SHARE = 0.8  # a hung rank writes its stack at this share of the time limit
 MAX_TRACEBACK_LINES = 30

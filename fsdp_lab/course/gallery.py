@@ -22,9 +22,9 @@ from typing import Any
 
 from fsdp_lab.course.catalog import LABS
 from fsdp_lab.course.checker import display_figure, grade
-from fsdp_lab.course.exercise import Bug, Exercise
 from fsdp_lab.course.pool import ClusterPool
 from fsdp_lab.course.verdict import Verdict
+from fsdp_lab.exercise import Bug, Exercise
 from fsdp_lab.markdown import table
 
 

@@ -27,8 +27,7 @@ from fsdp_lab.checkpointing.recompute import (
     rerun_with_forward_rng,
     run_segments,
 )
-from fsdp_lab.course.exercise import Bug, Case, Exercise, Mismatch
-from fsdp_lab.course.judging import close, series_of
+from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, series_of
 from fsdp_lab.models import Chain
 
 STEPS = 3

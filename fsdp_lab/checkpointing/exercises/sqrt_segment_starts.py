@@ -22,8 +22,7 @@ import torch.distributed as dist
 
 from fsdp_lab import theory
 from fsdp_lab.checkpointing import schedules
-from fsdp_lab.course.exercise import Bug, Case, Exercise, Mismatch
-from fsdp_lab.course.judging import close, series_of
+from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, series_of
 from fsdp_lab.models import Chain
 from fsdp_lab.sizes import format_bytes
 from fsdp_lab.trace import MemoryTracker

@@ -20,9 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_lab import comm
-from fsdp_lab.course.exercise import Bug, Case, Exercise, Mismatch
-from fsdp_lab.course.judging import close
-from fsdp_lab.course.on_rank import expect_tensor
+from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, expect_tensor
 from fsdp_lab.sharding.flat_param import FlatParameter
 
 

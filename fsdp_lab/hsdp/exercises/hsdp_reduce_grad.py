@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_lab import comm
-from fsdp_lab.course.exercise import Bug, Case, Exercise, Mismatch
-from fsdp_lab.course.judging import close, ratio_hint
+from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, ratio_hint
 from fsdp_lab.sharding.exercises.reduce_scatter_grad import (
     STEPS,
     drifted,

@@ -25,9 +25,16 @@ import torch
 import torch.distributed as dist
 
 from fsdp_lab import comm, reference
-from fsdp_lab.course.exercise import Bug, Case, Exercise, Mismatch
-from fsdp_lab.course.judging import close, series_of
-from fsdp_lab.course.on_rank import HINT_MARK, WrongOutput
+from fsdp_lab.exercise import (
+    HINT_MARK,
+    Bug,
+    Case,
+    Exercise,
+    Mismatch,
+    WrongOutput,
+    close,
+    series_of,
+)
 from fsdp_lab.models import Block, MLPBlock
 from fsdp_lab.sharding import shard
 from fsdp_lab.sharding.exercises.reduce_scatter_grad import LR, build_model, first

@@ -22,9 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_lab.course.exercise import Bug, Case, Exercise, Mismatch
-from fsdp_lab.course.judging import series_of
-from fsdp_lab.course.on_rank import expect_tensor
+from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, expect_tensor, series_of
 from fsdp_lab.meta_init.counter_init import (
     DeterministicInit,
     build_on_meta,

@@ -20,8 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_lab import comm
-from fsdp_lab.course.exercise import Bug, Case, Exercise, Mismatch
-from fsdp_lab.course.judging import close, series_of
+from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, series_of
 from fsdp_lab.meta_init.counter_init import DeterministicInit, build_on_meta, meta_summary
 from fsdp_lab.reference import train_steps
 from fsdp_lab.sharding import shard

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fsdp_lab import comm
-from fsdp_lab.course.exercise import Bug, Case, Exercise, Mismatch
+from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch
 from fsdp_lab.pipeline import rng
 from fsdp_lab.pipeline.exercises.stages import (
     case_layers,

@@ -29,9 +29,7 @@ from typing import Any
 
 import torch
 
-from fsdp_lab.course.exercise import Bug, Case, Exercise, Mismatch
-from fsdp_lab.course.judging import series_of
-from fsdp_lab.course.on_rank import WrongOutput, expect_tensor
+from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, WrongOutput, expect_tensor, series_of
 from fsdp_lab.pipeline import rng
 from fsdp_lab.pipeline.exercises.stages import (
     case_layers,

@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_lab.course.exercise import Case, Mismatch
-from fsdp_lab.course.judging import series_of
+from fsdp_lab.exercise import Case, Mismatch, series_of
 from fsdp_lab.pipeline.model import PipeGPT, PipeGPTConfig
 from fsdp_lab.pipeline.stages import StageInfo, stage_info
 

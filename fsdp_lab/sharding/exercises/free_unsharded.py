@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_lab.course.exercise import Bug, Case, Exercise, Mismatch
-from fsdp_lab.course.judging import close, series_of
+from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, series_of
 from fsdp_lab.models import MLPBlock, MLPStack, synthetic_batch
 from fsdp_lab.reference import local_slice
 from fsdp_lab.sharding import ShardingSteps, shard, sharding_state

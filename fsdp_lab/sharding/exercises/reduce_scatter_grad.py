@@ -28,9 +28,17 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_lab import comm, reference
-from fsdp_lab.course.exercise import Bug, Case, Exercise, Mismatch
-from fsdp_lab.course.judging import close, multiple, ratio_hint, series_of
-from fsdp_lab.course.on_rank import expect_tensor
+from fsdp_lab.exercise import (
+    Bug,
+    Case,
+    Exercise,
+    Mismatch,
+    close,
+    expect_tensor,
+    multiple,
+    ratio_hint,
+    series_of,
+)
 from fsdp_lab.models import Block, MLPBlock, MLPStack, tiny_gpt
 from fsdp_lab.sharding import shard, sharding_state
 from fsdp_lab.sharding.steps import ShardingSteps, reduce_grad_shard

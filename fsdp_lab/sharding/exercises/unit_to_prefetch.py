@@ -23,9 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_lab.course.exercise import Bug, Case, Exercise, Mismatch
-from fsdp_lab.course.judging import close, series_of
-from fsdp_lab.course.on_rank import WrongOutput
+from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, WrongOutput, close, series_of
 from fsdp_lab.models import MLPStack, synthetic_batch, tiny_gpt
 from fsdp_lab.reference import local_slice
 from fsdp_lab.sharding import ShardingSteps, shard, sharding_state

@@ -17,9 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from fsdp_lab.course.exercise import Bug, Case, Exercise, Mismatch
-from fsdp_lab.course.judging import close, series_of
-from fsdp_lab.course.on_rank import WrongOutput
+from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, WrongOutput, close, series_of
 from fsdp_lab.sharding.wrap import (
     PlanError,
     build_plan,

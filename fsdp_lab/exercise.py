@@ -1,0 +1,273 @@
+"""What an exercise is: one key step of a mechanism, run inside the real mechanism on live ranks.
+
+A learner writes one small function (the reduce-scatter of a unit's gradient, the recompute of a
+checkpointed segment, ...). The exercise knows how to put that function where the real mechanism
+calls it (`trial`, which runs on every rank), how to tell right from wrong from what the ranks
+measured (`judge`, which runs where the grade is made), the cases worth trying (world sizes that
+divide and that do not, tied and untied models, uneven stages) and the classic bugs a learner
+makes, each written out as a wrong version of the solution (`Bug`). The same bugs, switched on in
+the reference mechanism, are the bug gallery (`fsdp_lab.course.gallery`).
+
+    check_<name>(fn) ──▶ signature ──▶ for each case:
+        got      = cluster.run(trial, fn, case)         the learner's function, on its ranks
+        expected = cluster.run(trial, solution, case)   the reference, on ranks it never touched
+        judge(got, expected, case) ─▶ Mismatch or None
+
+The learner's run and the reference's run are separate calls, so `fsdp-lab grade` can make them
+in separate processes: the learner's in a sandbox, the reference's in ranks no learner code ever
+ran in (a learner's function that patches `dist.get_world_size` on its rank cannot change the
+reference). What a trial returns is plain data (numbers, strings, lists, dicts): it crosses from
+the learner's processes to the judge as JSON.
+
+Below the exercise: what its judge uses (closeness, the ratio that names a bug, the curves a
+verdict draws) and what runs on each rank during a check (the learner's function under a
+watch). Every topic's `exercises/` builds on this module; the course engine (`fsdp_lab.course`)
+runs them — so the engine uses the topics, and no topic uses the engine.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Case:
+    """One situation the learner's function must handle.
+
+    Args:
+        label: what a learner reads in the verdict ("3 ranks, 10 elements: not divisible").
+        world_size: ranks the case runs on.
+        params: plain values the trial reads (sizes, seeds, which model).
+    """
+
+    label: str
+    world_size: int
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Why a case failed, in terms a learner can act on.
+
+    Args:
+        summary: one line: what is wrong, measured ("the gradient is 2x the reference on rank 0").
+        rows: (what, expected, got) rows of a small table.
+        hint: one sentence pointing at the fix.
+        series: optional curves to draw, expected beside got: {"title", "xlabel", "ylabel",
+            "lines": {name: [values]}} (a memory trace that never drops, a drifting loss).
+    """
+
+    summary: str
+    rows: list[tuple[str, str, str]] = field(default_factory=list)
+    hint: str = ""
+    series: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Bug:
+    """A classic mistake, written out as a wrong version of the reference solution.
+
+    Args:
+        slug: short name for the CLI and tests ("no-divide").
+        title: what the bug is, in the words a course uses ("missing ÷ world size").
+        wrong: the buggy function, with the exercise's signature.
+        symptom: what the lab measures when the bug is on (one sentence, no figures: the
+            figures come from the run).
+    """
+
+    slug: str
+    title: str
+    wrong: Callable[..., Any]
+    symptom: str
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One graded step of one lab.
+
+    Args:
+        name: the function the learner writes, and the checker's suffix (`check_<name>`).
+        lab: the lab it belongs to ("collectives", "shard", ...).
+        title: one line.
+        statement: what to write, Markdown (a few sentences, the signature's meaning).
+        stub: the learner's starting code: the signature, a docstring, no solution.
+        hang_hint: the hint of a "hung" verdict, when this step has a classic way to hang
+            (a stage index sent where a rank was meant); else the general one.
+        setup: import lines the learner's cell needs beyond the notebook's common ones
+            (torch, dist, nn, comm, rank, world_size), put above the stub.
+        hints: opened one by one on demand, most general first.
+        solution: the reference implementation (never shown in a learner notebook).
+        trial: runs on every rank: ``trial(fn, case) -> plain data`` puts `fn` into the real
+            mechanism and returns what was measured (the same trial measures the reference,
+            with `solution` as `fn`).
+        judge: runs where the grade is made: ``judge(got, expected, case) -> Mismatch | None``
+            from the learner's and the reference's per-rank outcomes, in rank order. Whatever
+            the judge needs besides the learner's values (a store-all baseline, the unsharded
+            model's forward) it reads from `expected`: only the reference's run is trusted.
+        cases: tried in order; the first that fails is the verdict.
+        bugs: the classic mistakes this exercise catches.
+        points: for nbgrader and `fsdp-lab grade`.
+        minutes: how long the exercise takes a learner, roughly (the instructor guide).
+    """
+
+    name: str
+    lab: str
+    title: str
+    statement: str
+    stub: str
+    hints: tuple[str, ...]
+    solution: Callable[..., Any]
+    trial: Callable[[Callable[..., Any], Case], Any]
+    judge: Callable[[list[Any], list[Any], Case], Mismatch | None]
+    cases: tuple[Case, ...]
+    bugs: tuple[Bug, ...] = ()
+    points: int = 2
+    minutes: int = 10
+    setup: str = ""
+    hang_hint: str = ""
+
+    def bug(self, slug: str) -> Bug:
+        """The bug named `slug`, or a ValueError listing the ones there are."""
+        for b in self.bugs:
+            if b.slug == slug:
+                return b
+        known = ", ".join(b.slug for b in self.bugs) or "none"
+        raise ValueError(f"bug {slug!r} of exercise {self.name!r}: expected one of {known}")
+
+
+RTOL, ATOL = 1e-5, 1e-7
+
+
+def close(got: Sequence[float] | torch.Tensor, expected: Sequence[float] | torch.Tensor) -> bool:
+    """Same length and equal to within float reordering."""
+    g, e = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
+    return g.shape == e.shape and bool(torch.allclose(g, e, rtol=RTOL, atol=ATOL))
+
+
+def ratio(got: Sequence[float], expected: Sequence[float]) -> float | None:
+    """The factor `got` is of `expected` (least squares), or None if `expected` is all zero."""
+    g, e = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
+    if g.shape != e.shape or float(e @ e) == 0.0:
+        return None
+    return float((g @ e) / (e @ e))
+
+
+def multiple(got: Sequence[float], expected: Sequence[float]) -> str:
+    """ " (2× the reference's)" when `got` is exactly a multiple of `expected` (to float
+    reordering), else "": a factor only where it explains every value."""
+    k = ratio(got, expected)
+    if k is None or abs(k - 1) < 1e-6 or not close(got, [k * v for v in expected]):
+        return ""
+    return f" ({k:.3g}× the reference's)"
+
+
+def ratio_hint(
+    got: Sequence[float], expected: Sequence[float], hints: dict[float, str], default: str = ""
+) -> str:
+    """The hint of the factor `got` is of `expected`, when it is one of `hints`' keys and
+    `got` is that multiple exactly (not merely correlated); else `default`."""
+    k = ratio(got, expected)
+    if k is not None:
+        for factor, hint in hints.items():
+            scaled = [factor * v for v in expected]
+            if abs(k - factor) <= 1e-4 * max(1.0, abs(factor)) and close(got, scaled):
+                return hint
+    return (
+        default
+        or "Compare your function with the statement line by line: the table above "
+        "shows the first values that differ."
+    )
+
+
+def series_of(
+    title: str, xlabel: str, ylabel: str, lines: dict[str, list[float]], in_bytes: bool = False
+) -> dict[str, Any]:
+    """Curves for `Mismatch.series`: the reference first."""
+    return {"title": title, "xlabel": xlabel, "ylabel": ylabel, "lines": lines, "bytes": in_bytes}
+
+
+HINT_MARK = " | hint: "  # WrongOutput's message, then the hint: one line, as a traceback ends
+
+
+class WrongOutput(Exception):
+    """The learner's function returned something of the wrong kind (type, shape, dtype)."""
+
+
+def expect_tensor(got: Any, like: torch.Tensor, what: str, hint: str = "") -> torch.Tensor:
+    """`got` if it is a tensor shaped and typed like `like`; else a WrongOutput saying so.
+
+    Args:
+        got: what the learner's function returned.
+        like: the reference's value for the same input.
+        what: what the value is, for the message ("this rank's gradient shard").
+        hint: one sentence for the verdict when the value is wrong (else a general one).
+    """
+    try:
+        return _expect_tensor(got, like, what)
+    except WrongOutput as exc:
+        if not hint:
+            raise
+        raise WrongOutput(f"{exc}{HINT_MARK}{hint}") from None
+
+
+def _expect_tensor(got: Any, like: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(got, torch.Tensor):
+        raise WrongOutput(
+            f"{what}: expected a torch.Tensor of shape {tuple(like.shape)}, got "
+            f"{type(got).__name__} ({got!r:.60})"
+        )
+    if tuple(got.shape) != tuple(like.shape):
+        raise WrongOutput(f"{what}: expected shape {tuple(like.shape)}, got {tuple(got.shape)}")
+    if got.dtype != like.dtype:
+        raise WrongOutput(f"{what}: expected dtype {like.dtype}, got {got.dtype}")
+    return got
+
+
+def plain(value: Any) -> Any:
+    """`value` as JSON data: tensors as (nested) lists, tuples as lists; a TypeError for what
+    has no JSON form (a trial must return measurements, not objects)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist()
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"a trial's dict keys must be strings, got {list(value)[:5]}")
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(f"a trial returned {type(value).__name__}, which has no JSON form")
+
+
+def as_json(value: Any) -> str:
+    return json.dumps(plain(value))
+
+
+def attempt(
+    trial: Callable[..., Any],
+    fn: Callable[..., Any],
+    case: Case,
+    stack_file: str,
+    dump_after: float,
+) -> str:
+    """Run one trial on this rank and return what it measured as JSON; if it is still running
+    after `dump_after` seconds, write every thread's stack to `stack_file` (the driver reads it
+    if the call then times out)."""
+    from fsdp_lab.cluster import rank, rank_threads
+
+    # rank_threads: the cores shared by the ranks. N ranks x torch's default thread count
+    # oversubscribe a laptop's cores and made checks several times slower. Every run (the
+    # learner's, the reference's, in whatever process) uses the same threads, so values compare.
+    with open(stack_file.format(rank=rank()), "w") as out, rank_threads():
+        faulthandler.dump_traceback_later(dump_after, file=out)
+        try:
+            outcome = trial(fn, case)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    return as_json(outcome)
