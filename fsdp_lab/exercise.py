@@ -158,6 +158,11 @@ def ratio(got: Sequence[float], expected: Sequence[float]) -> float | None:
     return float((g @ e) / (e @ e))
 
 
+def first_values(values: Sequence[float], n: int = 3) -> str:
+    """A verdict's table cell: the first `n` values, 4 significant digits."""
+    return ", ".join(f"{v:.4g}" for v in values[:n])
+
+
 def multiple(got: Sequence[float], expected: Sequence[float]) -> str:
     """ " (2× the reference's)" when `got` is exactly a multiple of `expected` (to float
     reordering), else "": a factor only where it explains every value."""

@@ -27,7 +27,7 @@ from fsdp_lab.checkpointing.recompute import (
     rerun_with_forward_rng,
     run_segments,
 )
-from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, series_of
+from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, first_values, series_of
 from fsdp_lab.models import Chain
 
 STEPS = 3
@@ -91,8 +91,8 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
             raise AssertionError(f"rank {r}: the reference checkpoint differs from store-all")
         rows = [
             ("loss at step 1 (the forward)", f"{plain['losses'][0]:.6g}", f"{got['losses'][0]:.6g}"),
-            ("step-1 gradient, first 3 values", _first(plain["first_grad"]), _first(got["first_grad"])),
-            ("next 3 random numbers after step 1", _first(plain["next_draws"][0]), _first(got["next_draws"][0])),
+            ("step-1 gradient, first 3 values", first_values(plain["first_grad"]), first_values(got["first_grad"])),
+            ("next 3 random numbers after step 1", first_values(plain["next_draws"][0]), first_values(got["next_draws"][0])),
             (f"loss after {STEPS} steps", f"{plain['losses'][-1]:.6g}", f"{got['losses'][-1]:.6g}"),
         ]  # fmt: skip
         series = series_of(
@@ -132,10 +132,6 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
                 series=series,
             )
     return None
-
-
-def _first(values: list[float]) -> str:
-    return ", ".join(f"{v:.4g}" for v in values[:3])
 
 
 RERUN_WITH_FORWARD_RNG = Exercise(

@@ -27,6 +27,7 @@ from fsdp_lab.exercise import (
     Mismatch,
     close,
     expect_tensor,
+    first_values,
     multiple,
     ratio_hint,
     series_of,
@@ -124,8 +125,8 @@ def judge(got: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
             rows=[
                 (
                     "first gradient, first 3 values",
-                    _first(exp["first_grad"]),
-                    _first(mine["first_grad"]),
+                    first_values(exp["first_grad"]),
+                    first_values(mine["first_grad"]),
                 ),
                 (
                     f"loss after {STEPS} steps",
@@ -142,10 +143,6 @@ def judge(got: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
             ),
         )
     return None
-
-
-def _first(values: list[float]) -> str:
-    return ", ".join(f"{v:.4g}" for v in values[:3])
 
 
 ALL_REDUCE_MEAN = Exercise(

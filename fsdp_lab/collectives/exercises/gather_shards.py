@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_lab import comm
-from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, expect_tensor
+from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, expect_tensor, first_values
 from fsdp_lab.sharding.flat_param import FlatParameter
 
 
@@ -133,11 +133,11 @@ def judge(got: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
                     _order(exp["order"]),
                     _order(mine["order"]),
                 ),
-                ("first 3 values", _first(exp["values"]), _first(mine["values"])),
+                ("first 3 values", first_values(exp["values"]), first_values(mine["values"])),
                 (
                     "forward output, first 3",
-                    _first(exp["unsharded_forward"]),
-                    _first(mine["forward"]),
+                    first_values(exp["unsharded_forward"]),
+                    first_values(mine["forward"]),
                 ),
             ],  # fmt: skip
             hint=hint,
@@ -148,10 +148,6 @@ def judge(got: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
 def _order(order: list[int]) -> str:
     """`_chunk_order`'s list in words: "rank 0, rank 1", "none" where no rank's shard is."""
     return ", ".join(f"rank {r}" if r >= 0 else "none" for r in order)
-
-
-def _first(values: list[float]) -> str:
-    return ", ".join(f"{v:.4g}" for v in values[:3])
 
 
 GATHER_SHARDS = Exercise(

@@ -22,11 +22,10 @@ import torch
 import torch.distributed as dist
 
 from fsdp_lab import comm
-from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, ratio_hint
+from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, first_values, ratio_hint
 from fsdp_lab.sharding.exercises.reduce_scatter_grad import (
     STEPS,
     drifted,
-    first,
     train_with,
 )
 from fsdp_lab.sharding.mesh import device_mesh
@@ -101,8 +100,8 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
                     rows=[
                         (
                             f"rank {q}'s shard after {STEPS} steps, first values",
-                            first(expected[q]["weights"]),
-                            first(got_all[q]["weights"]),
+                            first_values(expected[q]["weights"]),
+                            first_values(got_all[q]["weights"]),
                         )
                         for q in (ranks[0], g)
                     ],

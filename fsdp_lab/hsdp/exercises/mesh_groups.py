@@ -33,11 +33,12 @@ from fsdp_lab.exercise import (
     Mismatch,
     WrongOutput,
     close,
+    first_values,
     series_of,
 )
 from fsdp_lab.models import Block, MLPBlock
 from fsdp_lab.sharding import shard
-from fsdp_lab.sharding.exercises.reduce_scatter_grad import LR, build_model, first
+from fsdp_lab.sharding.exercises.reduce_scatter_grad import LR, build_model
 from fsdp_lab.sharding.mesh import device_mesh
 
 STEPS = 2
@@ -263,8 +264,8 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
                 rows=[
                     (
                         "parameters after training, first values",
-                        first(exp["params"]),
-                        first(got["params"]),
+                        first_values(exp["params"]),
+                        first_values(got["params"]),
                     ),
                     (
                         f"loss after {STEPS} steps",

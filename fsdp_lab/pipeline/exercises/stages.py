@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_lab.exercise import Case, Mismatch, series_of
+from fsdp_lab.exercise import Case, Mismatch, first_values, series_of
 from fsdp_lab.pipeline.model import PipeGPT, PipeGPTConfig
 from fsdp_lab.pipeline.stages import StageInfo, stage_info
 
@@ -86,8 +86,8 @@ def first_draws(values: Values) -> tuple[str, list[float]]:
 
 
 def vals(values: list[float]) -> str:
-    """A table cell: the first values, 4 significant digits."""
-    return ", ".join(f"{v:.4g}" for v in values[:SHOWN])
+    """A table cell: the first SHOWN values."""
+    return first_values(values, SHOWN)
 
 
 def label(o: dict) -> str:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, series_of
+from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, first_values, series_of
 from fsdp_lab.models import MLPBlock, MLPStack, synthetic_batch
 from fsdp_lab.reference import local_slice
 from fsdp_lab.sharding import ShardingSteps, shard, sharding_state
@@ -160,8 +160,8 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
                     (f"buffer of {unit} as its backward began", "the gathered parameters", what),
                     (
                         "gradient, first values",
-                        _first(exp["first_grad"]),
-                        _first(got["first_grad"]),
+                        first_values(exp["first_grad"]),
+                        first_values(got["first_grad"]),
                     ),
                 ],
                 hint="the buffer kept its bytes, so it still looks gathered and nothing gathers "
@@ -197,10 +197,6 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
                 ),
             )
     return None
-
-
-def _first(values: list[float]) -> str:
-    return ", ".join(f"{v:.4g}" for v in values[:3])
 
 
 FREE_UNSHARDED = Exercise(

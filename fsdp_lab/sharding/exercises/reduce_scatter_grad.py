@@ -35,6 +35,7 @@ from fsdp_lab.exercise import (
     Mismatch,
     close,
     expect_tensor,
+    first_values,
     multiple,
     ratio_hint,
     series_of,
@@ -151,16 +152,12 @@ def trial(fn: Any, case: Case) -> dict:
 # -- in the notebook -------------------------------------------------------------------------
 
 
-def first(values: list[float], n: int = 3) -> str:
-    return ", ".join(f"{v:.4g}" for v in values[:n])
-
-
 def value_rows(got: dict, exp: dict) -> list[tuple[str, str, str]]:
     return [
         (
             "gradient chunk of step 1, first values",
-            first(exp["first_grad"]),
-            first(got["first_grad"]),
+            first_values(exp["first_grad"]),
+            first_values(got["first_grad"]),
         ),
         (f"loss after {STEPS} steps", f"{exp['losses'][-1]:.6g}", f"{got['losses'][-1]:.6g}"),
     ]
