@@ -1,4 +1,4 @@
-"""Our FSDP (`fsdp_lab.shard`, ZeRO-3) next to PyTorch's FSDP2, FSDP1 and DDP: time and memory.
+"""Our FSDP/ZeRO (`fsdp_lab.shard`, every strategy) next to PyTorch's FSDP2, FSDP1 and DDP.
 
     python benchmarks/bench_shard.py [--world-sizes 2 4] [--steps 8] [--repeats 3]
         [--dim 128 --layers 4 --vocab 1024 --seq 64 --batch 8] [--json PATH]
@@ -6,15 +6,20 @@
 Every system trains the same TinyGPT (tied embedding/head, the same seed on every rank) on the
 same data (`reference.train_steps`, the global batch split over the ranks), fp32 with Adam:
 
-    ours    fsdp_lab.shard(model, units={Block}, strategy="full")
+    ours:full       fsdp_lab.shard(model, units={Block}, strategy="full")        ZeRO-3
+    ours:grad_op    ... strategy="grad_op"                                        ZeRO-2
+    ours:optimizer  ... strategy="optimizer"                                      ZeRO-1
+    ours:none       fsdp_lab.shard(model, strategy="none"): DDP's buckets (25 MiB), overlapped
     fsdp2   fully_shard on every Block, then on the root    (reference.apply_fsdp2)
     fsdp1   FullyShardedDataParallel, Block auto-wrap, use_orig_params=True
     ddp     DistributedDataParallel
 
 One `Cluster` per world size. Step time: `--repeats` timed runs per system, interleaved
-(ours, fsdp2, fsdp1, ddp, ours, ...) so machine noise hits all alike; per step the slowest
+(ours:full, ..., ddp, ours:full, ...) so machine noise hits all alike; per step the slowest
 rank's time, the median over the steps after the first (lazy init, optimizer state), then the
-median over repeats. Timed runs carry no instrumentation: a tracker's dispatch mode costs
+median over repeats. Ratios are taken repeat by repeat (each against the same repeat's
+reference, run moments apart) and quoted as their median with their min-max spread; the load
+average is printed with every repeat. Timed runs carry no instrumentation: a tracker's dispatch mode costs
 every operator.
 
 Peak memory: one more run per system under `MemoryTracker`, started before the model is
@@ -45,7 +50,8 @@ import torch
 
 from fsdp_lab import Cluster
 
-SYSTEMS = ("ours", "fsdp2", "fsdp1", "ddp")
+OURS = ("ours:full", "ours:grad_op", "ours:optimizer", "ours:none")
+SYSTEMS = (*OURS, "fsdp2", "fsdp1", "ddp")
 PROFILED_STEPS = 2  # the allocator cross-check covers the build and these first steps
 MiB = 2**20
 
@@ -60,8 +66,10 @@ def _build(system: str, s: dict[str, Any]) -> tuple[torch.nn.Module, torch.optim
 
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(s["vocab"], s["seq"], s["dim"], s["layers"], s["heads"]))
-    if system == "ours":
-        model = shard(model, units={Block}, strategy="full")
+    if system == "ours:none":  # DDP's shape: one unit, its gradients in buckets
+        model = shard(model, strategy="none")
+    elif system in OURS:
+        model = shard(model, units={Block}, strategy=system.removeprefix("ours:"))
     elif system == "fsdp2":
         model = reference.apply_fsdp2(model, (Block,))
     elif system == "fsdp1":
@@ -183,7 +191,7 @@ def memory_run(system: str, s: dict[str, Any]) -> dict[str, Any]:
         for tracker in (lab_marks, mem):
             tracker.track(model)
             tracker.track(opt)
-            if system == "ours":  # as the shard lab does: gathered buffers are comm buffers
+            if system in OURS:  # as the shard lab does: gathered buffers are comm buffers
                 for unit in sharding_state(model).units:
                     tracker.track(unit.flat.unsharded, "comm_buffers")
         out = _train(model, opt, s, after_step=stop_profiler)
@@ -211,13 +219,11 @@ def measure(n: int, s: dict[str, Any], repeats: int) -> dict[str, dict]:
     out: dict[str, dict] = {system: {"step_time_s_per_repeat": []} for system in SYSTEMS}
     with Cluster(n, backend="gloo", timeout=600, verbose=False) as cluster:
         for r in range(repeats):
+            print(f"  N={n} repeat {r + 1}/{repeats}, load average {_load()}", flush=True)
             for system in SYSTEMS:  # interleaved: noise hits every system alike
                 t = step_time(cluster.run(timed_run, system, s))
                 out[system]["step_time_s_per_repeat"].append(t)
-                print(
-                    f"  N={n} repeat {r + 1}/{repeats} {system:5} {t * 1e3:7.1f} ms/step",
-                    flush=True,
-                )
+                print(f"    {system:14} {t * 1e3:7.1f} ms/step", flush=True)
         for system in SYSTEMS:
             ranks = cluster.run(memory_run, system, s)
             res = out[system]
@@ -236,20 +242,29 @@ def _mib(b: float, sign: str = "") -> str:
     return f"{b / MiB:{sign}.2f}"
 
 
+def ratio(res: dict[str, dict], system: str, ref: str) -> str:
+    """Step-time ratio repeat by repeat: "median (min-max)"."""
+    pairs = zip(
+        res[system]["step_time_s_per_repeat"], res[ref]["step_time_s_per_repeat"], strict=True
+    )
+    ratios = [a / b for a, b in pairs]
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def print_tables(n: int, res: dict[str, dict], psi: int) -> None:
     ref = res["fsdp2"]
     print(f"\nworld size {n} (gloo)\n")
     print(
-        "| system | step time (ms, median; min-max over repeats) | ratio to fsdp2 "
-        "| peak tracked memory (MiB) | ratio to fsdp2 |"
+        "| system | step time (ms, median; min-max over repeats) | ratio to fsdp2 (median; "
+        "min-max) | ratio to ddp | peak tracked memory (MiB) | ratio to fsdp2 |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for system in SYSTEMS:
         r = res[system]
         ms = [t * 1e3 for t in r["step_time_s_per_repeat"]]
         print(
             f"| {system} | {r['step_time_s'] * 1e3:.1f} ({min(ms):.0f}-{max(ms):.0f}) "
-            f"| {r['step_time_s'] / ref['step_time_s']:.2f} "
+            f"| {ratio(res, system, 'fsdp2')} | {ratio(res, system, 'ddp')} "
             f"| {_mib(r['peak_bytes'])} | {r['peak_bytes'] / ref['peak_bytes']:.2f} |"
         )
     print("\npeak memory (MiB, highest rank) counted three ways, and what the tracker saw at it:\n")
@@ -359,17 +374,20 @@ def main() -> None:
         print_tables(n, res, psi)
     print(FOOTNOTE.rstrip())
     print(f"load average (1, 5, 15 min) at the end: {_load()}")
-    verdict = ", ".join(
-        f"N={n}: "
-        + (
-            "yes"
-            if res["ours"]["step_time_s"] <= res["fsdp2"]["step_time_s"]
-            and res["ours"]["peak_bytes"] <= res["fsdp2"]["peak_bytes"]
-            else "no"
+    goals = {  # issue 28's goals, each a ratio of medians
+        "ours:none / ddp step time ≤ 1.00": ("ours:none", "ddp", "step_time_s"),
+        "ours:full / ddp step time ≤ 1.00": ("ours:full", "ddp", "step_time_s"),
+        "ours:full / fsdp2 step time ≤ 1.00": ("ours:full", "fsdp2", "step_time_s"),
+        "ours:full / fsdp2 peak memory ≤ 1.00": ("ours:full", "fsdp2", "peak_bytes"),
+    }
+    print()
+    for goal, (a, b, key) in goals.items():
+        met = ", ".join(
+            f"N={n}: {res[a][key] / res[b][key]:.2f} "
+            + ("met" if res[a][key] <= res[b][key] else "not met")
+            for n, res in results.items()
         )
-        for n, res in results.items()
-    )
-    print(f"\nours step time ≤ FSDP2's and peak memory ≤ FSDP2's: {verdict}")
+        print(f"{goal}: {met}")
     if args.json:
         payload = {
             "machine": {

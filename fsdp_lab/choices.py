@@ -78,6 +78,16 @@ HYBRID_STRATEGIES: dict[str, Strategy] = {
     ),
 }
 
+# A unit's own strategy inside a sharded model (`shard(policies={unit: UnitPolicy(strategy=
+# "replicate")})`): whole on every rank, its gradient all-reduced — "none" for one unit.
+REPLICATE = Strategy(
+    "replicate",
+    sharded=False,
+    reshard_after_forward=False,
+    reshard_after_backward=False,
+    reduce_at_end=False,
+)
+
 # Every strategy `shard` takes, by name: the 1-D ones and the hybrid ones.
 ALL_SHARDING_STRATEGIES: dict[str, Strategy] = {**SHARDING_STRATEGIES, **HYBRID_STRATEGIES}
 

@@ -12,6 +12,8 @@ nccl-tests' "bus bandwidth" and of `fsdp_lab.theory`, with N the group size:
     reduce_scatter_tensor    (N-1)/N x input bytes      each rank sends N-1 partial shards
     all_reduce             2 (N-1)/N x tensor bytes     = a reduce-scatter then an all-gather
     broadcast, send, recv            tensor bytes
+    host_to_device, device_to_host   tensor bytes over the host link (CPU offload; PCIe on a
+                                     GPU, a copy in host memory on a CPU-only machine)
 
 Async ops (``async_op=True``) return a `CommWork`; its ``wait()`` closes the record, so the
 recorded duration runs from issue to completion — what a prefetching mechanism overlaps.
@@ -111,6 +113,8 @@ def bus_bytes(op: str, payload_bytes: int, group_size: int) -> float:
         "broadcast": 1.0 if n > 1 else 0.0,
         "send": 1.0,
         "recv": 1.0,
+        "host_to_device": 1.0,
+        "device_to_host": 1.0,
     }
     if op not in factors:
         raise ValueError(f"unknown collective {op!r}; known: {sorted(factors)}")
@@ -150,13 +154,14 @@ def _run(
     payload_bytes: int,
     group: dist.ProcessGroup | None,
     async_op: bool,
+    link: str | None = None,
 ) -> CommWork | None:
     log, timeline = _ACTIVE.get(), active_timeline()
     start = time.perf_counter()
     work = call()
     if log is None and timeline is None:
         return CommWork(work, lambda: None) if async_op else None
-    label, size = _group_label(group)
+    label, size = (link, 1) if link else _group_label(group)
     moved = bus_bytes(op, payload_bytes, size)
     tag = _TAG.get()
 
@@ -185,6 +190,41 @@ def _run(
     return None
 
 
+_UNEVEN = "_fsdp_lab_uneven"  # on a sharded parameter's slice (and its gradient): its lengths
+
+
+def mark_uneven(tensor: torch.Tensor, name: str, lengths: list[int]) -> None:
+    """`tensor` is this rank's slice of parameter `name`, and the ranks' slices have these
+    `lengths`: every collective here refuses it (see `_refuse_uneven`)."""
+    setattr(tensor, _UNEVEN, (name, lengths))
+
+
+def same_marks(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`tensor` (a parameter's gradient) marked as `like` is; returns it."""
+    if hasattr(like, _UNEVEN):
+        setattr(tensor, _UNEVEN, getattr(like, _UNEVEN))
+    return tensor
+
+
+def _refuse_uneven(op: str, *tensors: torch.Tensor) -> None:
+    """A collective over tensors whose sizes differ across ranks never completes on gloo (each
+    rank waits for bytes the others will not send); NCCL may corrupt or hang. Refuse it here,
+    on every rank alike — every rank holds a slice of the same parameter — before any message."""
+    for t in tensors:
+        mark = getattr(t, _UNEVEN, None)
+        if mark is not None:
+            name, lengths = mark
+            raise ValueError(
+                f"comm.{op} over {name!r}: this is a sharded parameter's slice (or its "
+                f"gradient), and the ranks hold {lengths} of its elements — a collective over "
+                "slices of unequal size would wait forever. Fix: compare whole values "
+                "(`fsdp_lab.sharding.full_state_dict(model)`), or keep this parameter whole on "
+                "every rank (`shard(..., policies={unit: UnitPolicy(strategy='replicate')})` or "
+                "`ignored_params`). For raw torch.distributed calls, run the ranks with "
+                "TORCH_DISTRIBUTED_DEBUG=DETAIL: mismatched collectives then fail at once"
+            )
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -196,6 +236,7 @@ def all_gather_into_tensor(
     async_op: bool = False,
 ) -> CommWork | None:
     """Concatenate every rank's `input` into `output` (N x input.numel() elements)."""
+    _refuse_uneven("all_gather_into_tensor", input, output)
     return _run(
         "all_gather_into_tensor",
         lambda: _all_gather_single(output, input, group=group, async_op=async_op),
@@ -214,6 +255,7 @@ def reduce_scatter_tensor(
     async_op: bool = False,
 ) -> CommWork | None:
     """Reduce `input` (N x output.numel() elements) over ranks; rank r keeps chunk r in `output`."""
+    _refuse_uneven("reduce_scatter_tensor", input, output)
     return _run(
         "reduce_scatter_tensor",
         lambda: _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op),
@@ -231,6 +273,7 @@ def all_reduce(
     async_op: bool = False,
 ) -> CommWork | None:
     """Reduce `tensor` over ranks in place; every rank ends with the result."""
+    _refuse_uneven("all_reduce", tensor)
     return _run(
         "all_reduce",
         lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
@@ -248,6 +291,7 @@ def broadcast(
     async_op: bool = False,
 ) -> CommWork | None:
     """Copy `tensor` from global rank `src` to every rank of the group, in place."""
+    _refuse_uneven("broadcast", tensor)
     return _run(
         "broadcast",
         lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
@@ -276,3 +320,33 @@ def recv(
     return _run(
         "recv", lambda: call(tensor, src=src, group=group), tensor, _nbytes(tensor), group, async_op
     )
+
+
+HOST_LINK = "host link"  # how a CommRecord names the copies of CPU offload
+
+
+def host_to_device(
+    tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A copy of host `tensor` on `device` (cast to `dtype`): what CPU offload sends to the
+    device before a unit computes. Always a real copy, counted — also where the "device" is
+    the CPU itself, so a CPU-only run moves and counts the very bytes a GPU run would."""
+    out = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, device=device)
+    nbytes = tensor.numel() * tensor.element_size()
+    _run(
+        "host_to_device",
+        lambda: out.copy_(tensor, non_blocking=True),
+        tensor,
+        nbytes,
+        None,
+        False,
+        HOST_LINK,
+    )
+    return out
+
+
+def device_to_host(tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Copy device `tensor` into host tensor `out` (CPU offload's gradient shard); returns `out`."""
+    nbytes = tensor.numel() * tensor.element_size()
+    _run("device_to_host", lambda: out.copy_(tensor), tensor, nbytes, None, False, HOST_LINK)
+    return out

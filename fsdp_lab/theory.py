@@ -162,33 +162,60 @@ def sharding_step(
         units: per wrap unit, "numel", "padded_numel" (rounded up to a multiple of N) and
             "element_size" (b), as `fsdp_lab.shard` reports them; under "full" also
             "reshard_after_forward" (default True): a unit freed after forward is gathered
-            again for backward, one kept (the root, by default) is not.
+            again for backward, one kept (the root, by default) is not. A unit with its own
+            policy (`shard(policies=...)`) also has "strategy": "replicate" is all-reduced
+            whole (2(N-1)/N·Ψ_u·b, like "none") and holds 16Ψ_u, the others as their name says;
+            "offload": True adds the host link's copies — the shard (S_u·b, "shard_numel" S_u)
+            to the device before each gather, the gradient shard back after each reduction.
     """
     n, b = world_size, units[0]["element_size"]
+    f = (n - 1) / n
+
+    def strategy_of(u: dict[str, Any]) -> str:
+        own = u.get("strategy", strategy)
+        return "none" if own == "replicate" else own
+
     psi = sum(u["numel"] for u in units)
     psi_padded = sum(u["padded_numel"] for u in units)
-    regathered = [u for u in units if u.get("reshard_after_forward", True)]
-    largest = max(u["padded_numel"] for u in units) * b
-    f = (n - 1) / n
-    if strategy == "none":
-        comm_bytes = {"all_reduce": 2 * f * psi * b}
-        unpadded = dict(comm_bytes)
-    else:
-        # ZeRO-3 gathers again for backward what it freed after forward
-        again = regathered if strategy == "full" else []
-        gathered = psi_padded + sum(u["padded_numel"] for u in again)
-        gathered_unpadded = psi + sum(u["numel"] for u in again)
-        comm_bytes = {
-            "all_gather_into_tensor": f * gathered * b,
-            "reduce_scatter_tensor": f * psi_padded * b,
-        }
-        unpadded = {
-            "all_gather_into_tensor": f * gathered_unpadded * b,
-            "reduce_scatter_tensor": f * psi * b,
-        }
-    peak = model_state_bytes(psi, n, strategy, precision)
-    if strategy == "full" and n > 1:  # one rank gathers nothing
-        peak += largest
+    replicated = [u for u in units if strategy_of(u) == "none"]
+    sharded = [u for u in units if strategy_of(u) != "none"]
+    # ZeRO-3 gathers again for backward what it freed after forward
+    again = [
+        u for u in sharded if strategy_of(u) == "full" and u.get("reshard_after_forward", True)
+    ]
+    largest = max(u["padded_numel"] * u["element_size"] for u in units)
+
+    def total(us: list[dict[str, Any]], key: str) -> int:  # bytes, summed exactly (ints)
+        return sum(u[key] * u["element_size"] for u in us)
+
+    comm_bytes: dict[str, float] = {}
+    unpadded: dict[str, float] = {}
+    if sharded:
+        comm_bytes["all_gather_into_tensor"] = f * (
+            total(sharded, "padded_numel") + total(again, "padded_numel")
+        )
+        comm_bytes["reduce_scatter_tensor"] = f * total(sharded, "padded_numel")
+        unpadded["all_gather_into_tensor"] = f * (total(sharded, "numel") + total(again, "numel"))
+        unpadded["reduce_scatter_tensor"] = f * total(sharded, "numel")
+    if replicated:
+        comm_bytes["all_reduce"] = unpadded["all_reduce"] = 2 * f * total(replicated, "numel")
+    offloaded = [u for u in units if u.get("offload")]
+    if offloaded:  # each gather first copies the shard from host memory; each gradient back
+        shards = [u for u in offloaded if u in sharded]
+        copies = total(offloaded, "shard_numel") + total(
+            [u for u in again if u in shards], "shard_numel"
+        )
+        comm_bytes["host_to_device"] = unpadded["host_to_device"] = float(copies)
+        comm_bytes["device_to_host"] = unpadded["device_to_host"] = float(
+            total(offloaded, "shard_numel")
+        )
+    peak = 0.0
+    for name in dict.fromkeys(strategy_of(u) for u in units):  # each strategy's units together
+        numel = sum(u["numel"] for u in units if strategy_of(u) == name)
+        peak += model_state_bytes(numel, n, name, precision)
+    fully_sharded = [u for u in sharded if strategy_of(u) == "full"]
+    if fully_sharded and n > 1:  # the largest ZeRO-3 unit, gathered (one rank gathers nothing)
+        peak += max(u["padded_numel"] * u["element_size"] for u in fully_sharded)
     return {
         "psi": psi,
         "psi_padded": psi_padded,

@@ -133,6 +133,10 @@ def test_tour_runs_every_lab_with_progress_and_summary(tmp_path):
             "--steps 0 is out of range: allowed an int >= 1 (training steps)\n  hint: --steps 5",
         ),
         (["shard", "--strategy", "zero5"], "--strategy: invalid choice: 'zero5'"),
+        (
+            ["shard", "--strategy", "none", "--replicate-root"],
+            "--replicate-root with --strategy none: a replicated root is kept whole",
+        ),
         (["shard", "--world-size", "5"], "12 does not divide over --world-size 5 ranks"),
         (["shard", "--global-batch", "7"], "allowed world sizes [1, 7]\n  hint: --world-size 1"),
         (["tying", "--vocab", "0"], "--vocab 0 is out of range: allowed an int >= 1"),
@@ -205,12 +209,21 @@ def test_shard_json_has_the_issue_keys_and_exact_bytes(capfd):
         "--json",
         "--model",
         "fsdp_lab.models:tiny_gpt",
+        "--replicate-root",  # issue 28: a per-unit policy, its bytes exact too
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     for key in SHARD_KEYS:  # the keys issue 3 asks for, listed once in test_shard_lab
         assert key in result, key
     assert result["strategy"] == "grad_op" and result["world_size"] == 2
+    root, *blocks = result["units"]
+    assert root["strategy"] == "replicate" and root["padded_numel"] == root["numel"]
+    assert blocks and all("strategy" not in u for u in blocks)  # the model's: grad_op
+    assert set(result["theory_comm_bytes"]) == {
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "all_reduce",  # the root's gradient, whole
+    }
     assert result["comm_bytes_per_rank"][0] == pytest.approx(result["theory_comm_bytes"], rel=1e-12)
 
 

@@ -3,7 +3,9 @@
 Read in this order: `apply.py` (`shard()`, the entry point: the lifecycle in five steps), `steps.py` (the
 four steps a learner writes), `flat_param.py` (the storage), `unit.py` (one unit's step, hook by
 hook), `state.py` (what the units share), `mesh.py` (the process groups), `checks.py` (what
-shard refuses, before any message), `storage.py` (each unit's shard and slices),
+shard refuses, before any message), `storage.py` (each unit's shard and slices), `policy.py`
+(what one unit does differently: "replicate", its precision, CPU offload), `buckets.py` (DDP's
+gradient buckets, sent while backward runs),
 `materialize.py` (meta models, unit by unit), `whole_view.py` (a model's own init code on its
 shards), `state_dict.py` (full checkpoints,
 grad clipping), `sharded_checkpoint.py` (crash-safe sharded checkpoints);
@@ -44,7 +46,8 @@ from fsdp_lab.lazy import lazy_names
 # Public name -> the module that defines it, imported on first use (torch-free until then: the
 # labs' configs live in this package).
 _PUBLIC = {
-    "MixedPrecision": "fsdp_lab.sharding.apply",
+    "MixedPrecision": "fsdp_lab.sharding.policy",
+    "UnitPolicy": "fsdp_lab.sharding.policy",
     "shard": "fsdp_lab.sharding.apply",
     "CorruptCheckpointError": "fsdp_lab.sharding.sharded_checkpoint",
     "load_sharded": "fsdp_lab.sharding.sharded_checkpoint",

@@ -5,7 +5,10 @@
     groups  = resolve(mesh, policy)         2. the process groups (`mesh.py`): every rank, or
                                                a (replicate, shard) mesh for HSDP
     plan    = build_plan(model, units)      3. which modules are gathered together (validated:
-                                               ties inside one unit) — before any message
+                                               ties inside one unit), less `ignored_params`,
+                                               and what each unit does (`policy.py`: the
+                                               model's defaults or the unit's own policy) —
+                                               before any message
     storage = build_storage(...)            4. each unit's flat shard, its parameters turned
                                                into slices of it (`storage.py`; a meta model is
                                                materialised there, unit by unit)
@@ -17,7 +20,8 @@ after it would leave the other ranks waiting in one.
 
 Strategies (`fsdp_lab.theory`; Ψ parameters, N ranks, fp32 Adam):
 
-    "none"       DDP: replicated, gradients all-reduced                  16Ψ per rank
+    "none"       DDP: replicated, gradients all-reduced in buckets       16Ψ per rank
+                 while backward runs (`buckets.py`)
     "optimizer"  ZeRO-1: optimizer state sharded, full gradients kept   8Ψ + 8Ψ/N
     "grad_op"    ZeRO-2: gradients sharded as soon as they are ready    4Ψ + 12Ψ/N
     "full"       ZeRO-3: parameters sharded too, gathered per unit      16Ψ/N + largest unit
@@ -26,16 +30,20 @@ Strategies (`fsdp_lab.theory`; Ψ parameters, N ranks, fp32 Adam):
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_lab.choices import Strategy, strategy_named
+from fsdp_lab.choices import strategy_named
 from fsdp_lab.sharding import mesh as meshes
-from fsdp_lab.sharding.checks import check_init_options, check_model, check_units
+from fsdp_lab.sharding.checks import (
+    check_bucket_cap,
+    check_init_options,
+    check_model,
+    check_units,
+)
 from fsdp_lab.sharding.materialize import (
     EMPTY,
     ParamInitFn,
@@ -43,25 +51,13 @@ from fsdp_lab.sharding.materialize import (
     concrete_device,
     reset_parameters,
 )
+from fsdp_lab.sharding.policy import MixedPrecision, Policies, resolve_policies
 from fsdp_lab.sharding.state import ShardingState, attach_state
 from fsdp_lab.sharding.steps import ShardingSteps
-from fsdp_lab.sharding.storage import StorageBuilder, build_storage
+from fsdp_lab.sharding.storage import StorageBuilder, build_storage, expose_flat_parameter
 from fsdp_lab.sharding.unit import ShardedUnit
-from fsdp_lab.sharding.wrap import Units, build_plan
+from fsdp_lab.sharding.wrap import Units, build_plan, without_params
 from fsdp_lab.tying.ties import record_ties, recorded_ties
-
-FLAT_PARAM = "flat_param"  # attribute of each unit module holding its shard
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """Compute in `param_dtype` (all-gathered in it); reduce gradients in `reduce_dtype`.
-
-    The shards, their gradients and the optimizer stay in the parameters' dtype (fp32).
-    """
-
-    param_dtype: torch.dtype = torch.bfloat16
-    reduce_dtype: torch.dtype | None = torch.float32
 
 
 def _target_device(device: torch.device | str | None) -> torch.device:
@@ -69,30 +65,6 @@ def _target_device(device: torch.device | str | None) -> torch.device:
     if device is None:
         device = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
     return concrete_device(device)
-
-
-def _freed_after_forward(
-    units: list[str], policy: Strategy, asked: bool | Iterable[str] | None
-) -> set[str]:
-    """The units freed after forward. [Note: the root stays gathered] The root unit is the
-    first to be gathered in forward and, holding the loss-side modules (a GPT's head), the
-    first needed in backward: freeing it between the two passes and gathering it again costs
-    one all-gather of the root per step and saves its bytes only for the instant between
-    forward and backward. FSDP2 (`FSDPState._lazy_init`: the root's post-forward mesh is
-    None) and FSDP1 (`_post_forward_reshard` skips the root) both keep it; so do we by
-    default. notebooks/01_sharding.ipynb measures both choices."""
-    if not policy.reshard_after_forward or asked is False:
-        return set()
-    if asked is None or asked is True:
-        return set(units[1:])  # units[0] is the root
-    free_after = set(asked)
-    unknown = free_after - set(units)
-    if unknown:
-        raise ValueError(
-            f"reshard_after_forward names unknown units {sorted(unknown)}: expected some of "
-            f"{units} (the root is ''). Fix: use the names `build_plan` gives, or True/False"
-        )
-    return free_after
 
 
 def shard(
@@ -109,6 +81,10 @@ def shard(
     shard_init: SliceInit | None = None,
     sync_module_states: bool = False,
     use_orig_params: bool = True,
+    policies: Policies = None,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+    offload: bool = False,
+    bucket_cap_mb: float = 25.0,
     steps: ShardingSteps = ShardingSteps(),  # noqa: B008 (frozen: one shared default is safe)
 ) -> nn.Module:
     """Shard `model` in place (FSDP/ZeRO) and return it.
@@ -144,16 +120,31 @@ def shard(
             frozen and a parameter without a gradient keeps ``grad=None``. False: one flat
             parameter per unit, ``flat_param`` (FSDP1's default; the sharding lab draws it).
             See [Note: per-parameter views] in `fsdp_lab.sharding.unit`.
+        policies: per unit, what differs from the defaults above: {unit name or module class:
+            `UnitPolicy(strategy=, reshard_after_forward=, mixed_precision=, offload=)`}, e.g.
+            ``{"": UnitPolicy(strategy="replicate")}`` keeps the root's norms whole on every
+            rank. See [Note: policies as one mapping] in `fsdp_lab.sharding.policy`.
+        ignored_params: parameters left alone (FSDP2's meaning): not sharded, not moved, their
+            gradients not reduced — whole on every rank, the caller's to synchronise.
+        offload: keep every unit's shard, gradient and optimizer state in host memory (a
+            `UnitPolicy` can choose per unit); the parameters visit the compute device, which is
+            `device` (default: where the model's parameters are). See `fsdp_lab.sharding.unit`.
+        bucket_cap_mb: replicated units ("none"/"replicate", per-parameter views, fp32): their
+            gradients are all-reduced in buckets of this size while backward still runs (DDP's
+            25 MiB); 0 reduces each unit once, after its backward. See `buckets.py`.
         steps: the steps every unit calls (`fsdp_lab.sharding.steps`): the reference by
             default; a course exercise passes a learner's function in one field.
     """
     policy = strategy_named(strategy)  # 1
     check_model(model, dist.get_backend() if dist.is_initialized() else None)
     check_init_options(model, param_init_fn, shard_init, sync_module_states)
+    check_bucket_cap(bucket_cap_mb)
     groups = meshes.resolve(mesh, policy)  # 2: every mesh error before any message
-    plan = build_plan(model, units)  # 3: every plan error before any collective
+    plan = without_params(build_plan(model, units), model, ignored_params)  # 3: before any message
     check_units(model, plan, use_orig_params)
-    free_after = _freed_after_forward(plan.units, policy, reshard_after_forward)
+    unit_plans = resolve_policies(  # what each unit does: the defaults, or its own policy
+        model, plan, policy, policies, mixed_precision, reshard_after_forward, offload
+    )
 
     on_meta = next(model.parameters()).is_meta  # one device: check_model made sure
     if on_meta and not recorded_ties(model):
@@ -161,10 +152,11 @@ def shard(
     builder = StorageBuilder(
         model=model,
         plan=plan,
-        shard_rank=groups.shard_rank if policy.sharded else 0,
-        shard_size=groups.shard_size if policy.sharded else 1,
-        compute_dtype=mixed_precision.param_dtype if mixed_precision else None,
+        unit_plans=unit_plans,
+        shard_rank=groups.shard_rank,
+        shard_size=groups.shard_size,
         device=_target_device(device) if on_meta else None,
+        compute_device=concrete_device(device) if device is not None and not on_meta else None,
         fill_nan=param_init_fn == EMPTY,
         template=next(model.parameters()),
     )
@@ -180,22 +172,18 @@ def shard(
     for name, unit_storage in storage.items():  # 5: root first, as the hooks expect
         modules = [model.get_submodule(m) for m in plan.members_of(name)]
         if not use_orig_params:  # FSDP1: the optimizer sees one flat parameter per unit
-            for owners in unit_storage.owners:
-                for module, attr in owners:
-                    del module._parameters[attr]  # from now on a view, set by the unit
-            modules[0].register_parameter(FLAT_PARAM, unit_storage.flat.shard)
+            expose_flat_parameter(modules[0], unit_storage)
         unit = ShardedUnit(
             name=name,
             modules=modules,
             flat=unit_storage.flat,
             owners=unit_storage.owners,
             aliases=unit_storage.aliases,
-            strategy=policy,
+            plan=unit_plans[name],
             state=state,
-            reshard_after_forward=name in free_after,
-            reduce_dtype=mixed_precision.reduce_dtype if mixed_precision else None,
             params=unit_storage.params if use_orig_params else None,
             frozen=unit_storage.frozen,
+            bucket_bytes=int(bucket_cap_mb * 2**20),
         )
         state.units.append(unit)
     attach_state(model, state)

@@ -6,6 +6,7 @@ check here reads only this rank's model, which every rank built the same way.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch.nn as nn
@@ -113,4 +114,14 @@ def check_init_options(
         raise ValueError(
             "shard_init and sync_module_states=True both make ranks agree; pick one "
             "(shard_init needs no communication)"
+        )
+
+
+def check_bucket_cap(bucket_cap_mb: Any) -> None:
+    """DDP's bucket size: a number of MiB >= 0 (0: one all-reduce per unit, after backward)."""
+    ok = isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
+    if not ok or not math.isfinite(bucket_cap_mb) or bucket_cap_mb < 0:
+        raise ValueError(
+            f"bucket_cap_mb={bucket_cap_mb!r}: expected a number of MiB >= 0 (DDP's default is "
+            "25; 0 sends each unit's gradient once, after its backward). Fix: bucket_cap_mb=25"
         )

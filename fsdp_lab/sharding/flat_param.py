@@ -62,6 +62,9 @@ class FlatParameter:
         values: for meta `params`: produces any slice of a parameter (a deterministic init).
         device: where the shard lives when `params` are on meta.
         requires_grad: whether any of the parameters trains (False: no gradient is built).
+        offload: keep the shard in host memory (pinned when CUDA is there); the unsharded
+            buffer stays on the compute device.
+        compute_device: where the unsharded buffer lives (default: where the shard would).
     """
 
     def __init__(
@@ -75,6 +78,8 @@ class FlatParameter:
         values: SliceValues | None = None,
         device: torch.device | None = None,
         requires_grad: bool = True,
+        offload: bool = False,
+        compute_device: torch.device | None = None,
     ) -> None:
         # A root unit can be left with no parameters: `template` then gives dtype and device.
         like = params[0] if params else template
@@ -104,16 +109,21 @@ class FlatParameter:
         self.padded_numel = -(-self.numel // shard_size) * shard_size  # ceil to a multiple of N
         self.shard_numel = self.padded_numel // shard_size
         self.compute_dtype = compute_dtype or dtype
+        self.device = compute_device or device  # where the unit computes
+        self.offload = offload
+        host = torch.device("cpu")
 
         with torch.no_grad(), category("parameters"):
             # The rank's persistent shard, in the parameters' own dtype (fp32 master copy),
             # filled slice by slice: no full-size flat copy of the unit is ever made.
-            shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+            shard = torch.zeros(self.shard_numel, dtype=dtype, device=host if offload else device)
+            if offload and torch.cuda.is_available():
+                shard = shard.pin_memory()  # copies to and from the GPU can then overlap
             self._fill(shard, values)
             self.shard = nn.Parameter(shard, requires_grad=requires_grad)
 
-        # Replicated and not cast: the parameter itself is the unsharded buffer (plain DDP).
-        self.aliased = shard_size == 1 and self.compute_dtype == dtype
+        # Replicated, not cast, not offloaded: the parameter itself is the unsharded buffer (DDP).
+        self.aliased = shard_size == 1 and self.compute_dtype == dtype and not offload
         if self.aliased:
             self.unsharded: torch.Tensor = self.shard
         else:
@@ -125,7 +135,7 @@ class FlatParameter:
                     (self.padded_numel,),
                     (0,),
                     dtype=self.compute_dtype,
-                    device=device,
+                    device=self.device,
                     requires_grad=requires_grad,
                 )
             self.free_unsharded()
@@ -187,6 +197,17 @@ class FlatParameter:
         a = min(max(segment.offset - start, 0), self.shard_numel)
         b = min(max(segment.offset + segment.numel - start, 0), self.shard_numel)
         return a, b
+
+    def slice_lengths(self, segment: Segment) -> list[int]:
+        """How many of `segment`'s elements each rank of the shard group holds."""
+        return [
+            max(
+                0,
+                min(segment.offset + segment.numel, (r + 1) * self.shard_numel)
+                - max(segment.offset, r * self.shard_numel),
+            )
+            for r in range(self.shard_size)
+        ]
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split a full (unpadded or padded) flat tensor into named, shaped tensors."""

@@ -58,9 +58,11 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
         # Not `unit.unshard()`: that gathers in the compute dtype (bf16 under mixed precision)
         # into the live buffer; a checkpoint wants the fp32 shards and leaves training alone.
         full = flat.shard.detach()  # replicated ("none"): the shard is the whole buffer
-        if flat.shard_size > 1:
-            full = torch.empty(flat.padded_numel, dtype=full.dtype, device=full.device)
-            comm.all_gather_into_tensor(full, flat.shard.detach(), group=state.group)
+        if flat.shard_size > 1:  # gathered where the unit computes (offload: not the host)
+            full = torch.empty(flat.padded_numel, dtype=full.dtype, device=flat.device)
+            comm.all_gather_into_tensor(
+                full, flat.shard.detach().to(flat.device), group=state.group
+            )
         if keep:
             for view, names in zip(flat.unflatten(full).values(), unit.aliases, strict=True):
                 # One copy shared by all names of a tied parameter: torch.save writes it once
@@ -69,7 +71,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
     if not keep:
         return {}
     copies: dict[int, torch.Tensor] = {}
-    for name, buf in persistent_buffers(model):
+    for name, buf in [*ignored_params(model, state), *persistent_buffers(model)]:
         out[name] = copies.setdefault(id(buf), buf.detach().to("cpu", copy=True))
     # model.state_dict()'s order, module by module (the sort is stable: params, then buffers).
     order = {name: i for i, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
@@ -96,10 +98,11 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
                 continue
             # rank 0: (padded_numel,), zero padding, the shards' dtype; others: filled below
             full = flat.flatten(state_dict) if first else flat.shard.new_empty(flat.padded_numel)
+            full = full.to(flat.device)  # sent from where the unit computes (offload: not host)
             comm.broadcast(full, src=0, group=group)
             flat.shard.copy_(flat.shard_of(full))  # in place: the optimizer keeps its Parameter
             unit.stale = True  # the next forward gathers the new values
-        for name, buf in persistent_buffers(model):
+        for name, buf in [*ignored_params(model, state), *persistent_buffers(model)]:
             if first:
                 buf.copy_(state_dict[name])
             comm.broadcast(buf, src=0, group=group)
@@ -109,7 +112,7 @@ def _check_full(model: nn.Module, state: ShardingState, sd: dict | None) -> str:
     """Rank 0's verdict on a full state dict: "" if it fits the model, else what to fix."""
     if sd is None:
         return "state_dict=None on rank 0: rank 0 must pass the full state dict (others may not)"
-    shapes = {n: b.shape for n, b in persistent_buffers(model)}
+    shapes = {n: b.shape for n, b in [*ignored_params(model, state), *persistent_buffers(model)]}
     for unit in state.units:
         for seg, names in zip(unit.flat.segments, unit.aliases, strict=True):
             shapes.update(dict.fromkeys(names, seg.shape))
@@ -179,17 +182,26 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         norm_type: p of the p-norm (`math.inf`: the largest |g|).
     """
     state, p = sharding_state(model), float(norm_type)
-    grads = [g for u in state.units for g in u.shard_grads() if g.numel()]
-    # Each rank holds a slice of every unit's gradient: add up the slices' sums of |g|^p (for
-    # the inf-norm: take the largest maximum). Padding has zero gradient; a tied weight sits in
-    # its flat buffer once, so it counts once, as in torch (model.parameters() dedups it).
-    norms = [torch.linalg.vector_norm(g, p) for g in grads]
-    local = torch.stack(norms) if norms else torch.zeros(1, device=state_device(state))
-    local = local.max().reshape(1) if math.isinf(p) else local.pow(p).sum().reshape(1)
-    if state.units[0].strategy.sharded:  # replicated ("none"): every rank has the whole grad
+
+    def local_norm(sharded: bool) -> torch.Tensor:  # (1,): sum of |g|^p, or max |g| for inf
+        grads = [g for u in state.units if u.strategy.sharded == sharded for g in u.shard_grads()]
+        norms = [torch.linalg.vector_norm(g, p).to(device) for g in grads if g.numel()]
+        local = torch.stack(norms) if norms else torch.zeros(1, device=device)
+        return local.max().reshape(1) if math.isinf(p) else local.pow(p).sum().reshape(1)
+
+    # Each rank holds a slice of every sharded unit's gradient: add up the slices' sums of |g|^p
+    # (for the inf-norm: take the largest maximum). A replicated unit's gradient is whole on
+    # every rank: counted once, after. Padding has zero gradient; a tied weight sits in its
+    # flat buffer once, so it counts once, as in torch (model.parameters() dedups it).
+    device = state_device(state)
+    local = local_norm(sharded=True)
+    if any(u.strategy.sharded for u in state.units):
         op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
         comm.all_reduce(local, op=op, group=state.group)
+    whole = local_norm(sharded=False)
+    local = torch.maximum(local, whole) if math.isinf(p) else local + whole
     total = local[0] if math.isinf(p) else local[0].pow(1.0 / p)
+    grads = [g for u in state.units for g in u.shard_grads() if g.numel()]
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch: multiplies even by 1
     for g in grads:
         g.mul_(coef.to(g.dtype))
@@ -206,5 +218,12 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
+def ignored_params(model: nn.Module, state: ShardingState) -> list[tuple[str, nn.Parameter]]:
+    """The parameters no unit holds (`shard(ignored_params=...)`): whole, this rank's own."""
+    held = {name for unit in state.units for names in unit.aliases for name in names}
+    return [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if n not in held]
+
+
 def state_device(state: ShardingState) -> torch.device:
-    return state.units[0].flat.shard.device
+    """Where the model computes: small messages about it (sizes, verdicts) go from there."""
+    return state.units[0].flat.device

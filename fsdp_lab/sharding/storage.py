@@ -28,6 +28,7 @@ from fsdp_lab.sharding.materialize import (
     shard_in_build_order,
     to_empty_keeping_ties,
 )
+from fsdp_lab.sharding.policy import UnitPlan
 from fsdp_lab.sharding.wrap import ParamRef, WrapPlan
 
 
@@ -48,10 +49,11 @@ class StorageBuilder:
 
     model: nn.Module
     plan: WrapPlan
-    shard_rank: int  # 0 and 1 when replicated (DDP): every rank keeps the whole unit
+    unit_plans: dict[str, UnitPlan]  # each unit's strategy, precision, offload
+    shard_rank: int  # this rank's place in the shard group (a replicated unit: 0 of 1)
     shard_size: int
-    compute_dtype: torch.dtype | None
     device: torch.device | None  # a meta model's target; None: where the parameters are
+    compute_device: torch.device | None  # offload: where units compute (None: as above)
     fill_nan: bool  # param_init_fn="empty": uninitialised, loudly
     template: torch.Tensor  # dtype and device of a unit left without parameters (the root)
     built: dict[str, UnitStorage] = field(default_factory=dict)
@@ -59,16 +61,20 @@ class StorageBuilder:
     def flat_of(
         self, unit: str, params: list[torch.Tensor], values: SliceValues | None
     ) -> FlatParameter:
+        policy = self.unit_plans[unit]
+        sharded = policy.strategy.sharded  # replicated: every rank keeps the whole unit
         return FlatParameter(
             names=[r.name for r in self.plan.params[unit]],
             params=params,
-            shard_rank=self.shard_rank,
-            shard_size=self.shard_size,
-            compute_dtype=self.compute_dtype,
+            shard_rank=self.shard_rank if sharded else 0,
+            shard_size=self.shard_size if sharded else 1,
+            compute_dtype=policy.compute_dtype,
             template=self.template,
             values=values,
             device=self.device,
             requires_grad=any(p.requires_grad for p in params),
+            offload=policy.offload,
+            compute_device=self.compute_device,
         )
 
     def finish(self, unit: str, flat: FlatParameter, frozen: list[bool]) -> UnitStorage:
@@ -101,8 +107,13 @@ def build_storage(
         refs = plan.params[name]
         params = [lookup[r.name] for r in refs]
         values = _slice_values(model, refs, shard_init, target, init_fn) if target else None
+        sharded = builder.unit_plans[name].strategy.sharded
+        if sync and target is None and sharded:  # rank 0's whole parameters, before cutting
+            with torch.no_grad():
+                for p in params:
+                    comm.broadcast(p.data, src=0, group=sync_group)
         flat = builder.flat_of(name, params, values)
-        if sync and target is None:  # the whole unit in one message
+        if sync and target is None and not sharded:  # the whole unit in one message
             with torch.no_grad():
                 comm.broadcast(flat.shard.data, src=0, group=sync_group)
         builder.finish(name, flat, [not p.requires_grad for p in params])
@@ -114,6 +125,19 @@ def build_storage(
             for b in model.buffers():
                 comm.broadcast(b, src=0, group=sync_group)
     return builder.built
+
+
+FLAT_PARAM = "flat_param"  # attribute of each unit's first module holding its shard (FSDP1)
+
+
+def expose_flat_parameter(module: nn.Module, unit: UnitStorage) -> None:
+    """FSDP1's view (`use_orig_params=False`): the unit's one flat shard is the parameter the
+    optimizer sees, registered on its first module; the original parameters become plain
+    attributes, set to views by the unit."""
+    for owners in unit.owners:
+        for owner, attr in owners:
+            del owner._parameters[attr]  # from now on a view, set by the unit
+    module.register_parameter(FLAT_PARAM, unit.flat.shard)
 
 
 def _register_slices(
@@ -129,6 +153,9 @@ def _register_slices(
         if flat.shard_size == 1:  # replicated: the whole parameter, in its own shape (DDP)
             piece = piece.view(segment.shape)
         param = nn.Parameter(piece, requires_grad=not is_frozen)
+        lengths = flat.slice_lengths(segment)
+        if len(set(lengths)) > 1:  # a collective over it would wait forever: comm refuses it
+            comm.mark_uneven(param, segment.name, lengths)
         for module, attr in ref_owners:  # tied: one Parameter under every name, as before
             module._parameters[attr] = param
         params.append(param)

@@ -58,8 +58,9 @@ import torch
 import torch.nn as nn
 
 from fsdp_lab import comm
-from fsdp_lab.choices import Strategy  # the table of strategies: fsdp_lab.choices
+from fsdp_lab.sharding.buckets import GradBuckets
 from fsdp_lab.sharding.flat_param import FlatParameter
+from fsdp_lab.sharding.policy import UnitPlan
 from fsdp_lab.sharding.state import ShardingState
 from fsdp_lab.trace import category, mark
 from fsdp_lab.trace.timeline import active_timeline
@@ -83,19 +84,18 @@ class ShardedUnit:
         flat: FlatParameter,
         owners: list[list[tuple[nn.Module, str]]],
         aliases: list[tuple[str, ...]],
-        strategy: Strategy,
+        plan: UnitPlan,
         state: ShardingState,
-        reshard_after_forward: bool,
-        reduce_dtype: torch.dtype | None,
         params: list[nn.Parameter] | None = None,
         frozen: list[bool] | None = None,
+        bucket_bytes: int = 0,
     ) -> None:
         self.name, self.module, self.flat, self.owners = name, modules[0], flat, owners
         self.grouped = len(modules) > 1  # a unit of several modules (see the Note above)
         self.aliases = aliases  # per flat segment: every original name (2+ when tied)
-        self.strategy, self.state = strategy, state
-        self.reshard_after_forward = reshard_after_forward
-        self.reduce_dtype = reduce_dtype or flat.shard.dtype
+        self.plan, self.strategy, self.state = plan, plan.strategy, state
+        self.reshard_after_forward = plan.reshard_after_forward
+        self.reduce_dtype = plan.reduce_dtype or flat.shard.dtype
         self.training_state = TrainingState.IDLE
         self.stale = True  # the shard changed (optimizer step) since the last gather
         self._gather: comm.CommWork | None = None  # an all-gather in flight (prefetch)
@@ -108,6 +108,12 @@ class ShardedUnit:
         self.params = params
         self.frozen = frozen or [False] * len(flat.segments)
         self._got_grad = [False] * len(flat.segments)  # in this backward, per segment
+        # Replicated, fp32, per-parameter, one dimension: DDP's buckets, sent during backward.
+        self.buckets: GradBuckets | None = None
+        if flat.aliased and params is not None and bucket_bytes > 0 and state.groups.replicas == 1:
+            self.buckets = GradBuckets(
+                params, group=state.group, cap_bytes=bucket_bytes, label=self.label
+            )
         # The tensor keeps its hooks on the C++ side, out of sight of Python's cycle collector:
         # a bound method there (buffer -> hook -> unit -> buffer) would keep every sharded model
         # alive for the life of the process. The hook holds the unit weakly instead.
@@ -140,7 +146,11 @@ class ShardedUnit:
                 return
             with category("comm_buffers"):
                 # Mixed precision: the fp32 shard is cast before it travels (half the bytes).
-                inp = flat.shard.detach().to(flat.compute_dtype)
+                # Offload: the shard comes from host memory first, cast on its way.
+                if flat.offload:
+                    inp = comm.host_to_device(flat.shard.detach(), flat.device, flat.compute_dtype)
+                else:
+                    inp = flat.shard.detach().to(flat.compute_dtype)
             # Written through `.data`: a refill for backward must not bump the version counter
             # autograd checks on the views it saved in forward (same storage, same values).
             if not self.strategy.sharded:  # replicated but cast: a local copy, no message
@@ -182,6 +192,8 @@ class ShardedUnit:
         mark(f"free {self.label}")
 
     def _use_views(self) -> None:
+        if self.buckets is not None:
+            return  # DDP's way: each module computes with its own parameters (`buckets.py`)
         unit = weakref.ref(self)
         for i, (view, owners) in enumerate(zip(self.flat.views(), self.owners, strict=True)):
             if self.frozen[i]:
@@ -230,11 +242,7 @@ class ShardedUnit:
         if self._recomputing:
             self._recomputing = False
             return output
-        timeline = active_timeline()
-        if timeline is not None and self is not self.state.root:
-            timeline.add(
-                "compute", f"forward {self.label}", self._compute_start, time.perf_counter()
-            )
+        self._record_compute("forward")
         if self.reshard_after_forward:
             self.reshard(after_forward=True)
         self._use_sharded()  # kept gathered or not: between passes, the slices show
@@ -290,17 +298,22 @@ class ShardedUnit:
     def _post_backward(self, unsharded: torch.Tensor) -> None:
         """All gradient contributions of this unit are summed in ``unsharded.grad``."""
         self.training_state = TrainingState.POST_BACKWARD
-        timeline = active_timeline()
-        if timeline is not None and self is not self.state.root:
-            timeline.add(
-                "compute", f"backward {self.label}", self._compute_start, time.perf_counter()
-            )
+        self._record_compute("backward")
         if self.strategy.reduce_at_end:
             self._grad_ready = True  # ZeRO-1: reduced by finalize_backward, all at once
             return
         self.reduce_grad()
         if self.strategy.reshard_after_backward:
             self.reshard()
+
+    def _record_compute(self, phase: str) -> None:
+        """A compute span on the timeline, from this unit's pre-hook to now. Not the root's
+        unless it is DDP's one unit: its span would enclose the others'."""
+        timeline = active_timeline()
+        if timeline is not None and (self is not self.state.root or self.buckets is not None):
+            timeline.add(
+                "compute", f"{phase} {self.label}", self._compute_start, time.perf_counter()
+            )
 
     def finalize_backward(self) -> None:
         """The step's backward is over (FSDP2's ``FSDPParamGroup.finalize_backward``): ZeRO-1
@@ -309,6 +322,11 @@ class ShardedUnit:
         if self._grad_ready:  # ZeRO-1 kept the full gradient until here
             self._grad_ready = False
             self.reduce_grad()
+        if self.buckets is not None:
+            if self.training_state is TrainingState.PRE_BACKWARD:
+                self._record_compute("backward")  # from its pre-backward to the end
+            if self.buckets.finish():  # the all-reduces sent during backward, waited for here
+                mark(f"all-reduce {self.label}")
         self.wait_unshard()
         if self.strategy.reshard_after_backward:
             self.reshard()
@@ -344,8 +362,14 @@ class ShardedUnit:
                     out = reduce_shard(grad, self.state.group, groups.replicate_group)
                 else:  # replicated, cast for the reduction: the whole gradient
                     comm.all_reduce(grad, group=self.state.group)
+                    if groups.replicate_group is not None:
+                        comm.all_reduce(grad, group=groups.replicate_group)
                     out = grad.div_(world)
-                out = out.to(flat.shard.dtype)
+                if flat.offload:  # the gradient shard goes to host memory, where the step runs
+                    host = torch.empty(out.shape, dtype=flat.shard.dtype, device=flat.shard.device)
+                    out = comm.device_to_host(out, host)
+                else:
+                    out = out.to(flat.shard.dtype)
                 flat.unsharded.grad = None  # the full gradient is freed here
                 del grad, full_grad
                 if self.params is not None:
@@ -366,7 +390,7 @@ class ShardedUnit:
             if self.frozen[i] or not got:
                 continue  # stays None: no optimizer touches it (weight decay included)
             a, b = self.flat.local_range(segment)
-            piece = grad[a:b].view(param.shape)
+            piece = comm.same_marks(grad[a:b].view(param.shape), param)
             if param.grad is None:
                 param.grad = piece  # a view: the unit's gradient is one allocation
             else:  # gradient accumulation over several backwards

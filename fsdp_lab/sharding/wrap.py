@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Union
 
 import torch.nn as nn
@@ -406,3 +406,34 @@ def unit_sizes(plan: WrapPlan, model: nn.Module) -> dict[str, int]:
     """Elements per unit (a tied parameter once)."""
     lookup = dict(model.named_parameters(remove_duplicate=False))
     return {u: sum(lookup[r.name].numel() for r in plan.params[u]) for u in plan.units}
+
+
+def without_params(
+    plan: WrapPlan, model: nn.Module, ignored: Iterable[nn.Parameter] | None
+) -> WrapPlan:
+    """`plan` without the `ignored` parameters (FSDP2's ``ignored_params``): they stay as they
+    are — whole on every rank, on their device, their gradients never reduced (the caller's to
+    handle)."""
+    ignored_ids = {id(p) for p in ignored or ()}
+    if not ignored_ids:
+        return plan
+    known = {id(p) for p in model.parameters()}
+    strangers = ignored_ids - known
+    if strangers:
+        raise PlanError(
+            f"ignored_params holds {len(strangers)} tensor(s) that are not parameters of this "
+            "model. Fix: pass parameters of the model being sharded, e.g. "
+            "[m.weight for m in model.modules() if isinstance(m, nn.LayerNorm)]"
+        )
+    lookup = dict(model.named_parameters(remove_duplicate=False))
+    params = {
+        u: tuple(r for r in refs if id(lookup[r.name]) not in ignored_ids)
+        for u, refs in plan.params.items()
+    }
+    for u in plan.units[1:]:
+        if not params[u]:
+            raise PlanError(
+                f"wrap unit {u!r} has only ignored parameters: an empty unit gathers nothing. "
+                "Fix: drop it from `units`, or ignore fewer of its parameters"
+            )
+    return replace(plan, params=params)

@@ -48,6 +48,13 @@ class ShardConfig:
     free_root: with strategy="full", free the root unit after forward too and gather it again
         for backward (off by default: FSDP2 and FSDP1 keep the root gathered, since its
         backward comes right next; the notebook measures both).
+    replicate_root: keep the root unit (what no block holds: the embedding, the final norm, a
+        tied head) whole on every rank, its gradient all-reduced — a per-unit policy
+        (`UnitPolicy(strategy="replicate")`); the bytes then follow each unit's own strategy.
+    offload: keep every unit's shard, gradient and optimizer state in host memory; the
+        parameters visit the compute device for each gather, and the ledger counts those copies
+        (host_to_device, device_to_host). On a CPU-only machine host and device are one memory:
+        the copies are real and counted, the memory they would save is not.
     backend: "auto", "gloo" or "nccl".
     """
 
@@ -62,6 +69,8 @@ class ShardConfig:
     compare_fsdp2: bool = field(default=True, metadata={"flag": "--no-fsdp2"})
     sharded_optimizer: bool = True
     free_root: bool = False
+    replicate_root: bool = False
+    offload: bool = False
     backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -78,6 +87,13 @@ class ShardConfig:
             raise ValueError(
                 f"free_root=True with strategy={self.strategy!r}: only ZeRO-3 frees units after "
                 "forward. Fix: strategy='full', or free_root=False"
+            )
+        if self.replicate_root and (self.strategy == "none" or self.free_root):
+            raise ValueError(
+                f"replicate_root=True with strategy={self.strategy!r}"
+                + (" and free_root=True" if self.free_root else "")
+                + ": a replicated root is kept whole, never freed, and under 'none' every unit "
+                "already is. Fix: strategy='full' (or 'grad_op', 'optimizer') without free_root"
             )
         if ":" not in self.model:
             raise ValueError(

@@ -30,7 +30,8 @@ from fsdp_lab.model_spec import check_on_rank0, load_factory
 from fsdp_lab.sharding import ShardedOptimizer, shard, sharding_state
 from fsdp_lab.sharding.flat_param import FlatParameter
 from fsdp_lab.sharding.lab.config import ShardConfig, check_batch_divides
-from fsdp_lab.sharding.wrap import build_plan
+from fsdp_lab.sharding.policy import UnitPolicy
+from fsdp_lab.sharding.wrap import ROOT, build_plan
 from fsdp_lab.trace import MemoryTracker, Timeline
 
 
@@ -48,10 +49,14 @@ def flat_layout(flat: FlatParameter) -> dict[str, int]:
 def unit_layout(unit: Any) -> dict[str, Any]:
     """A wrap unit as `theory.sharding_step` reads it: its name, `flat_layout`, and whether it
     is freed after forward (gathered again for backward) or kept, as the root is by default."""
+    own = {"strategy": unit.strategy.name} if unit.strategy is not unit.state.strategy else {}
+    if unit.flat.offload:
+        own["offload"] = True
     return {
         "name": unit.label,
         **flat_layout(unit.flat),
         "reshard_after_forward": unit.reshard_after_forward,
+        **own,  # a unit with its own strategy (`shard(policies=...)`) says which
     }
 
 
@@ -74,9 +79,13 @@ def sharded_model(
     prefetch: bool = True,
     mesh: Any = None,
     free_root: bool = False,
+    replicate_root: bool = False,
+    offload: bool = False,
 ) -> torch.nn.Module:
     """Ours: `fsdp_lab.shard` with a unit per block (everything else in the root unit);
-    `free_root`: every unit, the root too, freed after forward (default: all but the root)."""
+    `free_root`: every unit, the root too, freed after forward (default: all but the root);
+    `replicate_root`: the root whole on every rank, its gradient all-reduced; `offload`: every
+    shard in host memory."""
     model = build_model(cfg)
     units = set(unit_classes(model)) or None
     every = list(build_plan(model, units).units) if free_root else None
@@ -87,6 +96,8 @@ def sharded_model(
         prefetch=prefetch,
         mesh=mesh,
         reshard_after_forward=every,
+        policies={ROOT: UnitPolicy(strategy="replicate")} if replicate_root else None,
+        offload=offload,
     )
     return model
 
@@ -128,12 +139,14 @@ def tracked_training(
     vocab: int,
     mesh: Any = None,
     free_root: bool = False,
+    replicate_root: bool = False,
+    offload: bool = False,
 ) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
     """Ours under `strategy` (on `mesh`), trained under the memory tracker (parameters,
     gradients, optimizer state, gathered buffers), the comm log (the steps' collectives, not the
     wrap's) and the timeline. Returns the model, its optimizer and what was measured."""
     with MemoryTracker(device(), rank=rank()) as mem, comm.CommLog() as log, Timeline(rank()) as tl:
-        model = sharded_model(cfg, strategy, prefetch, mesh, free_root)
+        model = sharded_model(cfg, strategy, prefetch, mesh, free_root, replicate_root, offload)
         opt = make_optimizer(model.parameters())
         at_wrap = len(log.records)  # "none" broadcasts rank 0's values here, as DDP does
         mem.track(model)
@@ -167,12 +180,15 @@ def tracked_training(
 @in_rank_threads  # N ranks x default threads oversubscribe the cores
 def _ours(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     """`fsdp_lab.shard(strategy=cfg.strategy)`, measured; then trained again, for its step time."""
-    recipe, free_root = optimizer_recipe(cfg), cfg.free_root
-    _, _, measured = tracked_training(
-        cfg, cfg.strategy, cfg.prefetch, recipe, vocab, free_root=free_root
-    )
+    recipe = optimizer_recipe(cfg)
+    options = {
+        "free_root": cfg.free_root,
+        "replicate_root": cfg.replicate_root,
+        "offload": cfg.offload,
+    }
+    _, _, measured = tracked_training(cfg, cfg.strategy, cfg.prefetch, recipe, vocab, **options)
     # Timed without the tracker, whose dispatch mode and marks cost more than a step.
-    timed = sharded_model(cfg, cfg.strategy, cfg.prefetch, free_root=free_root)
+    timed = sharded_model(cfg, cfg.strategy, cfg.prefetch, **options)
     _, step_time = timed_training(cfg, timed, recipe(timed.parameters()), vocab)
     return {**measured, "step_time_s": step_time}
 

@@ -1,0 +1,116 @@
+"""DDP's gradient buckets: a replicated unit's gradients all-reduced while backward still runs.
+
+A replicated unit ("none", or `UnitPolicy(strategy="replicate")`) could wait for its whole
+backward and all-reduce its gradient in one message — nothing to overlap it with. DDP instead
+cuts the parameters into buckets (25 MiB, the first 1 MiB so that a message starts early), in
+the reverse of the parameters' order, roughly the order backward produces their gradients:
+
+    backward    ... grad(w4) ready   grad(w3) ready   grad(w2) ready   grad(w1) ready
+    bucket      [ w4 w3 ]  full -> all_reduce starts   [ w2 w1 ] full -> all_reduce starts
+    end         wait for every bucket; each parameter's .grad is its slice of its bucket
+
+Each parameter computes with its own registered tensor (no view of a flat buffer), so autograd
+accumulates its gradient in ``p.grad`` and `register_post_accumulate_grad_hook` says when it is
+final for this backward; the hook copies it into the bucket, divided by the number of ranks as
+DDP does (multiplied by 1/N, the same rounding), and drops it. A bucket whose parameters did
+not all get a gradient (a branch not taken) is sent at the end with zeros in their place; their
+``.grad`` stays None, as the unit's other paths leave it. The wait is autograd's final callback
+(`ShardingState.finalize_backward`): before any optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_lab import comm
+from fsdp_lab.trace import category
+
+FIRST_BUCKET_BYTES = 2**20  # DDP's `_DEFAULT_FIRST_BUCKET_BYTES`
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int
+    buffer: torch.Tensor | None = None  # allocated at its first gradient of a backward
+    ready: set[int] = field(default_factory=set)  # indices into params, this backward
+    work: comm.CommWork | None = None
+
+
+class GradBuckets:
+    """The buckets of one replicated unit; `finish()` waits and hands out the gradients."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        *,
+        group: dist.ProcessGroup | None,
+        cap_bytes: int,
+        label: str,
+    ) -> None:
+        self.group, self.label = group, label
+        self.scale = 1.0 / dist.get_world_size(group)
+        trainable = [p for p in dict.fromkeys(params) if p.requires_grad]  # a tied one once
+        self.buckets: list[_Bucket] = []
+        self._where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
+        limit = min(FIRST_BUCKET_BYTES, cap_bytes)
+        for p in reversed(trainable):
+            bucket = self.buckets[-1] if self.buckets else None
+            size = p.numel() * p.element_size()
+            if bucket is None or (bucket.params and bucket.numel * p.element_size() + size > limit):
+                if bucket is not None:
+                    limit = cap_bytes
+                bucket = _Bucket([], [], 0)
+                self.buckets.append(bucket)
+            self._where[p] = (bucket, len(bucket.params))
+            bucket.params.append(p)
+            bucket.offsets.append(bucket.numel)
+            bucket.numel += p.numel()
+        for p in trainable:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        bucket, i = self._where[param]
+        if bucket.buffer is None:
+            with category("gradients"):
+                bucket.buffer = torch.zeros(bucket.numel, dtype=param.dtype, device=param.device)
+        with torch.no_grad():
+            torch.mul(param.grad.reshape(-1), self.scale, out=self._slot(bucket, i))
+        param.grad = None  # its bucket holds it now; given back by finish()
+        bucket.ready.add(i)
+        if len(bucket.ready) == len(bucket.params):
+            self._send(bucket)
+
+    def _slot(self, bucket: _Bucket, i: int) -> torch.Tensor:
+        assert bucket.buffer is not None
+        start = bucket.offsets[i]
+        return bucket.buffer[start : start + bucket.params[i].numel()]
+
+    def _send(self, bucket: _Bucket) -> None:
+        with comm.tagged(self.label):
+            bucket.work = comm.all_reduce(bucket.buffer, group=self.group, async_op=True)
+
+    def finish(self) -> bool:
+        """Backward is over: send what is left, wait for every bucket, hand out the slices.
+        True if any bucket was sent in this backward."""
+        sent = False
+        for bucket in self.buckets:
+            if bucket.work is None and bucket.ready:  # some parameters got no gradient
+                for i in set(range(len(bucket.params))) - bucket.ready:
+                    self._slot(bucket, i).zero_()
+                self._send(bucket)
+        for bucket in self.buckets:
+            if bucket.work is None:
+                continue
+            bucket.work.wait()
+            sent = True
+            for i in sorted(bucket.ready):
+                param = bucket.params[i]
+                param.grad = self._slot(bucket, i).view(param.shape)  # views of one buffer
+            bucket.buffer, bucket.work, bucket.ready = None, None, set()
+        return sent

@@ -1,0 +1,197 @@
+"""What each unit does: its strategy, when it frees, its precision, where its shard lives.
+
+`shard(model, strategy=..., mixed_precision=..., reshard_after_forward=..., offload=...)` sets
+the model's defaults; `policies={unit: UnitPolicy(...)}` changes them for some units, and
+`resolve_policies` turns both into one `UnitPlan` per unit — every refusal before any message.
+
+    UnitPolicy(strategy="replicate")   whole on every rank, gradient all-reduced (DDP's way) —
+                                       a model's norms inside a ZeRO-3 model
+    UnitPolicy(mixed_precision=FP32)   this unit computes in fp32 while the rest runs in bf16
+    UnitPolicy(reshard_after_forward=False)   kept gathered between forward and backward
+    UnitPolicy(offload=True)           shard, gradient and optimizer state in host memory;
+                                       the parameters visit the device for the unit's compute
+
+[Note: policies as one mapping] FSDP2 sets a policy per `fully_shard(module, ...)` call, one call
+per unit, innermost first. Here the whole plan is built by one `shard()` call, so the policies
+come as one mapping beside it, keyed by unit name (`build_plan`'s names, "" the root) or by
+module class (every unit whose first module is one). One call keeps what FSDP2 also needs —
+every unit's policy known before the first message — and lets a reader see the whole model's
+choices in one place; a unit named both ways takes its name's policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from fsdp_lab.choices import HYBRID_STRATEGIES, REPLICATE, SHARDING_STRATEGIES, Strategy
+from fsdp_lab.sharding.wrap import ROOT, WrapPlan
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Compute in `param_dtype` (all-gathered in it); reduce gradients in `reduce_dtype`.
+
+    The shards, their gradients and the optimizer stay in the parameters' dtype (fp32).
+    """
+
+    param_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype | None = torch.float32
+
+
+@dataclass(frozen=True)
+class UnitPolicy:
+    """One unit's departures from `shard()`'s defaults; None keeps the default.
+
+    Args:
+        strategy: "replicate" (whole on every rank, gradients all-reduced), or a strategy of the
+            model's mesh ("full", "grad_op", "optimizer" on one dimension; "hybrid",
+            "hybrid_zero2" on two).
+        reshard_after_forward: free the unit between forward and backward (ZeRO-3 strategies).
+        mixed_precision: this unit's compute and reduction dtypes; `MixedPrecision(torch.float32,
+            torch.float32)` keeps one unit in fp32 inside a bf16 model.
+        offload: keep the unit's shard, gradient and optimizer state in host memory.
+    """
+
+    strategy: str | None = None
+    reshard_after_forward: bool | None = None
+    mixed_precision: MixedPrecision | None = None
+    offload: bool | None = None
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """What one unit does, resolved: the model's defaults with its `UnitPolicy` applied."""
+
+    strategy: Strategy
+    reshard_after_forward: bool
+    mixed_precision: MixedPrecision | None
+    offload: bool
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return self.mixed_precision.param_dtype if self.mixed_precision else None
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        return self.mixed_precision.reduce_dtype if self.mixed_precision else None
+
+
+Policies = Mapping[str | type[nn.Module], UnitPolicy] | None
+
+
+def resolve_policies(
+    model: nn.Module,
+    plan: WrapPlan,
+    strategy: Strategy,
+    policies: Policies = None,
+    mixed_precision: MixedPrecision | None = None,
+    reshard_after_forward: bool | Iterable[str] | None = None,
+    offload: bool = False,
+) -> dict[str, UnitPlan]:
+    """Each unit's `UnitPlan`, root first (`plan.units`' order); a ValueError naming the key,
+    what was expected and the fix for a policy that names no unit or asks for the impossible."""
+    policies = dict(policies or {})
+    by_key = _policy_of_each_unit(model, plan, policies)
+    free_after = _freed_after_forward(plan.units, reshard_after_forward)
+    resolved = {}
+    for name in plan.units:
+        own = by_key.get(name, UnitPolicy())
+        unit_strategy = _unit_strategy(own.strategy, strategy, name)
+        frees = own.reshard_after_forward
+        if frees is None:
+            frees = name in free_after
+        elif frees and not unit_strategy.reshard_after_forward:
+            raise ValueError(
+                f"policies[{_label(name)}]: reshard_after_forward=True under strategy "
+                f"{unit_strategy.name!r}, which keeps its parameters between the passes. "
+                "Fix: strategy='full' (or 'hybrid') for this unit, or drop reshard_after_forward"
+            )
+        resolved[name] = UnitPlan(
+            strategy=unit_strategy,
+            reshard_after_forward=bool(frees) and unit_strategy.reshard_after_forward,
+            mixed_precision=own.mixed_precision or mixed_precision,
+            offload=offload if own.offload is None else own.offload,
+        )
+    return resolved
+
+
+def _policy_of_each_unit(
+    model: nn.Module, plan: WrapPlan, policies: dict[str | type[nn.Module], UnitPolicy]
+) -> dict[str, UnitPolicy]:
+    found: dict[str, UnitPolicy] = {}
+    for key, policy in policies.items():
+        if not isinstance(policy, UnitPolicy):
+            raise ValueError(
+                f"policies[{key!r}] is a {type(policy).__name__}: expected a UnitPolicy. "
+                f"Fix: policies={{{key!r}: UnitPolicy(strategy='replicate')}}"
+            )
+        if isinstance(key, type):
+            names = [
+                u for u in plan.units if isinstance(model.get_submodule(plan.members_of(u)[0]), key)
+            ]
+            if not names:
+                raise ValueError(
+                    f"policies[{key.__name__}]: no unit's first module is a {key.__name__} "
+                    f"(units: {_units(plan)}). Fix: key it by a unit's name, or add the class to "
+                    "`units`"
+                )
+            for name in names:
+                found.setdefault(name, policy)  # a name's own policy wins over its class's
+        elif key in plan.units:
+            found[key] = policy
+        else:
+            raise ValueError(
+                f"policies[{key!r}] names no unit: expected one of {_units(plan)} or a module "
+                "class. Fix: use a name `build_plan(model, units).units` gives ('' is the root)"
+            )
+    return found
+
+
+def _unit_strategy(asked: str | None, model_strategy: Strategy, unit: str) -> Strategy:
+    if asked is None:
+        return model_strategy
+    if asked == REPLICATE.name:
+        return REPLICATE
+    same_mesh = HYBRID_STRATEGIES if model_strategy.replicated else SHARDING_STRATEGIES
+    if asked in same_mesh and asked != "none":
+        return same_mesh[asked]
+    allowed = [REPLICATE.name, *(s for s in same_mesh if s != "none")]
+    raise ValueError(
+        f"policies[{_label(unit)}]: strategy={asked!r} on a model sharded with "
+        f"{model_strategy.name!r}: expected one of {allowed} (a unit's strategy must suit the "
+        "model's mesh). Fix: strategy='replicate' to keep this unit whole on every rank"
+    )
+
+
+def _freed_after_forward(units: tuple[str, ...], asked: bool | Iterable[str] | None) -> set[str]:
+    """The units freed after forward, if their strategy frees at all. [Note: the root stays
+    gathered] The root unit is the first to be gathered in forward and, holding the loss-side
+    modules (a GPT's head), the first needed in backward: freeing it between the two passes
+    and gathering it again costs one all-gather of the root per step and saves its bytes only
+    for the instant between forward and backward. FSDP2 (`FSDPState._lazy_init`: the root's
+    post-forward mesh is None) and FSDP1 (`_post_forward_reshard` skips the root) both keep
+    it; so do we by default. notebooks/01_sharding.ipynb measures both choices."""
+    if asked is False:
+        return set()
+    if asked is None or asked is True:
+        return set(units[1:])  # units[0] is the root
+    free_after = set(asked)
+    unknown = free_after - set(units)
+    if unknown:
+        raise ValueError(
+            f"reshard_after_forward names unknown units {sorted(unknown)}: expected some of "
+            f"{list(units)} (the root is ''). Fix: use the names `build_plan` gives, or True/False"
+        )
+    return free_after
+
+
+def _label(unit: str) -> str:
+    return repr(unit) + (" (the root)" if unit == ROOT else "")
+
+
+def _units(plan: WrapPlan) -> list[str]:
+    return list(plan.units)

@@ -1,0 +1,441 @@
+"""Per-unit policies (issue 28): a unit's own strategy ("replicate"), precision and offload,
+`ignored_params`, DDP's gradient buckets, and the refusal of a collective over slices of unequal
+size — each against one process and PyTorch's own (`fully_shard`, DDP) on the same model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from test_peer_suite import VOCAB, TinyLM, _batch
+
+from fsdp_lab.sharding.policy import MixedPrecision, UnitPolicy, resolve_policies
+from fsdp_lab.sharding.wrap import PlanError, build_plan, without_params
+
+FP32 = MixedPrecision(torch.float32, torch.float32)
+BF16 = MixedPrecision(torch.bfloat16, torch.float32)
+NORMS = (nn.LayerNorm,)
+
+
+def _norm_params(model: nn.Module) -> list[nn.Parameter]:
+    return [p for m in model.modules() if isinstance(m, NORMS) for p in m.parameters()]
+
+
+# -- resolving policies: every refusal before any message (no ranks needed) ----------------------
+
+
+def _resolve(policies, strategy="full", **kw):
+    from fsdp_lab.choices import strategy_named
+
+    model = TinyLM()
+    plan = build_plan(model, {nn.Linear, nn.Embedding})
+    return resolve_policies(model, plan, strategy_named(strategy), policies=policies, **kw)
+
+
+def test_a_policy_by_name_or_class_reaches_exactly_its_units():
+    plans = _resolve({"": UnitPolicy(strategy="replicate"), nn.Embedding: UnitPolicy(offload=True)})
+    assert plans[""].strategy.name == "replicate" and not plans[""].strategy.sharded
+    assert plans["embed"].offload and plans["embed"].strategy.name == "full"
+    others = [u for u in plans if u not in ("", "embed")]
+    assert others and all(plans[u].strategy.name == "full" and not plans[u].offload for u in others)
+    # The defaults: every unit but the root freed after forward, as before policies existed.
+    assert not plans[""].reshard_after_forward and plans["blocks.0.fc1"].reshard_after_forward
+
+
+def test_a_name_policy_wins_over_its_class_policy():
+    plans = _resolve(
+        {nn.Linear: UnitPolicy(mixed_precision=BF16), "head": UnitPolicy(mixed_precision=FP32)}
+    )
+    assert plans["head"].compute_dtype == torch.float32
+    assert plans["blocks.0.fc1"].compute_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "policies, message",
+    [
+        ({"blocks.9": UnitPolicy()}, "policies['blocks.9'] names no unit: expected one of"),
+        ({nn.GELU: UnitPolicy()}, "policies[GELU]: no unit's first module is a GELU"),
+        ({"": "replicate"}, "policies[''] is a str: expected a UnitPolicy"),
+        ({"": UnitPolicy(strategy="hybrid")}, "strategy='hybrid' on a model sharded with 'full'"),
+        ({"": UnitPolicy(strategy="none")}, "Fix: strategy='replicate'"),
+        (
+            {"head": UnitPolicy(strategy="replicate", reshard_after_forward=True)},
+            "reshard_after_forward=True under strategy 'replicate'",
+        ),
+    ],
+)
+def test_a_policy_that_cannot_be_kept_is_refused_naming_it(policies, message):
+    with pytest.raises(ValueError) as err:
+        _resolve(policies)
+    assert message in str(err.value)
+
+
+def test_ignored_params_leave_the_plan_and_strangers_are_refused():
+    model = TinyLM()
+    plan = build_plan(model, {nn.Linear, nn.Embedding})
+    kept = without_params(plan, model, _norm_params(model))
+    assert kept.params[""] == ()  # the root held only norms
+    assert kept.params["head"] == plan.params["head"]
+    with pytest.raises(PlanError, match="not parameters of this model"):
+        without_params(plan, model, [nn.Parameter(torch.zeros(3))])
+    with pytest.raises(PlanError, match="wrap unit 'head' has only ignored parameters"):
+        without_params(plan, model, list(model.head.parameters()))
+
+
+# -- on ranks -----------------------------------------------------------------------------------
+
+
+def _train_on_rank(wrap, steps=3, lr=0.5, capture=None):
+    """TinyLM (seed 0) wrapped by `wrap`, SGD, this rank's half of each batch; its parameters
+    after `steps` steps, whole (a DTensor read whole, ours through full_state_dict)."""
+    from fsdp_lab.sharding import full_state_dict, sharding_state
+
+    torch.manual_seed(0)
+    model = wrap(TinyLM())
+    seen = {}
+    if capture:  # the dtype each module computes with, read inside its forward
+        for name in capture:
+            module = model.get_submodule(name)
+
+            def note(m, args, name=name):
+                seen.setdefault(name, m.weight.dtype)  # returns None: the inputs stay as they are
+
+            module.register_forward_pre_hook(note)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    half = 8 // world
+    for step in range(steps):
+        tokens = _batch(step)[rank * half : (rank + 1) * half]
+        logits = model(tokens[:, :-1]).float()
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    if sharding_state(model, required=False) is not None:
+        params = full_state_dict(model, rank0_only=False)
+    else:
+        params = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()
+        }
+    return params, seen
+
+
+def _ours(**kw):
+    def wrap(model):
+        from fsdp_lab.sharding import shard
+
+        if "ignored" in kw:
+            kw2 = {k: v for k, v in kw.items() if k != "ignored"}
+            return shard(
+                model, units={nn.Linear, nn.Embedding}, ignored_params=_norm_params(model), **kw2
+            )
+        return shard(model, units={nn.Linear, nn.Embedding}, **kw)
+
+    return wrap
+
+
+def _fully_shard(mp_units=None, mp_root=None, ignored=False, offload=False):
+    def wrap(model):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        def policy(mp):
+            return (
+                {"mp_policy": MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype)} if mp else {}
+            )
+
+        extra = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                fully_shard(module, **policy(mp_units), **extra)
+        ignored_params = set(_norm_params(model)) if ignored else None
+        return fully_shard(model, **policy(mp_root), ignored_params=ignored_params, **extra)
+
+    return wrap
+
+
+def run_pair(ours_kw, theirs_kw, capture=None):
+    return _train_on_rank(_ours(**ours_kw), capture=capture), _train_on_rank(
+        _fully_shard(**theirs_kw), capture=capture
+    )
+
+
+def _close(a, b, atol, what):
+    assert sorted(a) == sorted(b), what
+    for name in a:
+        torch.testing.assert_close(
+            a[name], b[name], rtol=0, atol=atol, msg=lambda m, n=name: f"{what} {n}: {m}"
+        )
+
+
+def test_ignored_params_train_like_fully_shard_and_stay_unreduced(cluster_of):
+    """FSDP2's meaning: an ignored parameter is neither sharded nor reduced, so each rank's copy
+    follows its own half-batch — the norms differ between ranks (the control) exactly as under
+    fully_shard(ignored_params=...)."""
+    per_rank = cluster_of(2).run(run_pair, {"ignored": True}, {"ignored": True})
+    for (ours, _), (theirs, _) in per_rank:
+        _close(ours, theirs, 1e-6, "ours vs fully_shard")
+    norms = [n for n in per_rank[0][0][0] if "norm" in n]
+    assert norms and all(not torch.equal(per_rank[0][0][0][n], per_rank[1][0][0][n]) for n in norms)
+
+
+def test_per_unit_mixed_precision_matches_fully_shard(cluster_of):
+    """bf16 for every Linear and Embedding, the root (the norms) in fp32: FSDP2's common recipe,
+    one `fully_shard` call per unit there, one policy here."""
+    capture = ["head", "norm", "blocks.0.norm1"]
+    ours_kw = {"mixed_precision": BF16, "policies": {"": UnitPolicy(mixed_precision=FP32)}}
+    theirs_kw = {"mp_units": BF16, "mp_root": FP32}
+    for (ours, seen), (theirs, seen_theirs) in cluster_of(2).run(
+        run_pair, ours_kw, theirs_kw, capture
+    ):
+        assert (
+            seen
+            == seen_theirs
+            == {
+                "head": torch.bfloat16,
+                "norm": torch.float32,
+                "blocks.0.norm1": torch.float32,
+            }
+        )
+        _close(ours, theirs, 1e-5, "ours vs fully_shard (bf16 compute)")
+
+
+def test_cpu_offload_matches_fully_shard_and_counts_the_host_link(cluster_of):
+    """Offload keeps shards and gradients in host memory: every gather first copies the shard
+    to the compute device, every gradient shard comes back — counted, byte for byte."""
+    for (ours, _), (theirs, _) in cluster_of(2).run(run_pair, {"offload": True}, {"offload": True}):
+        _close(ours, theirs, 1e-6, "ours vs fully_shard(offload_policy=CPUOffloadPolicy())")
+    for step in cluster_of(2).run(_offload_ledger):
+        assert step["host_to_device"] == step["gathered_shard_bytes"] > 0
+        assert step["device_to_host"] == step["reduced_shard_bytes"] > 0
+
+
+def _offload_ledger():
+    from fsdp_lab import comm
+    from fsdp_lab.sharding import shard, sharding_state
+
+    torch.manual_seed(0)
+    model = shard(TinyLM(), units={nn.Linear, nn.Embedding}, offload=True)
+    tokens = _batch(0)
+    with comm.CommLog() as log:
+        model(tokens[:, :-1]).sum().backward()
+    units = sharding_state(model).units
+    gathers = log.calls_by_op()["all_gather_into_tensor"]  # root kept, the others gathered twice
+    shard_bytes = {u.label: u.flat.shard_numel * 4 for u in units}
+    again = sum(shard_bytes[u.label] for u in units if u.reshard_after_forward)
+    return {
+        **log.bytes_by_op(),
+        "gathers": gathers,
+        "gathered_shard_bytes": sum(shard_bytes.values()) + again,
+        "reduced_shard_bytes": sum(shard_bytes.values()),
+    }
+
+
+def test_a_replicated_root_inside_zero3_is_all_reduced_and_its_bytes_follow_theory(cluster_of):
+    for n in (2, 3):
+        for measured, units in cluster_of(n).run(_replicated_root_ledger):
+            from fsdp_lab import theory
+
+            assert units[0]["strategy"] == "replicate" and "strategy" not in units[1]
+            assert measured == theory.sharding_step("full", units, n)["comm_bytes"]
+            assert set(measured) == {
+                "all_gather_into_tensor",
+                "reduce_scatter_tensor",
+                "all_reduce",
+            }
+
+
+def _replicated_root_ledger():
+    from fsdp_lab import comm
+    from fsdp_lab.sharding import shard, sharding_state
+    from fsdp_lab.sharding.lab.measure import unit_layout
+
+    torch.manual_seed(0)
+    model = shard(
+        TinyLM(), units={nn.Linear, nn.Embedding}, policies={"": UnitPolicy(strategy="replicate")}
+    )
+    tokens = _batch(0)
+    model(tokens[:, :-1]).sum().backward()  # the first step records the order; measure the next
+    with comm.CommLog() as log:
+        model(tokens[:, :-1]).sum().backward()
+    return log.bytes_by_op(), [unit_layout(u) for u in sharding_state(model).units]
+
+
+# -- DDP's buckets --------------------------------------------------------------------------------
+
+
+def _ddp_pair(bucket_cap_mb):
+    from fsdp_lab.sharding import shard
+
+    ours = _train_on_rank(lambda m: shard(m, strategy="none", bucket_cap_mb=bucket_cap_mb))[0]
+    theirs = _train_on_rank(
+        lambda m: nn.parallel.DistributedDataParallel(m, bucket_cap_mb=bucket_cap_mb)
+    )[0]
+    return ours, {n.removeprefix("module."): v for n, v in theirs.items()}
+
+
+@pytest.mark.parametrize("cap", [25.0, 0.01], ids=["one-bucket", "many-buckets"])
+def test_bucketed_none_is_bit_equal_to_ddp(cluster_of, cap):
+    for ours, ddp in cluster_of(2).run(_ddp_pair, cap):
+        for name in ddp:
+            assert torch.equal(ours[name], ddp[name]), name
+
+
+def test_bucketed_none_matches_ddp_on_three_ranks(cluster_of):
+    for ours, ddp in cluster_of(3).run(_ddp_pair, 0.01):
+        _close(ours, ddp, 1e-6, "ours vs DDP, 3 ranks")
+
+
+def _bucket_timeline():
+    from fsdp_lab.sharding import shard
+    from fsdp_lab.trace import Timeline
+
+    torch.manual_seed(0)
+    model = shard(TinyLM(), strategy="none", bucket_cap_mb=0.01)
+    tokens = _batch(0)
+    model(tokens[:, :-1]).sum().backward()
+    with Timeline() as timeline:
+        model(tokens[:, :-1]).sum().backward()
+    spans = timeline.to_dict()["spans"]
+    backward = [s for s in spans if s["kind"] == "compute" and s["name"].startswith("backward")]
+    reduces = [s for s in spans if s["kind"] == "comm" and s["name"] == "all_reduce"]
+    return backward, reduces, [p.grad is not None for p in model.parameters()]
+
+
+def test_buckets_are_sent_while_backward_runs(cluster_of):
+    """The overlap DDP is for: several all-reduces, the first issued before backward ends."""
+    for backward, reduces, has_grad in cluster_of(2).run(_bucket_timeline):
+        assert len(backward) == 1 and len(reduces) > 3
+        assert min(r["start"] for r in reduces) < backward[0]["end"]
+        assert all(has_grad)
+
+
+def _unused_branch():
+    from fsdp_lab.sharding import shard
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.used(self.body(x))
+
+    torch.manual_seed(0)
+    model = shard(TwoHeads(), strategy="none", bucket_cap_mb=0.0001)
+    model(torch.randn(3, 4)).sum().backward()
+    return {n: p.grad is not None for n, p in model.named_parameters()}
+
+
+def test_a_parameter_backward_never_reaches_keeps_no_gradient(cluster_of):
+    for got in cluster_of(2).run(_unused_branch):
+        assert got == {
+            "body.weight": True,
+            "body.bias": True,
+            "used.weight": True,
+            "used.bias": True,
+            "unused.weight": False,
+            "unused.bias": False,
+        }
+
+
+# -- the hang that became an error ------------------------------------------------------------------
+
+
+def _all_reduce_a_norm_slice():
+    from fsdp_lab import comm
+    from fsdp_lab.sharding import shard
+
+    torch.manual_seed(0)
+    model = shard(TinyLM(), units={nn.Linear, nn.Embedding}, strategy="full")
+    model(_batch(0)[:, :-1]).sum().backward()
+    lengths = [p.numel() for p in model.parameters()]
+    try:
+        comm.all_reduce(model.blocks[0].norm1.weight.grad)
+    except ValueError as exc:
+        return str(exc), lengths
+    return None, lengths
+
+
+def test_a_collective_over_uneven_slices_fails_at_once_naming_the_parameter(cluster_of):
+    """Issue 28, point 2: the peer's comparison of gradients hung forever on gloo."""
+    cluster = cluster_of(2)
+    (msg0, _), (msg1, _) = cluster.run(_all_reduce_a_norm_slice)
+    assert msg0 == msg1 and msg0 is not None
+    assert "'blocks.0.norm1.weight'" in msg0 and "UnitPolicy(strategy='replicate')" in msg0
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in msg0
+    assert cluster.run(dist.get_rank) == [0, 1]  # and the cluster is still usable
+
+
+# -- sync_module_states on a model with values --------------------------------------------------------
+
+
+def _sync_from_rank0():
+    from fsdp_lab.sharding import full_state_dict, shard
+
+    torch.manual_seed(dist.get_rank())  # every rank initialises differently
+    model = TinyLM()
+    rank0 = [p.detach().clone() for p in model.parameters()]
+    dist.broadcast_object_list(holder := [rank0], src=0)
+    shard(model, units={nn.Linear, nn.Embedding}, strategy="full", sync_module_states=True)
+    got = full_state_dict(model, rank0_only=False)
+    expected = dict(zip([n for n, _ in TinyLM().named_parameters()], holder[0], strict=True))
+    return all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_sync_module_states_gives_every_rank_rank0s_values(cluster_of):
+    """A bug found on the way: each rank's shard was overwritten by rank 0's *shard*, not cut
+    from rank 0's parameters."""
+    assert cluster_of(2).run(_sync_from_rank0) == [True, True]
+
+
+@pytest.mark.parametrize("cap", [-1, float("nan"), "25", True])
+def test_a_bad_bucket_size_is_refused_before_any_message(cap):
+    from fsdp_lab.sharding import shard
+
+    with pytest.raises(ValueError, match=r"bucket_cap_mb=.*expected a number of MiB >= 0"):
+        shard(TinyLM(), strategy="none", bucket_cap_mb=cap)
+
+
+RAW_GATHER = """
+import sys, torch, torch.nn as nn, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from fsdp_lab import Cluster
+
+def raw_gather():
+    from fsdp_lab.sharding import shard
+    from test_peer_suite import TinyLM, _batch
+    torch.manual_seed(0)
+    model = shard(TinyLM(), units={{nn.Linear, nn.Embedding}}, strategy="full")
+    model(_batch(0)[:, :-1]).sum().backward()
+    grad = model.blocks[0].norm1.weight.grad
+    out = [torch.empty_like(grad) for _ in range(2)]
+    try:
+        dist.all_gather(out, grad)  # the peer suite's own check, raw
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+with Cluster(2, backend="gloo", timeout=60, verbose=False) as cluster:
+    print(cluster.run(raw_gather))
+"""
+
+
+def test_raw_collectives_over_uneven_slices_fail_at_once_under_the_documented_setting(tmp_path):
+    """What the README tells a learner whose own torch.distributed call would hang: with
+    TORCH_DISTRIBUTED_DEBUG=DETAIL in the environment the ranks inherit, it fails at once."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "raw.py"
+    script.write_text(RAW_GATHER.format(tests=str(Path(__file__).parent)))
+    env = {**os.environ, "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("Detected mismatch between collectives on ranks") == 2, proc.stdout
+    assert "TensorShape=[0]" in proc.stdout and "TensorShape=[32]" in proc.stdout
