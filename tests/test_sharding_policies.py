@@ -439,3 +439,65 @@ def test_raw_collectives_over_uneven_slices_fail_at_once_under_the_documented_se
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("Detected mismatch between collectives on ranks") == 2, proc.stdout
     assert "TensorShape=[0]" in proc.stdout and "TensorShape=[32]" in proc.stdout
+
+
+def _hybrid_with_replicated_root():
+    from fsdp_lab.sharding import shard
+
+    return _train_on_rank(
+        lambda m: shard(
+            m,
+            units={nn.Linear, nn.Embedding},
+            strategy="hybrid",
+            mesh=(2, 2),
+            policies={"": UnitPolicy(strategy="replicate")},
+        )
+    )[0]
+
+
+def _one_process():
+    """The same training in one process, the global batch whole (what every rank should end at)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(3):
+        tokens = _batch(step)
+        logits = model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_a_replicated_unit_on_a_hybrid_mesh_averages_over_every_rank(cluster_of):
+    """On a (2, 2) mesh a replicated unit's gradient is all-reduced in its shard group, then
+    across the replicas: the average over all four ranks, as one process computes it."""
+    single = _one_process()
+    for got in cluster_of(4).run(_hybrid_with_replicated_root):
+        _close(got, single, 1e-6, "hybrid + replicated root vs one process")
+
+
+def _hybrid_with_a_bf16_replicated_root():
+    from fsdp_lab.sharding import shard
+
+    root = UnitPolicy(strategy="replicate")  # cast to bf16 like the rest: not DDP's buffer
+    return _train_on_rank(
+        lambda m: shard(
+            m,
+            units={nn.Linear, nn.Embedding},
+            strategy="hybrid",
+            mesh=(2, 2),
+            mixed_precision=BF16,
+            policies={"": root},
+        )
+    )[0]
+
+
+def test_a_cast_replicated_unit_on_a_hybrid_mesh_stays_the_same_on_every_rank(cluster_of):
+    """Its bf16-computed gradient is reduced in fp32 over both mesh dimensions: the four ranks'
+    norms stay identical (reduced over the shard group only, the two replicas would drift)."""
+    per_rank = cluster_of(4).run(_hybrid_with_a_bf16_replicated_root)
+    norms = [n for n in per_rank[0] if "norm" in n]
+    for got in per_rank[1:]:
+        assert all(torch.equal(got[n], per_rank[0][n]) for n in norms)

@@ -50,11 +50,12 @@ class GradBuckets:
         params: list[nn.Parameter],
         *,
         group: dist.ProcessGroup | None,
+        ranks: int,
         cap_bytes: int,
         label: str,
     ) -> None:
         self.group, self.label = group, label
-        self.scale = 1.0 / dist.get_world_size(group)
+        self.scale = 1.0 / ranks  # DDP multiplies by 1/N: the same rounding as its buckets
         trainable = [p for p in dict.fromkeys(params) if p.requires_grad]  # a tied one once
         self.buckets: list[_Bucket] = []
         self._where: dict[nn.Parameter, tuple[_Bucket, int]] = {}

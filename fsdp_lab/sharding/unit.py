@@ -16,6 +16,13 @@ Four of these steps are plain functions in `steps.py` — `free_unsharded` (post
 the units call through their state's `ShardingSteps`, so a course exercise runs a learner's
 version of one inside this very mechanism, passed to `shard(..., steps=...)`.
 
+A replicated unit ("none", or `UnitPolicy(strategy="replicate")` inside a sharded model) has
+nothing to gather: its modules compute with their own parameters, and DDP's buckets
+(`buckets.py`) send the gradients while backward still runs. An offloaded unit
+(`UnitPolicy(offload=True)`) keeps its shard in host memory: unshard first copies the shard to
+the compute device, and the reduction copies the gradient shard back (`comm.host_to_device`,
+`comm.device_to_host`, both counted).
+
 The names are FSDP2's (`unshard`, `reshard`, `TrainingState`); every collective goes through
 `fsdp_lab.comm` (counted) and every gather/free is a marker on the memory trace.
 
@@ -108,11 +115,17 @@ class ShardedUnit:
         self.params = params
         self.frozen = frozen or [False] * len(flat.segments)
         self._got_grad = [False] * len(flat.segments)  # in this backward, per segment
-        # Replicated, fp32, per-parameter, one dimension: DDP's buckets, sent during backward.
+        # Replicated, fp32, per-parameter, over one group of 2+ ranks: DDP's buckets, sent
+        # during backward (`buckets.py`).
         self.buckets: GradBuckets | None = None
-        if flat.aliased and params is not None and bucket_bytes > 0 and state.groups.replicas == 1:
+        one_group = state.groups.replicas == 1 and state.groups.shard_size > 1
+        if flat.aliased and params is not None and bucket_bytes > 0 and one_group:
             self.buckets = GradBuckets(
-                params, group=state.group, cap_bytes=bucket_bytes, label=self.label
+                params,
+                group=state.group,
+                ranks=state.groups.shard_size,
+                cap_bytes=bucket_bytes,
+                label=self.label,
             )
         # The tensor keeps its hooks on the C++ side, out of sight of Python's cycle collector:
         # a bound method there (buffer -> hook -> unit -> buffer) would keep every sharded model
