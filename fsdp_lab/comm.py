@@ -15,8 +15,10 @@ nccl-tests' "bus bandwidth" and of `fsdp_lab.theory`, with N the group size:
     host_to_device, device_to_host   tensor bytes over the host link (CPU offload; PCIe on a
                                      GPU, a copy in host memory on a CPU-only machine)
 
-Async ops (``async_op=True``) return a `CommWork`; its ``wait()`` closes the record, so the
-recorded duration runs from issue to completion — what a prefetching mechanism overlaps.
+Async ops (``async_op=True``) return a `CommWork`; its ``wait()`` closes the record. The
+recorded duration runs from issue to completion — what a prefetching mechanism overlaps — where
+completion is when the backend's future for the op resolved (gloo and NCCL have one), else the
+wait: DDP's buckets, all waited for at the end of backward, each end when their bytes arrived.
 """
 
 from __future__ import annotations
@@ -164,9 +166,13 @@ def _run(
     label, size = (link, 1) if link else _group_label(group)
     moved = bus_bytes(op, payload_bytes, size)
     tag = _TAG.get()
+    done: list[float] = []  # when an async op really completed, if its backend says so
+    if async_op and hasattr(work, "get_future"):
+        with contextlib.suppress(RuntimeError):  # a backend without futures: wait() it is
+            work.get_future().add_done_callback(lambda _: done.append(time.perf_counter()))
 
     def finish() -> None:
-        end = time.perf_counter()
+        end = done[0] if done else time.perf_counter()
         if log is not None:
             log.records.append(
                 CommRecord(

@@ -294,6 +294,7 @@ def plot_timeline(timelines: dict | list[dict], *, title: str | None = None) -> 
             ticks.append(y)
             tick_labels.append(f"{name} {kind}")
             phases = _enclosing(tl["spans"], kind)
+            labelled: list[tuple[float, float]] = []  # this lane's labels, left to right
             for s, wait, phase in zip(tl["spans"], waits[i], phases, strict=True):
                 if s["kind"] != kind or s["end"] + o <= t_lo:
                     continue
@@ -321,7 +322,7 @@ def plot_timeline(timelines: dict | list[dict], *, title: str | None = None) -> 
                     edgecolor="white",
                     lw=0.5,
                 )
-                _label_span(ax, _span_label(s), xw, x1 - xw, y, full)
+                _label_span(ax, _span_label(s), xw, x1 - xw, y, full, labelled)
     ax.set_yticks(ticks, tick_labels, fontsize=8)
     if not ticks:  # no rank recorded a span: say so rather than draw an empty axis
         ax.text(0.5, 0.5, "no spans were recorded", ha="center", va="center",
@@ -366,11 +367,20 @@ def _span_label(span: dict[str, Any]) -> str:
     return span["name"].replace("forward ", "fwd ").replace("backward ", "bwd ")
 
 
-def _label_span(ax: Any, label: str, x: float, width: float, y: float, full: float) -> None:
-    """Write `label` inside a span wide enough to hold it."""
+def _label_span(
+    ax: Any, label: str, x: float, width: float, y: float, full: float, taken: list
+) -> None:
+    """Write `label` inside a span wide enough to hold it, unless another label of the lane
+    (`taken`: their x extents) is there already — async spans of one lane can overlap."""
     # At fontsize 7 on an 11-inch figure a character takes about 0.5% of the axis width.
-    if label and full > 0 and width / full > 0.005 * len(label) + 0.004:
-        ax.text(x + width / 2, y, label, ha="center", va="center", fontsize=7, clip_on=True)
+    need = (0.005 * len(label) + 0.004) * full
+    if not label or full <= 0 or width <= need:
+        return
+    lo, hi = x + width / 2 - need / 2, x + width / 2 + need / 2
+    if any(lo < b and a < hi for a, b in taken):
+        return
+    taken.append((lo, hi))
+    ax.text(x + width / 2, y, label, ha="center", va="center", fontsize=7, clip_on=True)
 
 
 def plot_measured_vs_theory(

@@ -131,11 +131,11 @@ def test_joint_unit_is_gathered_per_member_call_and_freed_in_between(cluster_of,
         assert res["calls"] == {"all_gather_into_tensor": 4 + 2 * 4 + 1, "reduce_scatter_tensor": 6}
 
 
-def _collected_after_drop() -> bool:
+def _collected_after_drop(strategy: str) -> bool:
     import gc
     import weakref
 
-    model = shard(tiny_gpt(), units={Block})
+    model = shard(tiny_gpt(), units={Block}, strategy=strategy)
     reference.train_steps(
         model, _sgd(model.parameters()), 1, world=fsdp_lab.world_size(), rank=fsdp_lab.rank()
     )
@@ -145,7 +145,8 @@ def _collected_after_drop() -> bool:
     return shard_param() is None
 
 
-def test_a_sharded_model_is_freed_when_dropped(cluster_of):
+@pytest.mark.parametrize("strategy", ["full", "none"])  # "none": DDP's buckets hook each parameter
+def test_a_sharded_model_is_freed_when_dropped(cluster_of, strategy):
     # A hook holding the unit strongly on the buffer's C++ side would keep every sharded model
     # (its shards) alive on a long-lived rank, run after run.
-    assert cluster_of(2).run(_collected_after_drop) == [True, True]
+    assert cluster_of(2).run(_collected_after_drop, strategy) == [True, True]

@@ -20,6 +20,8 @@ not all get a gradient (a branch not taken) is sent at the end with zeros in the
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,8 +55,9 @@ class GradBuckets:
         ranks: int,
         cap_bytes: int,
         label: str,
+        when_all_sent: Callable[[], None] = lambda: None,
     ) -> None:
-        self.group, self.label = group, label
+        self.group, self.label, self.when_all_sent = group, label, when_all_sent
         self.scale = 1.0 / ranks  # DDP multiplies by 1/N: the same rounding as its buckets
         trainable = [p for p in dict.fromkeys(params) if p.requires_grad]  # a tied one once
         self.buckets: list[_Bucket] = []
@@ -72,8 +75,10 @@ class GradBuckets:
             bucket.params.append(p)
             bucket.offsets.append(bucket.numel)
             bucket.numel += p.numel()
+        self._sent = 0  # buckets sent in this backward
+        hook = _Ready(self)  # on the C++ side: holds the buckets weakly, see `_Ready`
         for p in trainable:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+            p.register_post_accumulate_grad_hook(hook)
 
     def _on_grad(self, param: nn.Parameter) -> None:
         bucket, i = self._where[param]
@@ -95,6 +100,9 @@ class GradBuckets:
     def _send(self, bucket: _Bucket) -> None:
         with comm.tagged(self.label):
             bucket.work = comm.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        self._sent += 1
+        if self._sent == len(self.buckets):  # every gradient of the unit is in: its backward
+            self.when_all_sent()  # is over (the unit marks its compute span's end)
 
     def finish(self) -> bool:
         """Backward is over: send what is left, wait for every bucket, hand out the slices.
@@ -114,4 +122,19 @@ class GradBuckets:
                 param = bucket.params[i]
                 param.grad = self._slot(bucket, i).view(param.shape)  # views of one buffer
             bucket.buffer, bucket.work, bucket.ready = None, None, set()
+        self._sent = 0
         return sent
+
+
+class _Ready:
+    """The hook on each parameter. PyTorch keeps it on the C++ side, out of sight of Python's
+    cycle collector: holding the buckets (and through them the parameters) strongly, it would
+    keep every model sharded this way alive for the life of the process."""
+
+    def __init__(self, buckets: GradBuckets) -> None:
+        self.buckets = weakref.ref(buckets)
+
+    def __call__(self, param: nn.Parameter) -> None:
+        alive = self.buckets()
+        if alive is not None:
+            alive._on_grad(param)

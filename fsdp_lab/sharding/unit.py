@@ -126,6 +126,7 @@ class ShardedUnit:
                 ranks=state.groups.shard_size,
                 cap_bytes=bucket_bytes,
                 label=self.label,
+                when_all_sent=self._all_gradients_sent,
             )
         # The tensor keeps its hooks on the C++ side, out of sight of Python's cycle collector:
         # a bound method there (buffer -> hook -> unit -> buffer) would keep every sharded model
@@ -328,6 +329,12 @@ class ShardedUnit:
                 "compute", f"{phase} {self.label}", self._compute_start, time.perf_counter()
             )
 
+    def _all_gradients_sent(self) -> None:
+        """DDP's buckets sent this unit's last bucket: its backward is over."""
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            self._record_compute("backward")
+            self.training_state = TrainingState.POST_BACKWARD
+
     def finalize_backward(self) -> None:
         """The step's backward is over (FSDP2's ``FSDPParamGroup.finalize_backward``): ZeRO-1
         reduces the gradient it kept whole until now; a prefetch whose backward never came is
@@ -336,8 +343,8 @@ class ShardedUnit:
             self._grad_ready = False
             self.reduce_grad()
         if self.buckets is not None:
-            if self.training_state is TrainingState.PRE_BACKWARD:
-                self._record_compute("backward")  # from its pre-backward to the end
+            if self.training_state is TrainingState.PRE_BACKWARD:  # a bucket never filled
+                self._record_compute("backward")
             if self.buckets.finish():  # the all-reduces sent during backward, waited for here
                 mark(f"all-reduce {self.label}")
         self.wait_unshard()
