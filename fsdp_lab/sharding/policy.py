@@ -21,6 +21,7 @@ choices in one place; a unit named both ways takes its name's policy.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -144,9 +145,11 @@ def _policy_of_each_unit(
         elif key in plan.units:
             found[key] = policy
         else:
+            near = difflib.get_close_matches(str(key), plan.units, n=1)
+            fix = f"policies[{near[0]!r}]" if near else "a name `build_plan(model, units)` gives"
             raise ValueError(
                 f"policies[{key!r}] names no unit: expected one of {_units(plan)} or a module "
-                "class. Fix: use a name `build_plan(model, units).units` gives ('' is the root)"
+                f"class ('' is the root). Fix: {fix}"
             )
     return found
 
