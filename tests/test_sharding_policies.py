@@ -55,7 +55,7 @@ def test_a_name_policy_wins_over_its_class_policy():
     "policies, message",
     [
         ({"blocks.9": UnitPolicy()}, "policies['blocks.9'] names no unit: expected one of"),
-        ({"blocks.0.fc": UnitPolicy()}, "Fix: policies['blocks.0.fc1']"),  # a typo: the nearest
+        ({"heads": UnitPolicy()}, "Fix: policies['head']"),  # a typo: the nearest name
         ({nn.GELU: UnitPolicy()}, "policies[GELU]: no unit's first module is a GELU"),
         ({"": "replicate"}, "policies[''] is a str: expected a UnitPolicy"),
         ({"": UnitPolicy(strategy="hybrid")}, "strategy='hybrid' on a model sharded with 'full'"),
