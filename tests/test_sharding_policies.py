@@ -502,3 +502,32 @@ def test_a_cast_replicated_unit_on_a_hybrid_mesh_stays_the_same_on_every_rank(cl
     norms = [n for n in per_rank[0] if "norm" in n]
     for got in per_rank[1:]:
         assert all(torch.equal(got[n], per_rank[0][n]) for n in norms)
+
+
+def _clipped_norm():
+    from fsdp_lab.sharding import clip_grad_norm_, shard
+
+    torch.manual_seed(0)
+    policies = {"": UnitPolicy(strategy="replicate")}
+    model = shard(TinyLM(), units={nn.Linear, nn.Embedding}, strategy="full", policies=policies)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens = _batch(0)[rank * 8 // world : (rank + 1) * 8 // world]
+    logits = model(tokens[:, :-1])
+    nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+    return clip_grad_norm_(model, max_norm=1e9).item()
+
+
+def test_clip_grad_norm_counts_a_replicated_unit_once(cluster_of):
+    """Each rank holds the replicated root's whole gradient: summed over ranks like a slice, the
+    norms would count it twice."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    tokens = _batch(0)
+    logits = model(tokens[:, :-1])
+    nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+    single = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9).item()
+    root = sum(p.grad.pow(2).sum().item() for m in model.modules() if isinstance(m, NORMS)
+               for p in m.parameters())  # fmt: skip
+    assert root > 1e-3 * single**2  # counted twice, it would move the norm by > 5e-4 (rel)
+    for got in cluster_of(2).run(_clipped_norm):
+        assert got == pytest.approx(single, rel=1e-5)
