@@ -50,7 +50,6 @@ class GradBuckets:
     def __init__(
         self,
         params: list[nn.Parameter],
-        *,
         group: dist.ProcessGroup | None,
         ranks: int,
         cap_bytes: int,

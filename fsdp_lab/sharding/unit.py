@@ -16,12 +16,9 @@ Four of these steps are plain functions in `steps.py` — `free_unsharded` (post
 the units call through their state's `ShardingSteps`, so a course exercise runs a learner's
 version of one inside this very mechanism, passed to `shard(..., steps=...)`.
 
-A replicated unit ("none", or `UnitPolicy(strategy="replicate")` inside a sharded model) has
-nothing to gather: its modules compute with their own parameters, and DDP's buckets
-(`buckets.py`) send the gradients while backward still runs. An offloaded unit
-(`UnitPolicy(offload=True)`) keeps its shard in host memory: unshard first copies the shard to
-the compute device, and the reduction copies the gradient shard back (`comm.host_to_device`,
-`comm.device_to_host`, both counted).
+A replicated unit computes with its own parameters and sends its gradients in DDP's buckets
+while backward runs (`buckets.py`); an offloaded unit copies its shard from host memory before
+each gather and its gradient shard back after the reduction (`policy.py`).
 
 The names are FSDP2's (`unshard`, `reshard`, `TrainingState`); every collective goes through
 `fsdp_lab.comm` (counted) and every gather/free is a marker on the memory trace.
@@ -120,14 +117,8 @@ class ShardedUnit:
         self.buckets: GradBuckets | None = None
         one_group = state.groups.replicas == 1 and state.groups.shard_size > 1
         if flat.aliased and params is not None and bucket_bytes > 0 and one_group:
-            self.buckets = GradBuckets(
-                params,
-                group=state.group,
-                ranks=state.groups.shard_size,
-                cap_bytes=bucket_bytes,
-                label=self.label,
-                when_all_sent=self._all_gradients_sent,
-            )
+            size, done = state.groups.shard_size, self._all_gradients_sent
+            self.buckets = GradBuckets(params, state.group, size, bucket_bytes, self.label, done)
         # The tensor keeps its hooks on the C++ side, out of sight of Python's cycle collector:
         # a bound method there (buffer -> hook -> unit -> buffer) would keep every sharded model
         # alive for the life of the process. The hook holds the unit weakly instead.
