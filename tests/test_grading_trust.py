@@ -456,3 +456,17 @@ def test_a_path_the_system_cannot_take_is_a_row_not_a_crash(tmp_path):
 
     (row,) = submissions([tmp_path / ("x" * 5000 + ".py")], tmp_path)
     assert row.copy is None and "name too long" in row.error.lower()
+
+
+@pytest.mark.skipif(bwrap() is None, reason="bubblewrap cannot run here (CI installs it)")
+def test_a_python_or_checkout_under_tmp_is_still_seen_inside_the_sandbox(tmp_path):
+    """Found by a fresh clone in /tmp: the sandbox's private /tmp was mounted after the Python
+    paths it binds, hid those under /tmp, and every submission of the class scored 0 (it could
+    not import fsdp_lab). The binds go on top of the private /tmp now."""
+    from fsdp_lab.course import sandbox
+
+    assert str(tmp_path).startswith("/tmp/")  # pytest's folders: the case itself
+    (tmp_path / "seen.txt").write_text("the checkout")
+    command = [bwrap(), *sandbox._mounts([str(tmp_path)]), "cat", str(tmp_path / "seen.txt")]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert out.stdout == "the checkout", out.stderr

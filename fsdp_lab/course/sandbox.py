@@ -161,6 +161,9 @@ def _mounts(extra: list[str]) -> list[str]:
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
+    # The private /tmp first: mounted after them, it would hide every bind below /tmp (a
+    # checkout or a virtual environment there), and no submission could import anything.
+    args += ["--dev", "/dev", "--proc", "/proc", *TMPFS, "/tmp"]
     made: set[str] = set()
     for path in extra:
         # bwrap makes missing parents mode 0700: readable parents, or nobody cannot reach it
@@ -170,7 +173,7 @@ def _mounts(extra: list[str]) -> list[str]:
                 made.add(p)
                 args += ["--perms", "0755", "--dir", p]
         args += ["--ro-bind", path, path]
-    return [*args, "--dev", "/dev", "--proc", "/proc", *TMPFS, "/tmp"]
+    return args
 
 
 def _python_paths() -> list[str]:
