@@ -255,7 +255,10 @@ def _prefetch_overlaps(prefetch: bool) -> bool:
         if s["kind"] == "compute" and s["name"].startswith(("forward b", "backward b"))
     ]
     gathers = [s for s in spans if s["kind"] == "comm" and s["name"] == "all_gather_into_tensor"]
-    return any(g["start"] <= c["start"] and c["end"] <= g["end"] for g in gathers for c in units)
+    # Prefetch: some unit's compute starts while the next unit's all-gather is in flight (a
+    # span ends when its bytes arrived, the backend's future). Without it, every gather has
+    # arrived before any compute that follows it starts.
+    return any(g["start"] <= c["start"] < g["end"] for g in gathers for c in units)
 
 
 def test_prefetch_overlaps_the_next_gather_with_compute(cluster_of):
