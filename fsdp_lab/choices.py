@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 # Process-group backends: "auto" picks NCCL with one GPU per rank, gloo otherwise.
 BACKENDS = ("auto", "gloo", "nccl")
+# Where the ranks compute: "auto" uses the GPUs there are (one each under NCCL; several ranks
+# sharing one over gloo), "cpu" forces the CPU lab on a GPU machine (`fsdp_lab.cluster.where`).
+DEVICES = ("auto", "cpu", "cuda")
+DEVICE_ENV = "FSDP_LAB_DEVICE"  # a `Cluster`'s default device; `fsdp-lab --device` sets it
 
 
 @dataclass(frozen=True)

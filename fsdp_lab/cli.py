@@ -39,7 +39,7 @@ from typing import Any, NoReturn
 
 # torch-free on purpose: `fsdp-lab --help` imports this module and the labs' config modules
 # only (importing torch took 4-18 s); torch comes in when a lab is about to run.
-from fsdp_lab.choices import BACKENDS
+from fsdp_lab.choices import BACKENDS, DEVICE_ENV, DEVICES
 from fsdp_lab.cores import OversubscribedWarning, available_cores, too_many_ranks
 from fsdp_lab.labs.options import add_config_arguments, config_overrides, to_flags
 from fsdp_lab.labs.registry import LABS, PLANNED
@@ -132,6 +132,14 @@ def _common(p: argparse.ArgumentParser, world_size: int | None = None) -> None:
     ranks = "number of ranks" + (f" (default {world_size})" if world_size else "")
     p.add_argument("--world-size", type=_positive_int, default=None, help=ranks)
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="process-group backend")
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default=None,
+        help="where the ranks compute: auto (a GPU each under NCCL when there are enough, else "
+        "the CPU), cpu (the CPU lab on a GPU machine), cuda (with fewer GPUs than ranks, the "
+        "ranks share them: gloo on CUDA tensors)",
+    )
     p.add_argument(
         "--model",
         default=None,
@@ -265,13 +273,13 @@ def prepare(name: str, args: argparse.Namespace, out: Path | None, tour: bool = 
         raise usage_error(exc, where, config_cls) from None
 
     # From here on torch is imported: the lab is going to run.
-    from fsdp_lab.cluster import resolve_backend, under_torchrun
+    from fsdp_lab.cluster import resolve_placement, under_torchrun
     from fsdp_lab.host import check_ranks_fit
 
     try:
         if not under_torchrun():  # under torchrun the job's size and devices are given
             check_ranks_fit(config.world_size)
-            resolve_backend(config.backend, config.world_size)
+            resolve_placement(config.backend, config.world_size)
         lab.preflight(config)  # the lab's own checks of this machine (e.g. host memory)
     except ValueError as exc:
         raise usage_error(exc, where, config_cls) from None
@@ -441,6 +449,22 @@ def _rank_error(exc: BaseException) -> Any:
     return exc if cluster is not None and isinstance(exc, cluster.RankError) else None
 
 
+@contextlib.contextmanager
+def device_chosen(device: str | None) -> Iterator[None]:
+    """`--device`: every Cluster of this run places its ranks so (FSDP_LAB_DEVICE), then the
+    environment is as it was."""
+    before = os.environ.get(DEVICE_ENV)
+    if device:
+        os.environ[DEVICE_ENV] = device
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(DEVICE_ENV, None)
+        else:
+            os.environ[DEVICE_ENV] = before
+
+
 def _run(argv: list[str]) -> tuple[int, dict[str, Any]]:
     """Parse, validate, run; (exit code, the JSON payload: the result or the error object)."""
     where = "fsdp-lab"
@@ -451,7 +475,8 @@ def _run(argv: list[str]) -> tuple[int, dict[str, Any]]:
         if getattr(args, "out", None) == "":  # not "no --out": an empty name is a mistake
             raise UsageError("--out '': an empty folder name", f"e.g. --out {DEFAULT_OUT}/")
         commands = {"tour": tour, "grade": grade_command, "bugs": bugs_command}
-        return 0, commands.get(args.lab, one_lab)(args)
+        with device_chosen(getattr(args, "device", None)):
+            return 0, commands.get(args.lab, one_lab)(args)
     except UsageError as exc:
         _say(exc.where or where, exc.error, exc.hint)
         return EXIT_USAGE, {"error": exc.error, "hint": exc.hint}

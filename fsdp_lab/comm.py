@@ -308,10 +308,20 @@ def broadcast(
     )
 
 
+def _staged(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """gloo carries CUDA tensors in its collectives but not point to point: a send or recv of
+    one fails ("writev ... Bad address") and breaks the group. Those go through host memory."""
+    return tensor.is_cuda and dist.get_backend(group) == "gloo"
+
+
 def send(
     tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, async_op: bool = False
 ) -> CommWork | None:
-    """Point-to-point send to global rank `dst` (``async_op=True`` is `isend`)."""
+    """Point-to-point send to global rank `dst` (``async_op=True`` is `isend`). A CUDA tensor
+    over gloo (the shared-GPU mode) is copied to host memory first: the copy is counted as
+    `device_to_host` on the "staging" link, the send as what the algorithm moves."""
+    if _staged(tensor, group):
+        tensor = device_to_host(tensor, torch.empty(tensor.shape, dtype=tensor.dtype), STAGING)
     call = dist.isend if async_op else dist.send
     return _run(
         "send", lambda: call(tensor, dst=dst, group=group), tensor, _nbytes(tensor), group, async_op
@@ -321,18 +331,38 @@ def send(
 def recv(
     tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
 ) -> CommWork | None:
-    """Point-to-point receive from global rank `src` into `tensor` (``async_op=True`` is `irecv`)."""
+    """Point-to-point receive from global rank `src` into `tensor` (``async_op=True`` is `irecv`).
+    A CUDA tensor over gloo is received in host memory, then copied over (counted as
+    `host_to_device` on the "staging" link) — at once, or when an async receive is waited for."""
+    target, staged = tensor, _staged(tensor, group)
+    if staged:
+        tensor = torch.empty(tensor.shape, dtype=tensor.dtype)
     call = dist.irecv if async_op else dist.recv
-    return _run(
+    work = _run(
         "recv", lambda: call(tensor, src=src, group=group), tensor, _nbytes(tensor), group, async_op
     )
+    if not staged:
+        return work
+    if work is None:
+        target.copy_(host_to_device(tensor, target.device, link=STAGING))
+        return None
+
+    def arrived() -> None:
+        work.wait()
+        target.copy_(host_to_device(tensor, target.device, link=STAGING))
+
+    return CommWork(None, arrived)
 
 
 HOST_LINK = "host link"  # how a CommRecord names the copies of CPU offload
+STAGING = "staging"  # ... and a point-to-point message's trip through host memory (gloo, CUDA)
 
 
 def host_to_device(
-    tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+    tensor: torch.Tensor,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    link: str = HOST_LINK,
 ) -> torch.Tensor:
     """A copy of host `tensor` on `device` (cast to `dtype`): what CPU offload sends to the
     device before a unit computes. Always a real copy, counted — also where the "device" is
@@ -346,13 +376,13 @@ def host_to_device(
         nbytes,
         None,
         False,
-        HOST_LINK,
+        link,
     )
     return out
 
 
-def device_to_host(tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def device_to_host(tensor: torch.Tensor, out: torch.Tensor, link: str = HOST_LINK) -> torch.Tensor:
     """Copy device `tensor` into host tensor `out` (CPU offload's gradient shard); returns `out`."""
     nbytes = tensor.numel() * tensor.element_size()
-    _run("device_to_host", lambda: out.copy_(tensor), tensor, nbytes, None, False, HOST_LINK)
+    _run("device_to_host", lambda: out.copy_(tensor), tensor, nbytes, None, False, link)
     return out

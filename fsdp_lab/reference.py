@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fsdp_lab.cluster.where import device as placed_device
 from fsdp_lab.model_spec import declared_vocab, vocab_size_of
 from fsdp_lab.models import synthetic_batch
 from fsdp_lab.sharding.state import sharding_state
@@ -155,8 +156,7 @@ def apply_fsdp2(
     from torch.distributed.fsdp import fully_shard
 
     if mesh is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+        mesh = init_device_mesh(placed_device().type, (dist.get_world_size(),))
     for module in model.modules():
         if isinstance(module, unit_classes):
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
@@ -176,8 +176,7 @@ def apply_fsdp1(
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    on_gpu = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    device = placed_device()  # its own GPU, a shared one, or the CPU
     wrapped = FullyShardedDataParallel(
         model,
         auto_wrap_policy=ModuleWrapPolicy(set(unit_classes)),

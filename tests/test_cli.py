@@ -133,6 +133,7 @@ def test_tour_runs_every_lab_with_progress_and_summary(tmp_path):
             "--steps 0 is out of range: allowed an int >= 1 (training steps)\n  hint: --steps 5",
         ),
         (["shard", "--strategy", "zero5"], "--strategy: invalid choice: 'zero5'"),
+        (["collectives", "--device", "gpu"], "--device: invalid choice: 'gpu'"),
         (
             ["shard", "--strategy", "none", "--replicate-root"],
             "--replicate-root with --strategy none: a replicated root is kept whole",

@@ -27,18 +27,21 @@ from fsdp_lab.cluster.torchrun import (
 )
 from fsdp_lab.cluster.where import (
     BACKENDS,
+    Placement,
     device,
     in_rank_threads,
     intra_op_threads,
     rank,
     rank_threads,
     resolve_backend,
+    resolve_placement,
     world_size,
 )
 
 __all__ = [
     "BACKENDS",
     "AttachedCluster",
+    "Placement",
     "Cluster",
     "RankError",
     "borrow",
@@ -49,6 +52,7 @@ __all__ = [
     "rank",
     "rank_threads",
     "resolve_backend",
+    "resolve_placement",
     "under_torchrun",
     "world_size",
 ]

@@ -58,7 +58,7 @@ from fsdp_lab.cluster import launcher
 from fsdp_lab.cluster.output import RankOutput
 from fsdp_lab.cluster.protocol import RankError, Reply, decode_plain, read_message
 from fsdp_lab.cluster.rank_main import RankSpec, rank_label, rank_main
-from fsdp_lab.cluster.where import resolve_backend
+from fsdp_lab.cluster.where import resolve_placement
 from fsdp_lab.cores import OversubscribedWarning, available_cores, too_many_ranks
 from fsdp_lab.host import check_ranks_fit
 
@@ -97,6 +97,9 @@ class Cluster:
     Args:
         world_size: number of ranks (int >= 1).
         backend: "auto" (NCCL if `world_size` GPUs are visible, else gloo), "gloo" or "nccl".
+        device: "auto" (as `backend` chooses), "cpu" (the CPU lab on a GPU machine) or "cuda"
+            (with fewer GPUs than ranks, the ranks share them over gloo); default: the
+            environment's FSDP_LAB_DEVICE, else "auto" (`where.resolve_placement`).
         timeout: seconds a `run` may take before hung ranks are reported (and, doubled, the
             process group's own collective timeout).
         start_timeout: seconds allowed for starting the ranks.
@@ -118,6 +121,7 @@ class Cluster:
         verbose: bool = True,
         failure_grace: float = FAILURE_GRACE,
         plain_results: bool = False,
+        device: str | None = None,
     ) -> None:
         label = rank_label()
         if label is not None:
@@ -131,7 +135,8 @@ class Cluster:
         check_ranks_fit(world_size)  # before forking hundreds of ranks a host cannot hold
         self.timeout = check_timeout("timeout", timeout)
         self.start_timeout = check_timeout("start_timeout", start_timeout)
-        self.backend = resolve_backend(backend, world_size)
+        self.placement = resolve_placement(backend, world_size, device)
+        self.backend = self.placement.backend
         self.verbose = verbose
         self.failure_grace = check_timeout("failure_grace", failure_grace)
         self.plain_results = bool(plain_results)
@@ -169,6 +174,7 @@ class Cluster:
                     self.timeout,
                     environ,
                     self.plain_results,
+                    self.placement,
                 )
                 ours, theirs = launcher.pipe()
                 out_fd, out_w = launcher.os_pipe_for_child()
@@ -192,7 +198,8 @@ class Cluster:
         if self.verbose:
             print(
                 f"fsdp_lab: {self.world_size} rank(s) up on {self.backend} "
-                f"in {self.start_seconds:.1f} s (pids {', '.join(str(p) for p in self.pids)})"
+                f"in {self.start_seconds:.1f} s (pids {', '.join(str(p) for p in self.pids)}): "
+                f"{self.placement.why}"
             )
 
     def _start_error(self, call: _Call) -> RankError:

@@ -28,7 +28,10 @@ import sys
 import traceback
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fsdp_lab.cluster.where import Placement
 
 # Set before anything asks: code on a rank (a learner's cell calling Cluster) reads it.
 RANK_ENV = "FSDP_LAB_RANK"
@@ -45,6 +48,7 @@ class RankSpec:
     timeout: float
     environ: dict[str, str]  # the driver's environment when the cluster started
     plain_results: bool = False  # results as plain data (`protocol.encode_plain`)
+    placement: Placement | None = None  # its device (`where.resolve_placement`); None: the CPU
 
 
 def rank_main(spec: RankSpec, conn: Any, stdout: Any, stderr: Any) -> None:
@@ -103,9 +107,11 @@ def _answer(payload: bytes, plain_results: bool) -> Any:
             reply = Reply(ok=True, result=blob)
     except BaseException as exc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        from fsdp_lab.cluster.where import out_of_memory_hint  # a shared GPU: whose memory
+
         reply = Reply(
             ok=False,
-            error=f"raised {exc!r}",
+            error=f"raised {exc!r}{out_of_memory_hint(exc)}",
             traceback=traceback.format_exc(),
             interrupted=isinstance(exc, KeyboardInterrupt),
         )
@@ -116,14 +122,15 @@ def _answer(payload: bytes, plain_results: bool) -> Any:
 
 
 def _join(spec: RankSpec) -> None:
-    import torch
     import torch.distributed as dist
 
     loopback = _loopback_interface()
     os.environ["GLOO_SOCKET_IFNAME"] = loopback  # gloo listens here, not on the LAN address
     os.environ["NCCL_SOCKET_IFNAME"] = loopback  # NCCL's bootstrap sockets likewise
-    if spec.backend == "nccl":
-        torch.cuda.set_device(spec.rank)
+    if spec.placement is not None:  # its GPU (and, shared, its share of it), or the CPU
+        from fsdp_lab.cluster.where import place_this_rank
+
+        place_this_rank(spec.placement, spec.rank, spec.world_size)
     dist.init_process_group(
         spec.backend,
         store=dist.FileStore(spec.store_path, spec.world_size),

@@ -15,12 +15,11 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from fsdp_lab.cluster.driver import Cluster, check_timeout
 from fsdp_lab.cluster.protocol import RankError
-from fsdp_lab.cluster.where import rank, resolve_backend
+from fsdp_lab.cluster.where import place_this_rank, rank, resolve_placement
 
 
 class AttachedCluster:
@@ -29,10 +28,11 @@ class AttachedCluster:
     def __init__(self, backend: str = "auto", timeout: float = 600.0) -> None:
         check_timeout("timeout", timeout)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        env_world = int(os.environ["WORLD_SIZE"])
-        self.backend = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", env_world)))
-        if self.backend == "nccl":
-            torch.cuda.set_device(local_rank)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        # The GPUs of this node, shared by its ranks when there are fewer GPUs than ranks.
+        self.placement = resolve_placement(backend, local_world)
+        self.backend = self.placement.backend
+        place_this_rank(self.placement, local_rank, local_world)
         if not dist.is_initialized():
             dist.init_process_group(self.backend, timeout=timedelta(seconds=timeout))
         self.world_size = dist.get_world_size()

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_lab.choices import strategy_named
+from fsdp_lab.cluster.where import device as placed_device
 from fsdp_lab.sharding import mesh as meshes
 from fsdp_lab.sharding.checks import (
     check_bucket_cap,
@@ -61,9 +62,9 @@ from fsdp_lab.tying.ties import record_ties, recorded_ties
 
 
 def _target_device(device: torch.device | str | None) -> torch.device:
-    """Where a meta model's shards go: `device`, else this rank's GPU under NCCL, else CPU."""
-    if device is None:
-        device = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    """Where a meta model's shards go: `device`, else where this rank computes."""
+    if device is None:  # where this rank computes: its GPU, a shared GPU, or the CPU
+        device = placed_device() if dist.is_initialized() else "cpu"
     return concrete_device(device)
 
 
@@ -105,8 +106,9 @@ def shard(
             FSDP2 and FSDP1 do — the root's backward comes right after the forward, so freeing
             it would only buy one all-gather more per step; see [Note: the root stays
             gathered]. False: none. Or the unit names to free (the root's name, "", included).
-        device: a meta model only: where its shards go (default: this rank's GPU under NCCL,
-            else CPU).
+        device: a meta model: where its shards go; offload: where the units compute (default:
+            where this rank computes, `fsdp_lab.cluster.device()`: its own GPU, a shared GPU, or
+            the CPU).
         param_init_fn: a meta model only: called on every module, children before parents
             (default: its ``reset_parameters()``); see [Note: init order] in
             `fsdp_lab.sharding.materialize`. ``"empty"``: allocate the shards only (NaN), and

@@ -239,7 +239,7 @@ def measure_size(
     """Both `APPROACHES` (and the `CONTROL`) on `lab_llama(model_mb)`, rank 0's result compared
     bitwise with one process: one row of the agreement table, before analysis."""
     config = lab_llama(model_mb)
-    on = "cuda" if cluster.backend == "nccl" else "cpu"  # references where the ranks computed
+    on = cluster.placement.device  # references where the ranks computed
     buffers = one_process.ordinary_buffers(config, on)
     runs = {}
     for approach in (*APPROACHES, CONTROL) if control else APPROACHES:

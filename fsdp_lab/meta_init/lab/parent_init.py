@@ -52,7 +52,7 @@ def parent_init_worker(how: str, seed: int) -> dict[str, torch.Tensor]:
 
 def measure_parent_init(seed: int, cluster: Cluster | AttachedCluster) -> dict[str, Any]:
     """Each `PARENT_INIT` way on every rank, against one process: per rank, the names that differ."""
-    on = "cuda" if cluster.backend == "nccl" else "cpu"  # the reference where the ranks drew
+    on = cluster.placement.device  # the reference where the ranks drew
     out = {}
     for how in PARENT_INIT:
         expected = one_process.parent_init_reference(how, seed, on)
