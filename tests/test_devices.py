@@ -47,20 +47,25 @@ def test_cpu_parameters_under_nccl_are_refused_before_any_collective():
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@needs_gpu
-@pytest.mark.parametrize("lab", list(LABS))
-def test_every_lab_runs_on_one_gpu_over_nccl(lab, tmp_path):
-    """`Cluster(1, backend="nccl")` through the CLI: exit 0, one JSON object, ranks up on NCCL."""
+def _lab_on_the_gpu(lab: str, tmp_path, *options: str) -> tuple[dict, str]:
+    """`fsdp-lab <lab> <options> --json` in a fresh process: exit 0, exactly one JSON object on
+    stdout; the result and stderr (its start line)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_lab", lab, "--world-size", "1", "--backend", "nccl"]
-        + ["--json", "--out", str(tmp_path)],
+        [sys.executable, "-m", "fsdp_lab", lab, *options, "--json", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout)  # exactly one object on stdout
-    assert "1 rank(s) up on nccl" in proc.stderr
+    return json.loads(proc.stdout), proc.stderr
+
+
+@needs_gpu
+@pytest.mark.parametrize("lab", list(LABS))
+def test_every_lab_runs_on_one_gpu_over_nccl(lab, tmp_path):
+    """`Cluster(1, backend="nccl")` through the CLI: exit 0, one JSON object, ranks up on NCCL."""
+    result, stderr = _lab_on_the_gpu(lab, tmp_path, "--world-size", "1", "--backend", "nccl")
+    assert "1 rank(s) up on nccl" in stderr
     assert result.get("backend", "nccl") == "nccl" and result.get("world_size", 1) == 1
     if lab == "shard":  # the same training as one process and as fully_shard, on the GPU
         print({k: v for k, v in result.items() if "diff" in k})
@@ -71,17 +76,9 @@ def test_every_lab_runs_on_one_gpu_over_nccl(lab, tmp_path):
 def test_every_lab_runs_with_two_ranks_sharing_one_gpu(lab, tmp_path):
     """The shared-GPU mode (issue 29): `--device cuda` with more ranks than GPUs puts them all
     on cuda:0, gloo carrying CUDA tensors. Untested until a GPU runs this file."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_lab", lab, "--world-size", "2", "--device", "cuda"]
-        + ["--json", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout)
+    result, stderr = _lab_on_the_gpu(lab, tmp_path, "--world-size", "2", "--device", "cuda")
     if torch.cuda.device_count() == 1:
-        assert "2 ranks sharing cuda:0 (gloo on CUDA tensors)" in proc.stderr
+        assert "2 ranks sharing cuda:0 (gloo on CUDA tensors)" in stderr
     print(lab, {k: v for k, v in result.items() if "diff" in k or "matches" in k})
 
 
