@@ -45,8 +45,8 @@ def timeline_sentence(shares: dict[str, float]) -> str:
         f"Measured, per rank on average over {ms(shares['span'])}: compute {ms(shares['compute'])}, "
         f"moving bytes {ms(shares['transfer'])}, waiting inside a collective for the other ranks "
         f"{ms(shares['waiting'])} — {lead} (the two overlap). Of the transfer time, {hidden:.0%} ran while the same "
-        f"rank computed (hidden behind compute; an asynchronous all-gather's span ends when the "
-        f"rank waits for it, so this is an upper bound)."
+        f"rank computed (hidden behind compute; an asynchronous all-gather's span runs from its "
+        f"issue until the backend reports its bytes arrived, not until the rank waits for it)."
     )
 
 
