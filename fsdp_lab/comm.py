@@ -196,37 +196,57 @@ def _run(
     return None
 
 
-_UNEVEN = "_fsdp_lab_uneven"  # on a sharded parameter's slice (and its gradient): its lengths
+_UNEVEN = "_fsdp_lab_uneven"  # on a flat shard's storage: {(offset, numel): what that slice is}
 
 
-def mark_uneven(tensor: torch.Tensor, name: str, lengths: list[int]) -> None:
-    """`tensor` is this rank's slice of parameter `name`, and the ranks' slices have these
-    `lengths`: every collective here refuses it (see `_refuse_uneven`)."""
-    setattr(tensor, _UNEVEN, (name, lengths))
+def mark_uneven(tensor: torch.Tensor, name: str, lengths: list[int], unit: str) -> None:
+    """`tensor` is this rank's slice of parameter `name` (of wrap unit `unit`), and the ranks'
+    slices have these `lengths`: every collective here refuses it, and every tensor that is the
+    same slice of the same storage (``p.data``, ``p.detach()``, a view) — see `_refuse_uneven`.
+    The mark lives on the storage, so it dies with it."""
+    storage = tensor.untyped_storage()  # one Python object per storage, shared by its views
+    mark = (name, lengths, unit)
+    setattr(tensor, _UNEVEN, mark)  # this very tensor, by name (empty slices share offsets)
+    if tensor.storage_offset() == 0 and tensor.numel() * tensor.element_size() == storage.nbytes():
+        return  # this rank's slice is its whole shard: the shard itself (gathered, saved) is none
+    marks = getattr(storage, _UNEVEN, None)
+    if marks is None:
+        marks = {}
+        setattr(storage, _UNEVEN, marks)
+    marks[(tensor.storage_offset(), tensor.numel())] = mark
 
 
 def same_marks(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`tensor` (a parameter's gradient) marked as `like` is; returns it."""
-    if hasattr(like, _UNEVEN):
-        setattr(tensor, _UNEVEN, getattr(like, _UNEVEN))
+    mark = _mark_of(like)
+    if mark is not None:
+        mark_uneven(tensor, *mark)
     return tensor
+
+
+def _mark_of(tensor: torch.Tensor) -> tuple[str, list[int], str] | None:
+    if hasattr(tensor, _UNEVEN):
+        return getattr(tensor, _UNEVEN)
+    marks = getattr(tensor.untyped_storage(), _UNEVEN, None)
+    return marks.get((tensor.storage_offset(), tensor.numel())) if marks else None
 
 
 def _refuse_uneven(op: str, *tensors: torch.Tensor) -> None:
     """A collective over tensors whose sizes differ across ranks never completes on gloo (each
     rank waits for bytes the others will not send); NCCL may corrupt or hang. Refuse it here,
-    on every rank alike — every rank holds a slice of the same parameter — before any message."""
+    on every rank alike — every rank holds a slice of the same parameter — before any message.
+    (A copy, ``p.grad.clone()``, has storage of its own and is not seen: see the README.)"""
     for t in tensors:
-        mark = getattr(t, _UNEVEN, None)
+        mark = _mark_of(t)
         if mark is not None:
-            name, lengths = mark
+            name, lengths, unit = mark
             raise ValueError(
                 f"comm.{op} over {name!r}: this is a sharded parameter's slice (or its "
                 f"gradient), and the ranks hold {lengths} of its elements — a collective over "
                 "slices of unequal size would wait forever. Fix: compare whole values "
                 "(`fsdp_lab.sharding.full_state_dict(model)`), or keep this parameter whole on "
-                "every rank (`shard(..., policies={unit: UnitPolicy(strategy='replicate')})` or "
-                "`ignored_params`). For raw torch.distributed calls, run the ranks with "
+                f"every rank (`shard(..., policies={{{unit!r}: UnitPolicy(strategy='replicate')}})`"
+                " or `ignored_params`). For raw torch.distributed calls, run the ranks with "
                 "TORCH_DISTRIBUTED_DEBUG=DETAIL: mismatched collectives then fail at once"
             )
 

@@ -43,6 +43,15 @@ def test_a_policy_by_name_or_class_reaches_exactly_its_units():
     assert not plans[""].reshard_after_forward and plans["blocks.0.fc1"].reshard_after_forward
 
 
+def test_a_policy_keyed_by_a_module_instance_says_how_to_key_it():
+    model = TinyLM()
+    plan = build_plan(model, {nn.Linear, nn.Embedding})
+    from fsdp_lab.choices import strategy_named
+
+    with pytest.raises(ValueError, match=r"keyed by a module \(Linear\).*Fix: policies\['head'\]"):
+        resolve_policies(model, plan, strategy_named("full"), {model.head: UnitPolicy()})
+
+
 def test_a_name_policy_wins_over_its_class_policy():
     plans = _resolve(
         {nn.Linear: UnitPolicy(mixed_precision=BF16), "head": UnitPolicy(mixed_precision=FP32)}
@@ -58,6 +67,7 @@ def test_a_name_policy_wins_over_its_class_policy():
         ({"heads": UnitPolicy()}, "Fix: policies['head']"),  # a typo: the nearest name
         ({nn.GELU: UnitPolicy()}, "policies[GELU]: no unit's first module is a GELU"),
         ({"": "replicate"}, "policies[''] is a str: expected a UnitPolicy"),
+        ({"": UnitPolicy(offload="no")}, "offload='no': expected True, False or None"),
         ({"": UnitPolicy(strategy="hybrid")}, "strategy='hybrid' on a model sharded with 'full'"),
         ({"": UnitPolicy(strategy="none")}, "Fix: strategy='replicate'"),
         (
@@ -78,8 +88,10 @@ def test_ignored_params_leave_the_plan_and_strangers_are_refused():
     kept = without_params(plan, model, _norm_params(model))
     assert kept.params[""] == ()  # the root held only norms
     assert kept.params["head"] == plan.params["head"]
-    with pytest.raises(PlanError, match="not parameters of this model"):
+    with pytest.raises(PlanError, match=r"1 parameter\(s\) of another model"):
         without_params(plan, model, [nn.Parameter(torch.zeros(3))])
+    with pytest.raises(PlanError, match=r"ignored_params\[0\] is a LayerNorm, not a parameter"):
+        without_params(plan, model, [model.norm])
     with pytest.raises(PlanError, match="wrap unit 'head' has only ignored parameters"):
         without_params(plan, model, list(model.head.parameters()))
 
@@ -352,11 +364,16 @@ def _all_reduce_a_norm_slice():
     model = shard(TinyLM(), units={nn.Linear, nn.Embedding}, strategy="full")
     model(_batch(0)[:, :-1]).sum().backward()
     lengths = [p.numel() for p in model.parameters()]
-    try:
-        comm.all_reduce(model.blocks[0].norm1.weight.grad)
-    except ValueError as exc:
-        return str(exc), lengths
-    return None, lengths
+    weight = model.blocks[0].norm1.weight
+    messages = []
+    for tensor in (weight.grad, weight.data, weight.detach()):  # what a learner reaches for
+        try:
+            comm.all_reduce(tensor)
+        except ValueError as exc:
+            messages.append(str(exc))
+    # All three refused (an empty slice's .data may be named after another empty slice at the
+    # same place of the shard: refused all the same); the gradient by its own name.
+    return (messages[0] if len(messages) == 3 else messages), lengths
 
 
 def test_a_collective_over_uneven_slices_fails_at_once_naming_the_parameter(cluster_of):
@@ -364,7 +381,8 @@ def test_a_collective_over_uneven_slices_fails_at_once_naming_the_parameter(clus
     cluster = cluster_of(2)
     (msg0, _), (msg1, _) = cluster.run(_all_reduce_a_norm_slice)
     assert msg0 == msg1 and msg0 is not None
-    assert "'blocks.0.norm1.weight'" in msg0 and "UnitPolicy(strategy='replicate')" in msg0
+    assert "'blocks.0.norm1.weight'" in msg0
+    assert "policies={'': UnitPolicy(strategy='replicate')}" in msg0  # its unit: the root
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in msg0
     assert cluster.run(dist.get_rank) == [0, 1]  # and the cluster is still usable
 

@@ -96,6 +96,8 @@ def resolve_policies(
     """Each unit's `UnitPlan`, root first (`plan.units`' order); a ValueError naming the key,
     what was expected and the fix for a policy that names no unit or asks for the impossible."""
     policies = dict(policies or {})
+    if not isinstance(offload, bool):
+        raise ValueError(f"offload={offload!r}: expected True or False. Fix: offload=True")
     by_key = _policy_of_each_unit(model, plan, policies)
     free_after = _freed_after_forward(plan.units, reshard_after_forward)
     resolved = {}
@@ -129,6 +131,20 @@ def _policy_of_each_unit(
             raise ValueError(
                 f"policies[{key!r}] is a {type(policy).__name__}: expected a UnitPolicy. "
                 f"Fix: policies={{{key!r}: UnitPolicy(strategy='replicate')}}"
+            )
+        for field in ("reshard_after_forward", "offload"):
+            value = getattr(policy, field)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(
+                    f"policies[{key!r}]: {field}={value!r}: expected True, False or None (the "
+                    f"default). Fix: UnitPolicy({field}=True)"
+                )
+        if isinstance(key, nn.Module):
+            name = next((n for n, m in model.named_modules() if m is key), None)
+            raise ValueError(
+                f"policies is keyed by a module ({type(key).__name__}), not by a unit's name or "
+                f"a module class. Fix: policies[{name!r}] if that module is a unit's, or "
+                f"policies[{type(key).__name__}] for every unit that starts with one"
             )
         if isinstance(key, type):
             names = [

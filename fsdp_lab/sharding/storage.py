@@ -84,7 +84,7 @@ class StorageBuilder:
                 flat.shard.fill_(float("nan"))
         owners = [[(self.model.get_submodule(m), a) for m, a in r.owners] for r in refs]
         aliases = [tuple(f"{m}.{a}" if m else a for m, a in r.owners) for r in refs]
-        params = _register_slices(flat, owners, frozen)
+        params = _register_slices(flat, owners, frozen, unit)
         self.built[unit] = UnitStorage(flat, owners, aliases, params, frozen)
         return self.built[unit]
 
@@ -141,7 +141,7 @@ def expose_flat_parameter(module: nn.Module, unit: UnitStorage) -> None:
 
 
 def _register_slices(
-    flat: FlatParameter, owners: list[list[tuple[nn.Module, str]]], frozen: list[bool]
+    flat: FlatParameter, owners: list[list[tuple[nn.Module, str]]], frozen: list[bool], unit: str
 ) -> list[nn.Parameter]:
     """Each original parameter becomes this rank's slice of it, a view into the flat shard,
     registered in its own slot (same name, same place in `named_parameters()`)."""
@@ -155,7 +155,7 @@ def _register_slices(
         param = nn.Parameter(piece, requires_grad=not is_frozen)
         lengths = flat.slice_lengths(segment)
         if len(set(lengths)) > 1:  # a collective over it would wait forever: comm refuses it
-            comm.mark_uneven(param, segment.name, lengths)
+            comm.mark_uneven(param, segment.name, lengths, unit)
         for module, attr in ref_owners:  # tied: one Parameter under every name, as before
             module._parameters[attr] = param
         params.append(param)

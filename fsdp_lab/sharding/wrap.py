@@ -414,15 +414,22 @@ def without_params(
     """`plan` without the `ignored` parameters (FSDP2's ``ignored_params``): they stay as they
     are — whole on every rank, on their device, their gradients never reduced (the caller's to
     handle)."""
-    ignored_ids = {id(p) for p in ignored or ()}
+    ignored = list(ignored or ())
+    for i, entry in enumerate(ignored):
+        if not isinstance(entry, nn.Parameter):
+            raise PlanError(
+                f"ignored_params[{i}] is a {type(entry).__name__}, not a parameter. Fix: pass "
+                "parameters, e.g. list(model.norm.parameters()) for a module's"
+            )
+    ignored_ids = {id(p) for p in ignored}
     if not ignored_ids:
         return plan
     known = {id(p) for p in model.parameters()}
     strangers = ignored_ids - known
     if strangers:
         raise PlanError(
-            f"ignored_params holds {len(strangers)} tensor(s) that are not parameters of this "
-            "model. Fix: pass parameters of the model being sharded, e.g. "
+            f"ignored_params holds {len(strangers)} parameter(s) of another model. Fix: pass "
+            "parameters of the model being sharded, e.g. "
             "[m.weight for m in model.modules() if isinstance(m, nn.LayerNorm)]"
         )
     lookup = dict(model.named_parameters(remove_duplicate=False))
