@@ -388,12 +388,12 @@ def host_to_device(
     device before a unit computes. Always a real copy, counted — also where the "device" is
     the CPU itself, so a CPU-only run moves and counts the very bytes a GPU run would."""
     out = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, device=device)
-    nbytes = tensor.numel() * tensor.element_size()
+    copy = out.copy_  # non_blocking: from pinned host memory the copy overlaps the GPU's work
     _run(
         "host_to_device",
-        lambda: out.copy_(tensor, non_blocking=True),
+        lambda: copy(tensor, non_blocking=True),
         tensor,
-        nbytes,
+        _nbytes(tensor),
         None,
         False,
         link,
@@ -403,6 +403,5 @@ def host_to_device(
 
 def device_to_host(tensor: torch.Tensor, out: torch.Tensor, link: str = HOST_LINK) -> torch.Tensor:
     """Copy device `tensor` into host tensor `out` (CPU offload's gradient shard); returns `out`."""
-    nbytes = tensor.numel() * tensor.element_size()
-    _run("device_to_host", lambda: out.copy_(tensor), tensor, nbytes, None, False, link)
+    _run("device_to_host", lambda: out.copy_(tensor), tensor, _nbytes(tensor), None, False, link)
     return out

@@ -201,14 +201,10 @@ def sharding_step(
         comm_bytes["all_reduce"] = unpadded["all_reduce"] = 2 * f * total(replicated, "numel")
     offloaded = [u for u in units if u.get("offload")]
     if offloaded:  # each gather first copies the shard from host memory; each gradient back
-        shards = [u for u in offloaded if u in sharded]
-        copies = total(offloaded, "shard_numel") + total(
-            [u for u in again if u in shards], "shard_numel"
-        )
+        shards = total(offloaded, "shard_numel")  # once per step, and again if freed between
+        copies = shards + total([u for u in again if u.get("offload")], "shard_numel")
         comm_bytes["host_to_device"] = unpadded["host_to_device"] = float(copies)
-        comm_bytes["device_to_host"] = unpadded["device_to_host"] = float(
-            total(offloaded, "shard_numel")
-        )
+        comm_bytes["device_to_host"] = unpadded["device_to_host"] = float(shards)
     peak = 0.0
     for name in dict.fromkeys(strategy_of(u) for u in units):  # each strategy's units together
         numel = sum(u["numel"] for u in units if strategy_of(u) == name)

@@ -30,6 +30,7 @@ def world_size() -> int:
 
 
 _PLACED: list[torch.device] = []  # set once in a rank by `place_this_rank`
+_SHARE: list[float] = []  # ... and in the shared-GPU mode, its fraction of that GPU
 
 
 def device() -> torch.device:
@@ -181,9 +182,6 @@ def place_this_rank(placement: Placement, rank: int, world_size: int) -> torch.d
             _SHARE[:] = [share]
     _PLACED[:] = [where]
     return where
-
-
-_SHARE: list[float] = []  # in the shared-GPU mode: this rank's fraction of its GPU
 
 
 def _gpu_bytes(where: torch.device) -> int:
