@@ -191,3 +191,27 @@ def test_bench_grade_prints_seconds_per_file_and_the_points_given():
     assert "points given per run: [4]" in proc.stdout, proc.stdout  # both exercises passed
     assert re.search(r"^\| this checkout \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", proc.stdout, re.M)
     assert "load average at start" in proc.stdout and "load average at the end" in proc.stdout
+
+
+def test_bench_gpu_runs_on_cpu_ranks_and_prints_ours_beside_plain_and_fully_shard(tmp_path):
+    # On a GPU machine scripts/gpu_check.sh runs it at full size; here the same code, tiny.
+    out = tmp_path / "gpu.json"
+    tiny = "--steps 3 --repeats 1 --dim 16 --layers 1 --heads 2 --vocab 32 --seq 8 --batch 2"
+    proc = _run_benchmark(
+        "bench_gpu.py",
+        "--device",
+        "cpu",
+        "--world-sizes",
+        "1",
+        "2",
+        *tiny.split(),
+        "--json",
+        str(out),
+    )
+    one, two = proc.stdout.split("1 rank(s): median")[1].split("2 rank(s): median")
+    row = r"^\| {} \| [\d.]+ \| {} \| [\d.]+ \| - \|$"
+    for system in ("plain", "ours", "fsdp2"):
+        assert re.search(row.format(system, r"[\d.]+"), one, re.M), one
+    assert re.search(row.format("ours", "-"), two, re.M) and "| plain |" not in two, two
+    saved = json.loads(out.read_text())["results"]
+    assert saved["1"]["step_s"]["plain"] > 0 and set(saved["2"]["step_s"]) == {"ours", "fsdp2"}

@@ -281,6 +281,74 @@ def test_cuda_totals_come_from_the_allocator():
     assert trace["source"] == "cuda_allocator" and trace["device"].startswith("cuda")
     assert trace["peak_bytes"] >= baseline + MiB
     assert trace["markers"][-1]["total"] == baseline
+    # The process beside its tensors: the 1 MiB block stays reserved after the free.
+    cuda = trace["cuda"]
+    assert cuda["peak_reserved_bytes"] >= cuda["reserved_bytes"] >= MiB
+    print("CUDA process memory:", cuda)  # context measured or why not: for gpu_check's log
+    if cuda["process_bytes"] is not None:
+        assert cuda["process_bytes"] >= cuda["reserved_bytes"]
+        assert cuda["context_bytes"] == cuda["process_bytes"] - cuda["reserved_bytes"]
+
+
+# -- a process's CUDA memory beyond its tensors, with CPU stand-ins for CUDA's readers ----------
+
+
+def test_cuda_context_is_the_driver_count_less_the_allocator_reserve():
+    from fsdp_lab.trace.cuda_memory import cuda_process_memory
+
+    def allocator(_device):
+        return 3 * MiB, 8 * MiB, 10 * MiB  # allocated, reserved, peak reserved
+
+    measured = cuda_process_memory(
+        torch.device("cuda", 0), allocator=allocator, driver=lambda _d: (508 * MiB, "NVML")
+    )
+    assert measured == {
+        "allocated_bytes": 3 * MiB,
+        "reserved_bytes": 8 * MiB,
+        "peak_reserved_bytes": 10 * MiB,
+        "process_bytes": 508 * MiB,
+        "context_bytes": 500 * MiB,
+        "context_source": "NVML",
+    }
+    unread = cuda_process_memory(
+        torch.device("cuda", 0), allocator=allocator, driver=lambda _d: (None, "not measured: x")
+    )
+    assert unread["context_bytes"] is None and unread["context_source"] == "not measured: x"
+
+
+def test_without_nvml_the_context_says_what_to_install(monkeypatch):
+    import sys
+
+    from fsdp_lab.trace.cuda_memory import process_gpu_bytes
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # an import of it now fails
+    assert process_gpu_bytes(torch.device("cuda", 0)) == (
+        None,
+        "not measured: NVML's Python bindings are missing (pip install nvidia-ml-py)",
+    )
+
+
+def test_the_shard_report_states_each_ranks_cuda_memory_and_nothing_on_cpu():
+    from fsdp_lab.sharding.lab.report import cuda_memory_lines
+
+    cuda = {"reserved_bytes": 8 * MiB, "peak_reserved_bytes": 10 * MiB}
+    traces = [
+        {
+            "device": "cuda:0",
+            "peak_bytes": 3 * MiB,
+            "cuda": {**cuda, "context_bytes": 500 * MiB, "context_source": "NVML"},
+        },
+        {
+            "device": "cuda:0",
+            "peak_bytes": 3 * MiB,
+            "cuda": {**cuda, "context_bytes": None, "context_source": "not measured: y"},
+        },
+    ]
+    lines = cuda_memory_lines({"memory_traces": traces})
+    assert "rank 0 on cuda:0: tensors peak 3.00 MiB" in lines[3]
+    assert "reserved 8.00 MiB (peak 10.00 MiB), CUDA context 500.00 MiB (NVML)" in lines[3]
+    assert lines[4].endswith("CUDA context not measured: y")
+    assert cuda_memory_lines({"memory_traces": [{"device": "cpu", "peak_bytes": 1}]}) == []
 
 
 def test_storage_resize_is_seen_at_once_without_a_mark():

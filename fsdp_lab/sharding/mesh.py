@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fsdp_lab.choices import Strategy
+from fsdp_lab.cluster.where import device as placed_device
 
 
 @dataclass(frozen=True)
@@ -137,5 +138,7 @@ def device_mesh(replicas: int, shard: int) -> Any:
     `fully_shard` and FSDP1's HYBRID_SHARD take, so every system runs on the same groups."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
+    # The placed device, not the backend: in the shared-GPU mode gloo carries CUDA tensors.
+    return init_device_mesh(
+        placed_device().type, (replicas, shard), mesh_dim_names=("replicate", "shard")
+    )

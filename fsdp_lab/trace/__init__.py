@@ -2,7 +2,8 @@
 
 `memory.MemoryTracker` counts the bytes of tensor storages that exist (created and freed),
 `timeline.Timeline` records when a rank computed and when it communicated, `rss.RssSampler`
-samples the process's resident memory (what the operating system sees). Every memory or
+samples the process's resident memory (what the operating system sees), `cuda_memory` reads a
+process's GPU memory beyond its tensors (allocator reserve, CUDA context). Every memory or
 timing figure a lab reports comes from here, never from a mechanism's own bookkeeping.
 """
 

@@ -50,6 +50,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp_lab.trace.cuda_memory import cuda_process_memory
+
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "comm_buffers", "other")
 # What ZeRO's model-state formulas count: not activations, not "other" (setup copies, scratch).
 MODEL_STATE = ("parameters", "gradients", "optimizer_state", "comm_buffers")
@@ -147,6 +149,7 @@ class MemoryTracker:
         self._samples: list[tuple[float, tuple[int, ...], int]] = []  # (t, split, total)
         self._markers: list[dict[str, Any]] = []
         self._peak, self._peak_split = 0, tuple(self._bytes)
+        self._cuda: dict[str, Any] | None = None
         self._t0 = time.perf_counter()
 
     def start(self) -> MemoryTracker:
@@ -171,6 +174,8 @@ class MemoryTracker:
         if self._watcher is None:
             return
         self._refresh()
+        if self._use_allocator:  # the process beside its tensors: reserved, CUDA context
+            self._cuda = cuda_process_memory(self.device)
         self._watcher.__exit__(None, None, None)
         self._watcher = None
         _RUNNING.set(tuple(t for t in _RUNNING.get() if t is not self))
@@ -370,6 +375,8 @@ class MemoryTracker:
 
         ``peak_bytes`` is `peak_bytes` (since start() or the last reset_peak()) and
         ``peak_by_category`` the category split at the sample where that peak was reached.
+        On CUDA, ``cuda`` is the process's allocator and context memory
+        (`cuda_memory.cuda_process_memory`), read at stop() or now.
         """
         if self._watcher is not None:
             self._refresh()
@@ -386,6 +393,11 @@ class MemoryTracker:
                 "markers": [dict(m) for m in self._markers],
                 "peak_bytes": self._peak,
                 "peak_by_category": dict(zip(CATEGORIES, self._peak_split, strict=True)),
+                **(
+                    {"cuda": self._cuda or cuda_process_memory(self.device)}
+                    if self._use_allocator
+                    else {}
+                ),
             }
 
 

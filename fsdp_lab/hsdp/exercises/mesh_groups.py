@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_lab import comm, reference
+from fsdp_lab.cluster.where import device as placed_device
 from fsdp_lab.exercise import (
     HINT_MARK,
     Bug,
@@ -201,11 +202,10 @@ def _train_on(grid: list[list[int]], case: Case) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
 
     replicas, size = case.params["mesh"]
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = (
         device_mesh(replicas, size)  # the reference grid is PyTorch's own (R, S) mesh
         if grid == [[r * size + s for s in range(size)] for r in range(replicas)]
-        else DeviceMesh(device_type, torch.tensor(grid), mesh_dim_names=("replicate", "shard"))
+        else DeviceMesh(placed_device().type, torch.tensor(grid), mesh_dim_names=("replicate", "shard"))
     )
     model = build_model(case)
     shard(model, units={Block, MLPBlock}, strategy="hybrid", mesh=mesh)

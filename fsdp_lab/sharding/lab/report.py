@@ -43,6 +43,7 @@ def summary(result: LabResult) -> str:
         ),
     ]
     lines.append(f"\nmeasured equals theory on every rank: {result['comm_matches_theory']}")
+    lines += cuda_memory_lines(result)
     so = result.data.get("sharded_optimizer")
     if so:
         lines += [
@@ -278,6 +279,29 @@ def units_table(result: LabResult) -> str:
     ]
     header = ["unit", "elements", "padded to a multiple of N", "per shard", "after forward"]
     return table(header, rows)
+
+
+def cuda_memory_lines(result: LabResult) -> list[str]:
+    """Markdown lines, on CUDA only: each rank's process beside its tensors — the allocator's
+    peak, what it keeps reserved, and the CUDA context every rank pays for itself."""
+    lines = []
+    for rank, trace in enumerate(result["memory_traces"]):
+        cuda = trace.get("cuda")
+        if cuda is None:
+            continue
+        context = (
+            f"CUDA context {format_bytes(cuda['context_bytes'])} ({cuda['context_source']})"
+            if cuda["context_bytes"] is not None
+            else f"CUDA context {cuda['context_source']}"
+        )
+        lines.append(
+            f"- rank {rank} on {trace['device']}: tensors peak {format_bytes(trace['peak_bytes'])}"
+            f", allocator reserved {format_bytes(cuda['reserved_bytes'])} (peak "
+            f"{format_bytes(cuda['peak_reserved_bytes'])}), {context}"
+        )
+    return (
+        ["", "Each rank's GPU memory (CUDA's allocator and driver):", "", *lines] if lines else []
+    )
 
 
 def peak_sentence(result: LabResult, rank: int = 0) -> str:
