@@ -224,9 +224,12 @@ class ShardedUnit:
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             # Activation checkpointing recomputes this unit inside its own backward: the
-            # pre-backward hook already gathered it and set the views, so no message, and no
-            # free afterwards.
+            # pre-backward hook already gathered it, so no message, and no free afterwards.
+            # The views are set again here, in the recompute's grad mode: those set in the hook
+            # (backward runs without grad) want no gradient, and an op such as ``x * weight``
+            # then saves less than it did in forward (autograd keeps x only for weight's sake).
             self._recomputing = True
+            self._use_views()
             return
         self._recomputing = False  # a recompute stopped early never reached post-forward
         state = self.state
