@@ -395,26 +395,31 @@ def test_checkpointing_a_sharded_unit_costs_a_gather_only_across_units(cluster_o
             assert torch.equal(runs[mode]["params"][name], value), (mode, name)
 
 
-def _llama_blocks_checkpointed(checkpointed: bool) -> dict:
+def _llama_blocks_checkpointed(checkpointed: str | None) -> dict:
     from fsdp_lab.checkpointing.recompute import checkpoint_modules
     from fsdp_lab.models import Llama, LlamaConfig
 
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, seq_len=16))
     units = {type(model.layers[0])}
-    if checkpointed:  # the blocks recomputed in backward, each inside its own unit
+    if checkpointed:  # the blocks recomputed in backward
         checkpoint_modules(model, lambda _name, m: type(m) in units)
+    if checkpointed == "wrapper is the unit":  # FSDP2's recipe: the gathers outside the rerun
+        units = {type(model.layers[0])}
     shard(model, units=units, strategy="full")
     reference.train_steps(model, _sgd(model.parameters()), 2, rank=fsdp_lab.rank(), world=2)
     return {k.replace(".module.", "."): v for k, v in reference.full_parameters(model).items()}
 
 
-def test_a_checkpointed_unit_recomputes_with_parameters_that_want_gradients(cluster_of):
+@pytest.mark.parametrize("checkpointed", ["unit is wrapped", "wrapper is the unit"])
+def test_a_checkpointed_unit_recomputes_with_parameters_that_want_gradients(
+    cluster_of, checkpointed
+):
     # RMSNorm multiplies by its weight: autograd saves the other factor only when the weight
     # needs a gradient. The recompute runs inside backward (grad mode off), and the views the
     # unit re-set there wanted no gradient: the recompute saved fewer tensors than the forward.
-    plain = cluster_of(2).run(_llama_blocks_checkpointed, False)[0]
-    recomputed = cluster_of(2).run(_llama_blocks_checkpointed, True)[0]
+    plain = cluster_of(2).run(_llama_blocks_checkpointed, None)[0]
+    recomputed = cluster_of(2).run(_llama_blocks_checkpointed, checkpointed)[0]
     assert recomputed.keys() == plain.keys()
     for name, value in plain.items():
         torch.testing.assert_close(recomputed[name], value, rtol=0, atol=0, msg=name)

@@ -224,12 +224,9 @@ class ShardedUnit:
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             # Activation checkpointing recomputes this unit inside its own backward: the
-            # pre-backward hook already gathered it, so no message, and no free afterwards.
-            # The views are set again here, in the recompute's grad mode: those set in the hook
-            # (backward runs without grad) want no gradient, and an op such as ``x * weight``
-            # then saves less than it did in forward (autograd keeps x only for weight's sake).
+            # pre-backward hook already gathered it and set the views, so no message, and no
+            # free afterwards.
             self._recomputing = True
-            self._use_views()
             return
         self._recomputing = False  # a recompute stopped early never reached post-forward
         state = self.state
@@ -295,7 +292,12 @@ class ShardedUnit:
             # Gathered again if post-forward freed it (or already here, or on its way).
             self.state.steps.regather(self.flat.unsharded, self.unshard)
             self.wait_unshard()
-            self._use_views()  # live again for anything that reruns the module (checkpointing)
+            # Live again for anything that reruns the module (checkpointing), and made in grad
+            # mode, as in forward: backward runs without it, and views that want no gradient
+            # make ``x * weight`` save less in the recompute than it did in forward (autograd
+            # keeps x only for weight's sake), which the recompute refuses.
+            with torch.enable_grad():
+                self._use_views()
             if self.state.prefetch:
                 nxt = self.state.next_in_backward(self)
                 if nxt is not None:
