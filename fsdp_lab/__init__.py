@@ -28,6 +28,7 @@ _PUBLIC = {  # public name -> the module that defines it
     "RankError": "fsdp_lab.cluster",
     "ShardedOptimizer": "fsdp_lab.sharding",
     "comm": "fsdp_lab.comm",  # a module: the name is the module itself
+    "plan": "fsdp_lab.planning.planner",
     "device": "fsdp_lab.cluster",
     "rank": "fsdp_lab.cluster",
     "shard": "fsdp_lab.sharding",
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # what type checkers and editors see: the names, eagerly
     from fsdp_lab import comm, trace
     from fsdp_lab.cluster import Cluster, RankError, device, rank, world_size
     from fsdp_lab.labs import LabResult
+    from fsdp_lab.planning.planner import plan
     from fsdp_lab.sharding import MixedPrecision, ShardedOptimizer, shard
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "RankError",
     "ShardedOptimizer",
     "comm",
+    "plan",
     "device",
     "rank",
     "shard",

@@ -49,7 +49,7 @@ LAB_LINE = (
     "Runs the lab on live ranks and prints what it measured; --out DIR also writes its figures "
     "and JSON, --json prints one JSON object."
 )
-COMMANDS = ("tour", "grade", "bugs")  # beside the labs
+COMMANDS = ("tour", "grade", "bugs", "plan")  # beside the labs
 INTERRUPTED = "interrupted — ranks stopped"
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130  # 130 = 128 + SIGINT, as shells report
 
@@ -180,7 +180,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bugs.add_argument("--out", type=Path, default=None, help="folder for figures and bugs.json")
     bugs.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    _plan_arguments(
+        sub.add_parser(
+            "plan",
+            help="plan a real run: per-GPU memory, bytes, step time (--verify fake runs it)",
+        )
+    )
     return parser
+
+
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    from fsdp_lab.planning.planner import CHECKPOINTS, GPUS, PRECISIONS, STRATEGIES  # torch-free
+
+    p.add_argument("--model", default="llama3-8b", help="llama3-8b|70b|405b[-twin] or mod:factory")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs in all (default 8)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--gpu", default="h100", choices=sorted(GPUS))
+    p.add_argument("--strategy", default="zero3", choices=list(STRATEGIES))
+    p.add_argument("--mesh", default=None, metavar="R,S", help="HSDP: replicas,shard-group")
+    p.add_argument("--precision", default="bf16-mixed", choices=list(PRECISIONS))
+    p.add_argument("--checkpoint", default="none", choices=CHECKPOINTS)
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU (default 1)")
+    p.add_argument(
+        "--verify", choices=("fake",), default=None, help="run one rank on fake ranks, compare"
+    )
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
 
 
 def model_labs() -> list[str]:
@@ -398,6 +423,48 @@ def grade_command(args: argparse.Namespace) -> dict[str, Any]:
     return {"submissions": results}
 
 
+def plan_command(args: argparse.Namespace) -> dict[str, Any]:
+    """`fsdp-lab plan`: the planner; with --verify fake, one rank of the run on fake ranks."""
+    from fsdp_lab.planning import plan, report
+
+    where = "fsdp-lab plan"
+    mesh = None
+    if args.mesh is not None:
+        try:
+            mesh = tuple(int(x) for x in args.mesh.split(","))
+        except ValueError:
+            mesh = ()
+        if len(mesh) != 2:
+            raise UsageError(f"--mesh {args.mesh!r}: expected R,S", "e.g. --mesh 8,8", where)
+    if args.verify:
+        print(
+            f"{where}: running rank 0 of {args.gpus} on fake ranks ({args.model}, "
+            f"{args.strategy}): the real-size model, no memory — seconds to a minute",
+            file=sys.stderr,
+            flush=True,
+        )
+    try:
+        result = plan(
+            args.model,
+            args.gpus,
+            args.gpus_per_node,
+            args.gpu,
+            args.strategy,
+            mesh,
+            args.precision,
+            args.checkpoint,
+            args.seq,
+            args.micro_batch,
+            args.verify,
+        )
+    except ValueError as exc:
+        error, _, fix = str(exc).partition(". Fix: ")
+        raise UsageError(error, fix or f"see `{where} --help`", where) from None
+    if not args.json:
+        print(report.summary(result))
+    return result
+
+
 def bugs_command(args: argparse.Namespace) -> dict[str, Any]:
     """`fsdp-lab bugs`: the bug gallery, each bug run beside the correct one."""
     from fsdp_lab.course import ClusterPool, gallery
@@ -474,7 +541,12 @@ def _run(argv: list[str]) -> tuple[int, dict[str, Any]]:
         where = f"fsdp-lab {args.lab}"
         if getattr(args, "out", None) == "":  # not "no --out": an empty name is a mistake
             raise UsageError("--out '': an empty folder name", f"e.g. --out {DEFAULT_OUT}/")
-        commands = {"tour": tour, "grade": grade_command, "bugs": bugs_command}
+        commands = {
+            "tour": tour,
+            "grade": grade_command,
+            "bugs": bugs_command,
+            "plan": plan_command,
+        }
         with device_chosen(getattr(args, "device", None)):
             return 0, commands.get(args.lab, one_lab)(args)
     except UsageError as exc:

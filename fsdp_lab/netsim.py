@@ -141,6 +141,25 @@ def _units(workload: Workload) -> list[dict[str, Any]]:
     return [{"numel": psi, "padded_numel": psi, "element_size": workload.bytes_per_parameter}]
 
 
+def comm_seconds(
+    moved: dict[str, dict[str, float]], mesh: tuple[int, int], network: Network, units: int
+) -> float:
+    """Seconds one rank spends communicating per step: for each group ("shard", "replicate")
+    and op, the ring's latency hops (once per unit: each unit runs its own rings) plus its bytes
+    over the link it runs on — NVLink inside a node; across nodes the node's NICs, shared by
+    the rings passing through it (`_links`)."""
+    nic = network.nics_per_node * network.inter_bandwidth
+    seconds = 0.0
+    for group, (n, rings, crosses) in _links(mesh, network.gpus_per_node).items():
+        for op, per_rank in moved.get(group, {}).items():
+            hops = HOPS[op] * (n - 1) * units
+            if crosses:
+                seconds += hops * network.inter_latency + rings * per_rank / nic
+            else:
+                seconds += hops * network.intra_latency + per_rank / network.intra_bandwidth
+    return seconds
+
+
 def predict(
     system: str, gpus: int, workload: Workload, network: Network, shard: int | None = None
 ) -> dict[str, Any]:
@@ -163,15 +182,7 @@ def predict(
         raise ValueError(f"shard={shard}: expected a divisor of gpus_per_node={g} and gpus={gpus}")
     r = gpus // s
     moved = step_bytes(_units(workload), (r, s), "full" if system == "fsdp" else "hybrid")
-    nic = network.nics_per_node * network.inter_bandwidth
-    comm_s = 0.0
-    for group, (n, rings, crosses) in _links((r, s), g).items():
-        for op, per_rank in moved[group].items():
-            hops = HOPS[op] * (n - 1) * workload.units
-            if crosses:
-                comm_s += hops * network.inter_latency + rings * per_rank / nic
-            else:
-                comm_s += hops * network.intra_latency + per_rank / network.intra_bandwidth
+    comm_s = comm_seconds(moved, (r, s), network, workload.units)
     t_c = workload.compute_s
     step = t_c + max(0.0, comm_s - workload.overlap * t_c)
     return {

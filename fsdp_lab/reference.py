@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from fsdp_lab.cluster.where import device as placed_device
 from fsdp_lab.model_spec import declared_vocab, vocab_size_of
@@ -89,7 +90,8 @@ def train_steps(
         with compute_span("optimizer step"):
             optimizer.step()
         mark(f"step {step} optimizer step")
-        losses.append(loss.item())
+        # Under FakeTensorMode (fake ranks, `fsdp_lab.planning`) a loss has a shape, no value.
+        losses.append(float("nan") if is_fake(loss) else loss.item())
         if on_step is not None:
             on_step(step)
     return losses

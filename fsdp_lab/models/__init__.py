@@ -24,6 +24,7 @@ from fsdp_lab.models.gpt import (
     tiny_gpt,
 )
 from fsdp_lab.models.llama import (
+    LLAMA3,
     Llama,
     LlamaAttention,
     LlamaBlock,
@@ -35,11 +36,13 @@ from fsdp_lab.models.llama import (
     lab_llama,
     lab_units,
     llama,
+    llama3_config,
     llama_70b_config,
     llama_bytes,
     llama_config_of_bytes,
     llama_param_count,
     tied_llama,
+    twin_config,
 )
 
 __all__ = [
@@ -63,7 +66,10 @@ __all__ = [
     "lab_llama",
     "lab_units",
     "llama",
+    "LLAMA3",
+    "llama3_config",
     "llama_70b_config",
+    "twin_config",
     "llama_bytes",
     "llama_config_of_bytes",
     "llama_param_count",

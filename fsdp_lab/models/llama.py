@@ -1,13 +1,14 @@
 """`Llama`: the shape of today's large models (RMSNorm, rotary positions, grouped-query
-attention, SwiGLU), the models meta-device init exists for; `llama_70b_config()` is
-Llama-3-70B, to be built on the meta device only; `lab_llama(mb)` the meta-init lab's model of
+attention, SwiGLU), the models meta-device init exists for; `llama3_config("70b")` is
+Llama-3-70B (and "8b", "405b"), to be built on the meta device only, `twin_config` its
+scaled-down twin; `lab_llama(mb)` the meta-init lab's model of
 a given size and `lab_units` its wrap plan.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -136,6 +137,8 @@ class Rotary(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate feature pairs (i, i + d/2) of x (B, H, T, d) by position-dependent angles."""
     x1, x2 = x.chunk(2, dim=-1)  # 2 x (B, H, T, d/2)
+    # The cache is fp32 (a buffer: mixed precision casts parameters only); q, k keep their dtype.
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
@@ -234,24 +237,48 @@ def tied_llama() -> Llama:
     return llama(tie_embeddings=True)
 
 
-def llama_70b_config(**overrides: int | float | bool) -> LlamaConfig:
-    """The Llama-3-70B shape: 80 layers of dim 8192, 64 heads, 8 K/V heads, SwiGLU 28672,
-    vocabulary 128256, RoPE base 500000, untied head — 70.55e9 parameters, 282 GB in fp32.
+# Meta's published shapes (the Llama 3 paper, Table 3): dim, layers, heads, K/V heads, SwiGLU
+# width; every size has vocabulary 128256, RoPE base 500000 and an untied head.
+LLAMA3 = {
+    "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
+    "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
+    "405b": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248),
+}
 
-    seq_len is 4096 here (Llama 3 trained at 8192; it only sizes the rotary cache). Build it
-    on meta only: ``with torch.device("meta"): Llama(llama_70b_config())``.
+
+def llama3_config(size: str, **overrides: int | float | bool) -> LlamaConfig:
+    """A Llama-3 shape, ``size`` one of `LLAMA3` ("8b", "70b", "405b"): 70b is 80 layers of
+    dim 8192, 64 heads, 8 K/V heads, SwiGLU 28672 — 70.55e9 parameters, 282 GB in fp32.
+
+    seq_len is 4096 unless overridden (it only sizes the rotary cache). Build it on meta
+    only: ``with torch.device("meta"): Llama(llama3_config("70b"))``.
     """
-    shape = dict(
-        vocab_size=128256,
-        dim=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        ffn_dim=28672,
-        seq_len=4096,
-        rope_theta=500000.0,
-    )
+    if size not in LLAMA3:
+        raise ValueError(f"Llama-3 size {size!r}: expected one of {sorted(LLAMA3)}")
+    shape = dict(vocab_size=128256, seq_len=4096, rope_theta=500000.0, **LLAMA3[size])
     return LlamaConfig(**{**shape, **overrides})
+
+
+def llama_70b_config(**overrides: int | float | bool) -> LlamaConfig:
+    """`llama3_config("70b")`: the meta-init lab's 70B."""
+    return llama3_config("70b", **overrides)
+
+
+def twin_config(config: LlamaConfig, layers: int = 4) -> LlamaConfig:
+    """A scaled-down twin of `config`: the same architecture — heads per K/V head, SwiGLU width
+    over model width, tied or not — at dim 64 (8 heads of 8), `layers` blocks, vocabulary 512,
+    small enough to train on real ranks here."""
+    n_heads, group = 8, config.n_heads // config.n_kv_heads
+    return replace(
+        config,
+        vocab_size=512,
+        dim=64,
+        n_layers=layers,
+        n_heads=n_heads,
+        n_kv_heads=max(1, n_heads // group),
+        ffn_dim=max(8, round(64 * config.ffn_dim / config.dim / 8) * 8),
+        seq_len=min(config.seq_len, 64),
+    )
 
 
 def llama_param_count(config: LlamaConfig) -> int:

@@ -1,0 +1,484 @@
+"""`plan()`: will this run fit, what will it send, how long will a step take — at any scale.
+
+A plan is made from the model itself, built on the meta device: its wrap units (the repeated
+blocks and the root) and their sizes padded as `shard()` pads them, so the bytes per
+collective are `theory`'s formulas on the very layout the mechanism would use. Per-rank memory
+by category comes from `theory.rank_memory` and `theory.llama_activation_bytes`, the step time
+from the network model (`netsim.comm_seconds`) and a compute roofline — a model, and every
+assumption it makes is in the plan's ``assumptions``.
+
+``verify="fake"`` then *runs* the plan: one rank of the real world under PyTorch's fake
+process group and FakeTensorMode (`fake_ranks`), our `shard()` at full size, measured by the
+lab's memory tracker and comm ledger. The plan's ``verified`` holds that measurement and the
+relative difference of each quantity.
+
+    fsdp_lab.plan("llama3-70b", gpus=64, strategy="zero3", seq=8192, verify="fake")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_lab import netsim, theory
+from fsdp_lab.theory import MIXED_ADAM
+
+# Names people use for the strategies, and the lab's own (`shard(strategy=...)`).
+STRATEGIES = {
+    "ddp": "none",
+    "zero1": "optimizer",
+    "zero2": "grad_op",
+    "zero3": "full",
+    "hsdp": "hybrid",
+    "hsdp-zero2": "hybrid_zero2",
+}
+LAB_NAMES = {lab: name for name, lab in STRATEGIES.items()}
+PRECISIONS = {"bf16-mixed": 2, "fp32": 4}  # bytes per element the units compute and gather in
+CHECKPOINTS = ("none", "blocks")
+RESERVE = 0.10  # of a GPU's memory: the CUDA context, the allocator's fragmentation, NCCL
+
+
+@dataclass(frozen=True)
+class GPU:
+    """Vendor datasheet figures (SXM/PCIe as named): the plan's assumptions about a GPU."""
+
+    name: str
+    memory_gib: float
+    bf16_tflops: float  # dense, no sparsity
+    intra_gbytes_s: float  # one GPU's share of its node's links, per direction
+    nic_gbit_s: float  # inter-node bandwidth per GPU (one NIC per GPU on such nodes)
+
+
+GPUS = {
+    "h100": GPU("H100 SXM 80GB", 80, 989, 450, 400),
+    "h200": GPU("H200 SXM 141GB", 141, 989, 450, 400),
+    "a100-80gb": GPU("A100 SXM 80GB", 80, 312, 300, 200),
+    "a100-40gb": GPU("A100 SXM 40GB", 40, 312, 300, 200),
+    "l4": GPU("L4 24GB (PCIe)", 24, 121, 32, 100),
+}
+MFU = 0.5  # the share of peak FLOPS a well-tuned step reaches (the roofline's efficiency)
+
+
+def plan(
+    model: str = "llama3-8b",
+    gpus: int = 8,
+    gpus_per_node: int = 8,
+    gpu: str = "h100",
+    strategy: str = "zero3",
+    mesh: tuple[int, int] | None = None,
+    precision: str = "bf16-mixed",
+    checkpoint: str = "none",
+    seq: int = 2048,
+    micro_batch: int = 1,
+    verify: str | None = None,
+) -> dict[str, Any]:
+    """Per-rank memory by category against the GPU, bytes per rank per step by collective and
+    by link, a modelled step time, whether it fits and the cheapest change that makes it fit.
+
+    Args:
+        model: a preset ("llama3-8b", "llama3-70b", "llama3-405b", each with a "-twin") or
+            ``module:factory``.
+        gpus, gpus_per_node: the cluster (``gpus`` a multiple of ``gpus_per_node`` when larger).
+        gpu: one of `GPUS`.
+        strategy: "ddp", "zero1", "zero2", "zero3", "hsdp", "hsdp-zero2" (or the lab's names).
+        mesh: (replicas, shard group) for HSDP; default (gpus / gpus_per_node, gpus_per_node).
+        precision: "bf16-mixed" (bf16 compute and gathers, fp32 shards, reduction, Adam) or
+            "fp32".
+        checkpoint: "none" or "blocks" (every block recomputed in backward).
+        seq, micro_batch: tokens per sequence, sequences per GPU per step.
+        verify: None, or "fake" to run the plan on a fake rank (`fake_ranks`) and compare.
+    """
+    setup = _checked(
+        model,
+        gpus,
+        gpus_per_node,
+        gpu,
+        strategy,
+        mesh,
+        precision,
+        checkpoint,
+        seq,
+        micro_batch,
+        verify,
+    )
+    layout = model_layout(model, seq, setup["shard_ranks"])
+    result = predict(setup, layout)
+    if not result["fits"]:
+        result["to_fit"] = cheapest_fix(setup, layout)
+    if verify == "fake":
+        from fsdp_lab.planning.fake_ranks import Run, run_in_subprocess
+
+        if not layout["param_tensors"]:
+            raise ValueError(
+                f"--verify fake needs a model to run, and {model!r} is a parameter count. "
+                "Fix: --model llama3-8b (or -70b, -405b) or package.module:factory"
+            )
+
+        measured = run_in_subprocess(
+            Run(
+                model=model,
+                world=gpus,
+                strategy=setup["lab_strategy"],
+                mesh=setup["mesh"],
+                precision=precision,
+                checkpoint=checkpoint,
+                seq=seq,
+                micro_batch=micro_batch,
+            )
+        )
+        result["verified"] = compare(result, measured, gpus_per_node)
+    return result
+
+
+def _checked(
+    model: str,
+    gpus: int,
+    gpus_per_node: int,
+    gpu: str,
+    strategy: str,
+    mesh: tuple[int, int] | None,
+    precision: str,
+    checkpoint: str,
+    seq: int,
+    micro_batch: int,
+    verify: str | None,
+) -> dict[str, Any]:
+    """The arguments checked and resolved; a ValueError naming the value and the fix."""
+    for name, value in (
+        ("gpus", gpus),
+        ("gpus_per_node", gpus_per_node),
+        ("seq", seq),
+        ("micro_batch", micro_batch),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an int >= 1")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise ValueError(
+            f"gpus={gpus} is not a whole number of nodes of {gpus_per_node}. Fix: gpus="
+            f"{gpus // gpus_per_node * gpus_per_node or gpus_per_node} or "
+            f"{-(-gpus // gpus_per_node) * gpus_per_node}"
+        )
+    if gpu not in GPUS:
+        raise ValueError(f"gpu={gpu!r} is not known: expected one of {sorted(GPUS)}")
+    lab = STRATEGIES.get(strategy, strategy if strategy in LAB_NAMES else None)
+    if lab is None:
+        raise ValueError(f"strategy={strategy!r}: expected one of {sorted(STRATEGIES)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {sorted(PRECISIONS)}")
+    if checkpoint not in CHECKPOINTS:
+        raise ValueError(f"checkpoint={checkpoint!r}: expected one of {list(CHECKPOINTS)}")
+    if verify not in (None, "fake"):
+        raise ValueError(f"verify={verify!r}: expected None or 'fake'")
+    hybrid = lab.startswith("hybrid")
+    if mesh is not None and not hybrid:
+        raise ValueError(
+            f"mesh={mesh!r} is for HSDP only (strategy {strategy!r} shards over every GPU). "
+            "Fix: strategy='hsdp', or leave mesh out"
+        )
+    if hybrid:
+        mesh = tuple(mesh) if mesh else (max(1, gpus // gpus_per_node), min(gpus, gpus_per_node))
+        if len(mesh) != 2 or mesh[0] * mesh[1] != gpus:
+            raise ValueError(
+                f"mesh={mesh!r}: replicas x shard group must be gpus={gpus}. Fix: mesh="
+                f"({max(1, gpus // gpus_per_node)}, {min(gpus, gpus_per_node)})"
+            )
+    return {
+        "model": model,
+        "gpus": gpus,
+        "gpus_per_node": gpus_per_node,
+        "gpu": gpu,
+        "strategy": LAB_NAMES[lab],
+        "lab_strategy": lab,
+        "mesh": mesh,
+        "precision": precision,
+        "checkpoint": checkpoint,
+        "seq": seq,
+        "micro_batch": micro_batch,
+        "shard_ranks": mesh[1] if hybrid else gpus,
+    }
+
+
+def model_layout(model: str, seq: int, shard_ranks: int) -> dict[str, Any]:
+    """The model's units as `shard()` would cut and pad them over `shard_ranks`, its parameter
+    tensors, and the shape the activation formula needs (built on meta: no memory)."""
+    from fsdp_lab.planning.models import block_classes, build_on_meta, parameter_count
+    from fsdp_lab.sharding.wrap import build_plan
+
+    count = parameter_count(model)
+    if count is not None:  # a model given by its size alone: one unit, no layers, no activations
+        unit = {"name": "", "numel": count, "reshard_after_forward": False}
+        unit["padded_numel"] = -(-count // shard_ranks) * shard_ranks
+        return {"units": [unit], "param_tensors": 0, "shape": None, "parameters": count}
+    built = build_on_meta(model, seq)
+    wrap = build_plan(built, block_classes(built) or None)
+    params = dict(built.named_parameters(remove_duplicate=True))
+    units = []
+    for name in wrap.units:  # the root first
+        numel = sum(params[r.name].numel() for r in wrap.params[name])
+        units.append(
+            {
+                "name": name,
+                "numel": numel,
+                "padded_numel": -(-numel // shard_ranks) * shard_ranks,
+                "reshard_after_forward": bool(units),  # the root (first) stays gathered
+            }
+        )
+    config = getattr(built, "config", None)
+    shape = None
+    if config is not None and hasattr(config, "ffn_dim"):  # the lab's Llama: its formula
+        shape = {
+            "dim": config.dim,
+            "ffn_dim": config.ffn_dim,
+            "n_heads": config.n_heads,
+            "kv_dim": config.n_kv_heads * config.head_dim,
+            "n_layers": config.n_layers,
+            "vocab_size": config.vocab_size,
+        }
+    return {
+        "units": units,
+        "param_tensors": len(params),
+        "shape": shape,
+        "parameters": sum(u["numel"] for u in units),
+    }
+
+
+def predict(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
+    """The plan's numbers for `setup` on `layout` (no run)."""
+    gpu = GPUS[setup["gpu"]]
+    c = PRECISIONS[setup["precision"]]
+    tokens = setup["seq"] * setup["micro_batch"]
+    if layout["shape"] is not None:
+        acts = theory.llama_activation_bytes(layout["shape"], tokens, setup["checkpoint"], c)
+    else:  # no formula for this model's activations: --verify fake measures them
+        acts = {"per_block": 0.0, "blocks": 0.0, "ends": 0.0}
+    moments = theory.rank_memory(
+        setup["lab_strategy"],
+        layout["units"],
+        setup["shard_ranks"],
+        c,
+        layout["param_tensors"],
+        acts,
+    )
+    peak_moment = max(moments, key=lambda m: sum(moments[m].values()))
+    memory: dict[str, float | None] = dict(moments[peak_moment])
+    memory["total"] = sum(moments[peak_moment].values())
+    if layout["shape"] is None:
+        memory["activations"] = None  # not counted: said in the assumptions
+    usable = gpu.memory_gib * 2**30 * (1 - RESERVE)
+    comm = comm_bytes(setup, layout)
+    timing = step_time(setup, layout, comm, gpu)
+    return {
+        **{
+            k: setup[k]
+            for k in (
+                "model",
+                "gpus",
+                "gpus_per_node",
+                "gpu",
+                "strategy",
+                "precision",
+                "checkpoint",
+                "seq",
+                "micro_batch",
+            )
+        },
+        "mesh": list(setup["mesh"]) if setup["mesh"] else None,
+        "nodes": max(1, setup["gpus"] // setup["gpus_per_node"]),
+        "parameters": layout["parameters"],
+        "per_rank_bytes": memory,
+        "peak_moment": peak_moment,
+        "gpu_memory_bytes": gpu.memory_gib * 2**30,
+        "usable_bytes": usable,
+        "fits": memory["total"] <= usable,
+        "to_fit": None,
+        "comm_bytes_per_rank": comm,
+        "step_time_s": timing["step_s"],
+        "step_time_parts": timing,
+        "assumptions": assumptions(setup, gpu, layout),
+        # ZeRO's own accounting (Rajbhandari et al. 2020, Table 1: fp16 parameters and
+        # gradients, fp32 Adam moments and master weights) for this Ψ over every GPU.
+        "zero_paper_bytes": {
+            theory.ZERO_NAMES[k]: v
+            for k, v in theory.zero_table(layout["parameters"], setup["gpus"], MIXED_ADAM).items()
+            if k in theory.STRATEGIES
+        },
+    }
+
+
+def comm_bytes(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
+    """Bytes per rank per step: by collective, by group ("shard", "replicate") and by link.
+    Gathers move compute-dtype elements, reductions fp32 (`theory.sharding_step` per dtype)."""
+    c = PRECISIONS[setup["precision"]]
+    lab, mesh = setup["lab_strategy"], setup["mesh"]
+
+    def at(element_size: int) -> dict[str, dict[str, float]]:
+        units = [{**u, "element_size": element_size} for u in layout["units"]]
+        if mesh:
+            inner = theory.hybrid_step(lab, units, tuple(mesh))["comm_bytes"]
+            return {"shard": inner["shard"], "replicate": inner["replicate"]}
+        return {"shard": theory.sharding_step(lab, units, setup["gpus"])["comm_bytes"]}
+
+    gathers, reductions = at(c), at(4)
+    by_group = {
+        group: {
+            op: (gathers if op == "all_gather_into_tensor" else reductions)[group][op]
+            for op in reductions[group]
+        }
+        for group in reductions
+    }
+    by_collective: dict[str, float] = {}
+    for ops in by_group.values():
+        for op, b in ops.items():
+            by_collective[op] = by_collective.get(op, 0.0) + b
+    r, s = mesh or (1, setup["gpus"])
+    links = netsim._links((r, s), setup["gpus_per_node"])
+    by_link = {"intra_node": 0.0, "inter_node": 0.0}
+    for group, ops in by_group.items():
+        by_link["inter_node" if links[group][2] else "intra_node"] += sum(ops.values())
+    return {"by_collective": by_collective, "by_group": by_group, "by_link": by_link}
+
+
+def step_time(
+    setup: dict[str, Any], layout: dict[str, Any], comm: dict[str, Any], gpu: GPU
+) -> dict[str, float]:
+    """Compute at `MFU` of the GPU's bf16 peak (6Ψ FLOPs per token, 8Ψ when every block is
+    recomputed, plus causal attention's 6·L·s·D), communication from `netsim.comm_seconds`
+    on this GPU's links; communication hidden behind compute as far as it lasts."""
+    tokens = setup["seq"] * setup["micro_batch"]
+    shape = layout["shape"]
+    per_token = (8 if setup["checkpoint"] == "blocks" else 6) * layout["parameters"]
+    if shape is not None:
+        per_token += 6 * shape["n_layers"] * setup["seq"] * shape["dim"]
+    compute_s = per_token * tokens / (gpu.bf16_tflops * 1e12 * MFU)
+    network = netsim.Network(
+        gpus_per_node=setup["gpus_per_node"],
+        intra_bandwidth=gpu.intra_gbytes_s * 1e9,
+        inter_bandwidth=gpu.nic_gbit_s * netsim.GBIT,
+        nics_per_node=setup["gpus_per_node"],
+    )
+    r, s = setup["mesh"] or (1, setup["gpus"])
+    comm_s = netsim.comm_seconds(comm["by_group"], (r, s), network, len(layout["units"]))
+    return {"compute_s": compute_s, "comm_s": comm_s, "step_s": max(compute_s, comm_s)}
+
+
+def assumptions(setup: dict[str, Any], gpu: GPU, layout: dict[str, Any]) -> list[str]:
+    """What the plan takes for granted, in words."""
+    if layout["shape"] is not None:
+        acts = (
+            "activations from the lab's Llama, read off its forward (theory.llama_activation_bytes)"
+        )
+    else:
+        acts = (
+            "activations NOT counted (no formula for this model: --verify fake measures them)"
+            if layout["param_tensors"]
+            else "activations NOT counted (a parameter count has no layers), one unit"
+        )
+    return [
+        f"GPU: {gpu.name}, {gpu.memory_gib:g} GiB, {RESERVE:.0%} kept back (CUDA context, "
+        "allocator fragmentation, NCCL buffers)",
+        f"compute: {gpu.bf16_tflops:g} dense bf16 TFLOPS at {MFU:.0%} utilisation; 6 FLOPs "
+        "per parameter per token (8 with every block recomputed) + causal attention",
+        f"links: {gpu.intra_gbytes_s:g} GB/s per GPU inside a node, {gpu.nic_gbit_s:g} Gbit/s "
+        "per GPU between nodes; ring collectives (alpha-beta, netsim); communication fully "
+        "overlapped with compute",
+        "memory: fsdp_lab.shard with Adam — fp32 shards, gradients and moments; "
+        f"{setup['precision']} compute; {acts}; no tensor or pipeline parallelism",
+    ]
+
+
+def cheapest_fix(setup: dict[str, Any], layout: dict[str, Any]) -> str | None:
+    """The first change, in order of cost, after which the plan fits: recompute blocks, shard
+    more (ZeRO-1 -> 2 -> 3, HSDP -> ZeRO-3), halve the micro-batch, then double the GPUs."""
+    tries = []
+    if setup["checkpoint"] == "none":
+        tries.append(("checkpoint='blocks'", {"checkpoint": "blocks"}))
+    order = ["none", "optimizer", "grad_op", "full"]
+    lab = setup["lab_strategy"]
+    if lab in order[:-1]:
+        tries += [
+            (f"strategy='{LAB_NAMES[s]}'", {"lab_strategy": s, "strategy": LAB_NAMES[s]})
+            for s in order[order.index(lab) + 1 :]
+        ]
+    if lab.startswith("hybrid"):
+        tries.append(
+            (
+                "strategy='zero3'",
+                {
+                    "lab_strategy": "full",
+                    "strategy": "zero3",
+                    "mesh": None,
+                    "shard_ranks": setup["gpus"],
+                },
+            )
+        )
+    batch = setup["micro_batch"]
+    while batch > 1:
+        batch //= 2
+        tries.append((f"micro_batch={batch}", {"micro_batch": batch}))
+    for doublings in range(1, 8):
+        more = setup["gpus"] * 2**doublings
+        change = {"gpus": more, "shard_ranks": more if not setup["mesh"] else setup["shard_ranks"]}
+        if setup["mesh"]:
+            change["mesh"] = (more // setup["mesh"][1], setup["mesh"][1])
+        tries.append((f"gpus={more}", change))
+    for words, change in tries:
+        trial = {**setup, **change}
+        units = (
+            layout
+            if trial["shard_ranks"] == setup["shard_ranks"]
+            else {
+                **layout,
+                "units": [
+                    {
+                        **u,
+                        "padded_numel": -(-u["numel"] // trial["shard_ranks"])
+                        * trial["shard_ranks"],
+                    }
+                    for u in layout["units"]
+                ],
+            }
+        )
+        if predict(trial, units)["fits"]:
+            return words
+    return None
+
+
+def compare(predicted: dict[str, Any], measured: dict[str, Any], gpus_per_node: int) -> dict:
+    """The fake rank's measurement beside the plan: per category, total and bytes per
+    collective, each with its relative difference (measured − planned) / planned."""
+    peak = measured["peak_by_category"]
+    got = {
+        "parameters": peak["parameters"],
+        "gradients": peak["gradients"],
+        "optimizer_state": peak["optimizer_state"],
+        "gathered": peak["comm_buffers"],
+        "activations": peak["activations"],
+        "other": peak["other"],
+    }
+    got["total"] = measured["peak_bytes"]
+    plan_bytes = predicted["per_rank_bytes"]
+    by_link = {"intra_node": 0.0, "inter_node": 0.0}
+    for label, ops in measured["comm_bytes_per_step_by_group"].items():
+        ranks = [int(r) for r in label.removeprefix("ranks ").split(",")]
+        nodes = {r // gpus_per_node for r in ranks}
+        by_link["inter_node" if len(nodes) > 1 else "intra_node"] += sum(ops.values())
+    comm = {"by_collective": measured["comm_bytes_per_step"], "by_link": by_link}
+    return {
+        "per_rank_bytes": got,
+        "per_rank_bytes_rel_diff": {k: _rel(got[k], plan_bytes.get(k, 0.0)) for k in plan_bytes},
+        "comm_bytes_per_rank": comm,
+        "comm_bytes_rel_diff": {
+            op: _rel(comm["by_collective"].get(op, 0.0), b)
+            for op, b in predicted["comm_bytes_per_rank"]["by_collective"].items()
+        },
+        "wall_s": measured["wall_s"],
+        "peak_rss_bytes": measured["peak_rss_bytes"],
+        "how": "one rank of the world under PyTorch's fake process group and FakeTensorMode: "
+        "fsdp_lab.shard at full size, two Adam steps, MemoryTracker and comm.CommLog",
+    }
+
+
+def _rel(measured: float, planned: float | None) -> float | None:
+    if planned is None or planned == 0:
+        return None if measured else 0.0
+    return (measured - planned) / planned

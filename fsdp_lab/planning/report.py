@@ -1,0 +1,106 @@
+"""A plan in words: per-rank memory by category against the GPU, bytes by collective and by
+link, the step time and its assumptions — and, when it was verified, the fake rank's
+measurement beside each number with its relative difference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdp_lab.markdown import table
+from fsdp_lab.sizes import format_bytes
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "gathered", "activations")
+MOMENTS = {"end_of_forward": "at the end of forward", "in_backward": "in the first backward"}
+
+
+def summary(plan: dict[str, Any]) -> str:
+    """Markdown: the verdict, the memory table, the bytes table, the step time, assumptions."""
+    mesh = f", mesh {plan['mesh'][0]}x{plan['mesh'][1]}" if plan["mesh"] else ""
+    lines = [
+        f"**{plan['model']}** ({plan['parameters'] / 1e9:.2f}B parameters) on {plan['gpus']} "
+        f"{plan['gpu']} ({plan['nodes']} node(s) of {plan['gpus_per_node']}), "
+        f"{plan['strategy']}{mesh}, {plan['precision']}, checkpoint {plan['checkpoint']}, "
+        f"seq {plan['seq']} x micro-batch {plan['micro_batch']}",
+        "",
+        verdict(plan),
+        "",
+        memory_table(plan),
+        "",
+        comm_table(plan),
+        "",
+        f"Step time (a model): {plan['step_time_s'] * 1e3:,.1f} ms — compute "
+        f"{plan['step_time_parts']['compute_s'] * 1e3:,.1f} ms, communication "
+        f"{plan['step_time_parts']['comm_s'] * 1e3:,.1f} ms, overlapped.",
+        "",
+        zero_paper_line(plan),
+        "",
+        "Assumptions:",
+        *(f"- {a}" for a in plan["assumptions"]),
+    ]
+    return "\n".join(lines)
+
+
+def verdict(plan: dict[str, Any]) -> str:
+    """One sentence: fits or not, by how much, and the cheapest change that makes it fit."""
+    total, usable = plan["per_rank_bytes"]["total"], plan["usable_bytes"]
+    head = (
+        f"Peak per GPU {format_bytes(total)} ({MOMENTS[plan['peak_moment']]}) of "
+        f"{format_bytes(usable)} usable: "
+    )
+    if plan["fits"]:
+        return head + "**fits**."
+    if plan["to_fit"]:
+        return head + f"**does not fit**; the cheapest change that fits: `{plan['to_fit']}`."
+    return head + (
+        "**does not fit**, and no change of checkpointing, ZeRO stage, micro-batch or GPU count "
+        "makes it: the activations of one sequence alone need "
+        f"{format_bytes(plan['per_rank_bytes']['activations'])} per GPU — tensor or context "
+        "parallelism (not modelled here) would split them."
+    )
+
+
+def zero_paper_line(plan: dict[str, Any]) -> str:
+    """The ZeRO paper's model-state accounting for this Ψ and GPU count, beside ours."""
+    # In GB (10^9), as the paper prints them: 7.5B on 64 GPUs reads 120 · 31.4 · 16.6 · 1.88.
+    paper = " · ".join(f"{k} {v / 1e9:.3g} GB" for k, v in plan["zero_paper_bytes"].items())
+    return (
+        f"The ZeRO paper's accounting for {plan['parameters'] / 1e9:.3g}B parameters on "
+        f"{plan['gpus']} GPUs (fp16 parameters and gradients, fp32 Adam and master weights, "
+        f"model state only): {paper}. The table above is `fsdp_lab.shard`'s own layout: "
+        "fp32 shards and a compute-dtype copy gathered, so ZeRO-1/2 hold the gathered model "
+        "(2Ψ in bf16), not fp16 parameters and gradients (4Ψ)."
+    )
+
+
+def memory_table(plan: dict[str, Any]) -> str:
+    """Per-rank bytes by category: planned, and measured on a fake rank when verified."""
+    verified = plan.get("verified")
+    header = ["per GPU", "planned"] + (["fake rank", "difference"] if verified else [])
+    rows = []
+    for name in (*CATEGORIES, "total"):
+        planned = plan["per_rank_bytes"][name]
+        row = [name, "not counted" if planned is None else format_bytes(planned)]
+        if verified:
+            diff = verified["per_rank_bytes_rel_diff"].get(name)
+            row += [
+                format_bytes(verified["per_rank_bytes"][name]),
+                "-" if diff is None else f"{diff:+.1%}",
+            ]
+        rows.append(row)
+    return table(header, rows)
+
+
+def comm_table(plan: dict[str, Any]) -> str:
+    """Bytes per GPU and step by collective and by link; the fake rank's beside them."""
+    verified = plan.get("verified")
+    comm = plan["comm_bytes_per_rank"]
+    header = ["bytes per GPU per step", "planned"] + (["fake rank"] if verified else [])
+    rows = []
+    for kind in ("by_collective", "by_link"):
+        for name, value in comm[kind].items():
+            row = [name, format_bytes(value)]
+            if verified:
+                row.append(format_bytes(verified["comm_bytes_per_rank"][kind].get(name, 0.0)))
+            rows.append(row)
+    return table(header, rows)
