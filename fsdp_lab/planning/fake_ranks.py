@@ -20,7 +20,7 @@ Beside it, PyTorch's `fully_shard` under the same fake mode, measured by its own
 Each run is a fresh Python process (`run_in_subprocess`): a fake process group is a process's
 default group, and the peak resident memory of the run is then its own.
 
-    python -m fsdp_lab.planning.fake_ranks '{"model": "llama3-70b", "world": 64, ...}'
+    python -m fsdp_lab.planning.fake_ranks '[{"model": "llama3-70b", "world": 64, ...}, ...]'
 """
 
 from __future__ import annotations
@@ -67,11 +67,13 @@ class Run:
     rank: int = 0
 
 
-def run_in_subprocess(run: Run, timeout_s: float = 900) -> dict[str, Any]:
-    """`measure(run)` in a fresh Python process; its JSON result, or a RuntimeError with the
-    child's last lines."""
+def run_in_subprocess(*runs: Run, timeout_s: float = 900) -> Any:
+    """`measure` of each run, one after another in one fresh Python process (torch imported
+    once); its result — a list for several runs — or a RuntimeError with the child's last
+    lines. (The peak resident memory of a later run includes the earlier ones'.)"""
+    specs = json.dumps([asdict(run) for run in runs])
     proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_lab.planning.fake_ranks", json.dumps(asdict(run))],
+        [sys.executable, "-m", "fsdp_lab.planning.fake_ranks", specs],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -79,8 +81,10 @@ def run_in_subprocess(run: Run, timeout_s: float = 900) -> dict[str, Any]:
     )
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-12:])
-        raise RuntimeError(f"the fake-rank run of {run.model} failed:\n{tail}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        models = ", ".join(dict.fromkeys(run.model for run in runs))
+        raise RuntimeError(f"the fake-rank run of {models} failed:\n{tail}")
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    return results[0] if len(runs) == 1 else results
 
 
 def measure(run: Run) -> dict[str, Any]:
@@ -223,6 +227,9 @@ def _fsdp2(run: Run, model: Any, blocks: set[type], mesh: Any, fake: bool) -> di
 
 
 if __name__ == "__main__":
-    spec = json.loads(sys.argv[1])
-    spec["mesh"] = tuple(spec["mesh"]) if spec.get("mesh") else None
-    print(json.dumps(measure(Run(**spec))))
+    specs = json.loads(sys.argv[1])
+    runs = [
+        Run(**{**spec, "mesh": tuple(spec["mesh"]) if spec.get("mesh") else None})
+        for spec in (specs if isinstance(specs, list) else [specs])
+    ]
+    print(json.dumps([measure(run) for run in runs]))

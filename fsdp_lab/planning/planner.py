@@ -106,28 +106,31 @@ def plan(
     if not result["fits"]:
         result["to_fit"] = cheapest_fix(setup, layout)
     if verify == "fake":
-        from fsdp_lab.planning.fake_ranks import Run, run_in_subprocess
+        from fsdp_lab.planning.fake_ranks import run_in_subprocess
 
         if not layout["param_tensors"]:
             raise ValueError(
                 f"--verify fake needs a model to run, and {model!r} is a parameter count. "
                 "Fix: --model llama3-8b (or -70b, -405b) or package.module:factory"
             )
-
-        measured = run_in_subprocess(
-            Run(
-                model=model,
-                world=gpus,
-                strategy=setup["lab_strategy"],
-                mesh=setup["mesh"],
-                precision=precision,
-                checkpoint=checkpoint,
-                seq=seq,
-                micro_batch=micro_batch,
-            )
-        )
-        result["verified"] = compare(result, measured, gpus_per_node)
+        result["verified"] = compare(result, run_in_subprocess(fake_run(result)))
     return result
+
+
+def fake_run(planned: dict[str, Any]) -> Any:
+    """The `fake_ranks.Run` that simulates rank 0 of `planned`'s world."""
+    from fsdp_lab.planning.fake_ranks import Run
+
+    return Run(
+        model=planned["model"],
+        world=planned["gpus"],
+        strategy=STRATEGIES[planned["strategy"]],
+        mesh=tuple(planned["mesh"]) if planned["mesh"] else None,
+        precision=planned["precision"],
+        checkpoint=planned["checkpoint"],
+        seq=planned["seq"],
+        micro_batch=planned["micro_batch"],
+    )
 
 
 def _checked(
@@ -443,7 +446,7 @@ def cheapest_fix(setup: dict[str, Any], layout: dict[str, Any]) -> str | None:
     return None
 
 
-def compare(predicted: dict[str, Any], measured: dict[str, Any], gpus_per_node: int) -> dict:
+def compare(predicted: dict[str, Any], measured: dict[str, Any]) -> dict:
     """The fake rank's measurement beside the plan: per category, total and bytes per
     collective, each with its relative difference (measured − planned) / planned."""
     peak = measured["peak_by_category"]
@@ -460,7 +463,7 @@ def compare(predicted: dict[str, Any], measured: dict[str, Any], gpus_per_node: 
     by_link = {"intra_node": 0.0, "inter_node": 0.0}
     for label, ops in measured["comm_bytes_per_step_by_group"].items():
         ranks = [int(r) for r in label.removeprefix("ranks ").split(",")]
-        nodes = {r // gpus_per_node for r in ranks}
+        nodes = {r // predicted["gpus_per_node"] for r in ranks}
         by_link["inter_node" if len(nodes) > 1 else "intra_node"] += sum(ops.values())
     comm = {"by_collective": measured["comm_bytes_per_step"], "by_link": by_link}
     return {
