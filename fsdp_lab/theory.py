@@ -439,33 +439,43 @@ def gpt_parameters(vocab: int, dim: int, layers: int, seq_len: int) -> int:
 def llama_activation_bytes(
     shape: dict[str, int], tokens: int, checkpoint: str = "none", b: int = 2
 ) -> dict[str, float]:
-    """Bytes one rank keeps for backward in the lab's Llama (`fsdp_lab.models.Llama`), its
-    `tokens` (micro-batch × sequence) computed in b-byte elements, read off its forward:
+    """Bytes one rank holds for backward in the lab's Llama (`fsdp_lab.models.Llama`) trained
+    by `reference.train_steps`, its `tokens` (micro-batch × sequence) computed in b-byte
+    elements, read off its forward:
 
-        per block   11·D + 4·F + KV  elements per token: RMSNorm x·r and its output (twice),
-                    rotated q, repeated k and v, attention's output and its (B, T, D) copy,
-                    the residual after attention, the block's output; SwiGLU w1·x, silu(w1·x),
-                    w3·x and their product (F wide each); k before its repeat (KV = K/V
-                    heads × head_dim) — plus 2 RMSNorm scales (b each) and attention's
-                    log-sum-exp (4 bytes per head)
-        ends        the embedding's output (D) and the final norm (2·D), and the loss's
-                    fp32 copy of the logits and its log-softmax (2 × 4·V bytes)
-
-    `checkpoint="blocks"` (every block recomputed in backward): each block keeps its input
-    (D) only, and one block's full set exists while it is recomputed. Shape keys: dim, ffn_dim,
-    n_heads, kv_dim, n_layers, vocab_size.
+        per_block  11·D + 4·F + KV elements per token: RMSNorm x·r and its output (twice),
+                   rotated q, repeated k and v, attention's output and its (B, T, D) copy, the
+                   residual after attention, the block's output; SwiGLU w1·x, silu(w1·x), w3·x
+                   and their product (F wide each); k before its repeat (KV = K/V heads ×
+                   head_dim) — plus 2 RMSNorm scales (b each) and attention's log-sum-exp
+                   (4 bytes per head)
+        kept       what the blocks keep to the end of forward: every block's set, or under
+                   `checkpoint="blocks"` each block's input only (D)
+        recompute  checkpoint="blocks": one block's set again while it is recomputed
+        ends       the embedding's output (D) and the final norm (2·D); the logits (b·V, kept
+                   by the training loop's variable) and their fp32 log-softmax (4·V)
+        loss_grad  the loss's backward: the gradient of the log-softmax and of its input,
+                   2 × 4·V — the step's largest transient at a large vocabulary
+        head_grad  later in backward: the logits stay, the log-softmax is gone (b·V + 3·D·b)
+    Shape keys: dim, ffn_dim, n_heads, kv_dim, n_layers, vocab_size.
     """
     d, f, kv, h = shape["dim"], shape["ffn_dim"], shape["kv_dim"], shape["n_heads"]
+    v, layers = shape["vocab_size"], shape["n_layers"]
     per_block = tokens * ((11 * d + 4 * f + kv) * b + 2 * b + 4 * h)
-    ends = tokens * (3 * d * b + 2 * 4 * shape["vocab_size"])
-    layers = shape["n_layers"]
     if checkpoint == "none":
-        blocks = layers * per_block
+        kept, recompute = layers * per_block, 0
     elif checkpoint == "blocks":
-        blocks = layers * tokens * d * b + per_block
+        kept, recompute = layers * tokens * d * b, per_block
     else:
         raise ValueError(f"checkpoint={checkpoint!r}: expected 'none' or 'blocks'")
-    return {"per_block": float(per_block), "blocks": float(blocks), "ends": float(ends)}
+    return {
+        "per_block": float(per_block),
+        "kept": float(kept),
+        "recompute": float(recompute),
+        "ends": float(tokens * (3 * d * b + b * v + 4 * v)),
+        "loss_grad": float(tokens * 2 * 4 * v),
+        "head_grad": float(tokens * (3 * d * b + b * v)),
+    }
 
 
 def rank_memory(
@@ -477,20 +487,24 @@ def rank_memory(
     activations: dict[str, float],
 ) -> dict[str, dict[str, float]]:
     """One rank's bytes by category under `fsdp_lab.shard` with Adam (fp32 shards, gradients
-    and moments; units gathered in `compute_bytes` per element) at the two moments one of
-    which is the step's peak — the larger total is:
+    and moments; units gathered in `compute_bytes` per element) at the moments one of
+    which is the step's peak — the largest total is (`llama_activation_bytes` for the names):
 
-        end_of_forward   the loss computed: every block's saved activations and the loss's
-                         (`llama_activation_bytes`), last step's gradient shards still held
-                         (they are dropped at zero_grad, after forward), and under ZeRO-3/HSDP
-                         only the root unit gathered (kept for backward; every block freed)
-        in_backward      the first block's backward: one block's activations fewer, the
-                         gradient shards being rebuilt plus the unit's whole gradient in
-                         compute dtype, and gathered the root, the unit computing, the next
-                         one prefetched and the compute-dtype copy of a shard being sent
+        end_of_forward  the loss computed: kept + ends; last step's gradient shards still held
+                        (dropped at zero_grad, after forward); under ZeRO-3/HSDP only the root
+                        unit gathered (kept for backward; every block freed)
+        loss_backward   after zero_grad (every gradient dropped), the loss's backward: kept +
+                        ends + loss_grad
+        in_backward     the last block's backward: one block's set fewer (or, recomputed, one
+                        more), the head's remains; the gradient shards being rebuilt plus the
+                        unit's whole gradient in compute dtype; gathered the root, the unit
+                        computing, the next one prefetched and the compute-dtype copy of the
+                        shard being sent
+        end_of_backward ZeRO-1 only: it reduces when backward is over, so every unit's whole
+                        gradient is held (c·Ψ_padded), the one being reduced also in fp32
 
-    Model state: parameters 4·Ψ_padded/S (DDP 4Ψ); gradients 4·Ψ_padded/S (ZeRO-1's full
-    gradient is freed once reduced here; DDP 4Ψ); optimizer_state 8·Ψ_padded/S (DDP 8Ψ) and
+    Model state: parameters 4·Ψ_padded/S (DDP 4Ψ); gradients 4·Ψ_padded/S (DDP 4Ψ);
+    optimizer_state 8·Ψ_padded/S (DDP 8Ψ) and
     a 4-byte step counter per parameter tensor. ZeRO-1/2 keep the whole model gathered, DDP a
     compute copy when it is not fp32. `units`: "numel" and "padded_numel" (a multiple of S =
     `shard_ranks`), the root first.
@@ -499,34 +513,53 @@ def rank_memory(
     padded = sum(u["padded_numel"] for u in units)
     psi = sum(u["numel"] for u in units)
     steps = 4 * param_tensors
-    acts = activations["blocks"] + activations["ends"]
+    a = activations
+    root, blocks = units[0], units[1:] or units[:1]
+    largest = max(u["padded_numel"] for u in blocks)
     if strategy == "none":
         state = {
             "parameters": 4.0 * psi,
             "gradients": 4.0 * psi,
             "optimizer_state": 8.0 * psi + steps,
         }
-        gathered = float(c * psi if c != 4 else 0)
-        moment = {**state, "gathered": gathered, "activations": acts}
-        return {"end_of_forward": moment, "in_backward": moment}
-    state = {
-        "parameters": 4.0 * padded / s,
-        "gradients": 4.0 * padded / s,
-        "optimizer_state": 8.0 * padded / s + steps,
-    }
-    root, blocks = units[0], units[1:] or units[:1]
-    largest = max(u["padded_numel"] for u in blocks)
-    if strategy in ("full", "hybrid"):
-        forward_end = c * root["padded_numel"]
-        backward = c * (root["padded_numel"] + 2 * largest + largest / s)
-    else:  # optimizer, grad_op, hybrid_zero2: gathered once, kept all step
-        forward_end = backward = c * padded
-    return {
-        "end_of_forward": {**state, "gathered": float(forward_end), "activations": acts},
+        forward_end = backward = float(c * psi if c != 4 else 0)
+        unit_grad = 0.0  # DDP's gradients are the parameters' own, counted whole
+    else:
+        state = {
+            "parameters": 4.0 * padded / s,
+            "gradients": 4.0 * padded / s,
+            "optimizer_state": 8.0 * padded / s + steps,
+        }
+        unit_grad = float(c * largest)
+        if strategy in ("full", "hybrid"):
+            forward_end = float(c * root["padded_numel"])
+            backward = c * (root["padded_numel"] + 2 * largest + largest / s)
+        else:  # optimizer, grad_op, hybrid_zero2: gathered once, kept all step
+            forward_end = backward = float(c * padded)
+    moments = {
+        "end_of_forward": {**state, "gathered": forward_end, "activations": a["kept"] + a["ends"]},
+        "loss_backward": {
+            **state,
+            "gradients": 0.0,
+            "gathered": forward_end,
+            "activations": a["kept"] + a["ends"] + a["loss_grad"],
+        },
         "in_backward": {
             **state,
-            "gradients": state["gradients"] + c * largest,
+            "gradients": state["gradients"] + unit_grad,
             "gathered": float(backward),
-            "activations": acts - activations["per_block"],
+            "activations": a["kept"]
+            - (a["per_block"] if not a["recompute"] else 0.0)
+            + a["recompute"]
+            + a["head_grad"],
         },
     }
+    if strategy == "optimizer":  # ZeRO-1 reduces once backward is over: every unit's whole
+        # gradient (compute dtype) is held then, and the one being reduced also in fp32
+        moments["end_of_backward"] = {
+            **state,
+            "gradients": float(c * padded + 4 * largest),
+            "gathered": forward_end,
+            "activations": a["head_grad"],
+        }
+    return moments

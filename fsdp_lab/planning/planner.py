@@ -17,6 +17,7 @@ relative difference of each quantity.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,8 @@ class GPU:
     bf16_tflops: float  # dense, no sparsity
     intra_gbytes_s: float  # one GPU's share of its node's links, per direction
     nic_gbit_s: float  # inter-node bandwidth per GPU (one NIC per GPU on such nodes)
+    efficiency: float = 0.5  # the share of peak FLOPS a well-tuned step reaches (MFU)
+    flops_kind: str = "dense bf16"  # what `bf16_tflops` counts (a measured CPU: fp32 matmul)
 
 
 GPUS = {
@@ -56,14 +59,13 @@ GPUS = {
     "a100-40gb": GPU("A100 SXM 40GB", 40, 312, 300, 200),
     "l4": GPU("L4 24GB (PCIe)", 24, 121, 32, 100),
 }
-MFU = 0.5  # the share of peak FLOPS a well-tuned step reaches (the roofline's efficiency)
 
 
 def plan(
     model: str = "llama3-8b",
     gpus: int = 8,
     gpus_per_node: int = 8,
-    gpu: str = "h100",
+    gpu: str | GPU = "h100",
     strategy: str = "zero3",
     mesh: tuple[int, int] | None = None,
     precision: str = "bf16-mixed",
@@ -79,7 +81,7 @@ def plan(
         model: a preset ("llama3-8b", "llama3-70b", "llama3-405b", each with a "-twin") or
             ``module:factory``.
         gpus, gpus_per_node: the cluster (``gpus`` a multiple of ``gpus_per_node`` when larger).
-        gpu: one of `GPUS`.
+        gpu: one of `GPUS`, or a `GPU` of your own (`measured_gpu` measures this machine).
         strategy: "ddp", "zero1", "zero2", "zero3", "hsdp", "hsdp-zero2" (or the lab's names).
         mesh: (replicas, shard group) for HSDP; default (gpus / gpus_per_node, gpus_per_node).
         precision: "bf16-mixed" (bf16 compute and gathers, fp32 shards, reduction, Adam) or
@@ -161,7 +163,7 @@ def _checked(
             f"{gpus // gpus_per_node * gpus_per_node or gpus_per_node} or "
             f"{-(-gpus // gpus_per_node) * gpus_per_node}"
         )
-    if gpu not in GPUS:
+    if not isinstance(gpu, GPU) and gpu not in GPUS:
         raise ValueError(f"gpu={gpu!r} is not known: expected one of {sorted(GPUS)}")
     lab = STRATEGIES.get(strategy, strategy if strategy in LAB_NAMES else None)
     if lab is None:
@@ -189,7 +191,7 @@ def _checked(
         "model": model,
         "gpus": gpus,
         "gpus_per_node": gpus_per_node,
-        "gpu": gpu,
+        "gpu": gpu.name if isinstance(gpu, GPU) else gpu,
         "strategy": LAB_NAMES[lab],
         "lab_strategy": lab,
         "mesh": mesh,
@@ -197,6 +199,7 @@ def _checked(
         "checkpoint": checkpoint,
         "seq": seq,
         "micro_batch": micro_batch,
+        "gpu_spec": gpu if isinstance(gpu, GPU) else GPUS[gpu],
         "shard_ranks": mesh[1] if hybrid else gpus,
     }
 
@@ -204,56 +207,67 @@ def _checked(
 def model_layout(model: str, seq: int, shard_ranks: int) -> dict[str, Any]:
     """The model's units as `shard()` would cut and pad them over `shard_ranks`, its parameter
     tensors, and the shape the activation formula needs (built on meta: no memory)."""
-    from fsdp_lab.planning.models import block_classes, build_on_meta, parameter_count
-    from fsdp_lab.sharding.wrap import build_plan
+    from fsdp_lab.planning.models import parameter_count
 
     count = parameter_count(model)
     if count is not None:  # a model given by its size alone: one unit, no layers, no activations
-        unit = {"name": "", "numel": count, "reshard_after_forward": False}
-        unit["padded_numel"] = -(-count // shard_ranks) * shard_ranks
-        return {"units": [unit], "param_tensors": 0, "shape": None, "parameters": count}
-    built = build_on_meta(model, seq)
-    wrap = build_plan(built, block_classes(built) or None)
-    params = dict(built.named_parameters(remove_duplicate=True))
-    units = []
-    for name in wrap.units:  # the root first
-        numel = sum(params[r.name].numel() for r in wrap.params[name])
-        units.append(
+        units, tensors, shape = (("", count),), 0, None
+    else:
+        units, tensors, shape = _built_units(model, seq)
+    return {
+        "units": [
             {
                 "name": name,
                 "numel": numel,
                 "padded_numel": -(-numel // shard_ranks) * shard_ranks,
-                "reshard_after_forward": bool(units),  # the root (first) stays gathered
+                "reshard_after_forward": i > 0,  # the root (first) stays gathered
             }
-        )
+            for i, (name, numel) in enumerate(units)
+        ],
+        "param_tensors": tensors,
+        "shape": dict(shape) if shape else None,
+        "parameters": sum(numel for _, numel in units),
+    }
+
+
+@functools.lru_cache(maxsize=16)
+def _built_units(model: str, seq: int) -> tuple[tuple, int, tuple | None]:
+    """(unit name, numel) in wrap order, the root first; parameter tensors; the Llama's shape.
+    Cached: building 405B's 126 blocks on meta takes seconds, and a widget asks again."""
+    from fsdp_lab.planning.models import block_classes, build_on_meta
+    from fsdp_lab.sharding.wrap import build_plan
+
+    built = build_on_meta(model, seq)
+    wrap = build_plan(built, block_classes(built) or None)
+    params = dict(built.named_parameters(remove_duplicate=True))
+    units = tuple(
+        (name, sum(params[r.name].numel() for r in wrap.params[name])) for name in wrap.units
+    )
     config = getattr(built, "config", None)
     shape = None
     if config is not None and hasattr(config, "ffn_dim"):  # the lab's Llama: its formula
-        shape = {
-            "dim": config.dim,
-            "ffn_dim": config.ffn_dim,
-            "n_heads": config.n_heads,
-            "kv_dim": config.n_kv_heads * config.head_dim,
-            "n_layers": config.n_layers,
-            "vocab_size": config.vocab_size,
-        }
-    return {
-        "units": units,
-        "param_tensors": len(params),
-        "shape": shape,
-        "parameters": sum(u["numel"] for u in units),
-    }
+        shape = (
+            ("dim", config.dim),
+            ("ffn_dim", config.ffn_dim),
+            ("n_heads", config.n_heads),
+            ("kv_dim", config.n_kv_heads * config.head_dim),
+            ("n_layers", config.n_layers),
+            ("vocab_size", config.vocab_size),
+        )
+    return units, len(params), shape
 
 
 def predict(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
     """The plan's numbers for `setup` on `layout` (no run)."""
-    gpu = GPUS[setup["gpu"]]
+    gpu = setup["gpu_spec"]
     c = PRECISIONS[setup["precision"]]
     tokens = setup["seq"] * setup["micro_batch"]
     if layout["shape"] is not None:
         acts = theory.llama_activation_bytes(layout["shape"], tokens, setup["checkpoint"], c)
     else:  # no formula for this model's activations: --verify fake measures them
-        acts = {"per_block": 0.0, "blocks": 0.0, "ends": 0.0}
+        acts = dict.fromkeys(
+            ("per_block", "kept", "recompute", "ends", "loss_grad", "head_grad"), 0.0
+        )
     moments = theory.rank_memory(
         setup["lab_strategy"],
         layout["units"],
@@ -290,6 +304,7 @@ def predict(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
         "parameters": layout["parameters"],
         "per_rank_bytes": memory,
         "peak_moment": peak_moment,
+        "per_rank_bytes_by_moment": moments,  # the peak is the largest of these
         "gpu_memory_bytes": gpu.memory_gib * 2**30,
         "usable_bytes": usable,
         "fits": memory["total"] <= usable,
@@ -344,7 +359,7 @@ def comm_bytes(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
 def step_time(
     setup: dict[str, Any], layout: dict[str, Any], comm: dict[str, Any], gpu: GPU
 ) -> dict[str, float]:
-    """Compute at `MFU` of the GPU's bf16 peak (6Ψ FLOPs per token, 8Ψ when every block is
+    """Compute at the GPU's `efficiency` of its bf16 peak (6Ψ FLOPs per token, 8Ψ when every block is
     recomputed, plus causal attention's 6·L·s·D), communication from `netsim.comm_seconds`
     on this GPU's links; communication hidden behind compute as far as it lasts."""
     tokens = setup["seq"] * setup["micro_batch"]
@@ -352,7 +367,7 @@ def step_time(
     per_token = (8 if setup["checkpoint"] == "blocks" else 6) * layout["parameters"]
     if shape is not None:
         per_token += 6 * shape["n_layers"] * setup["seq"] * shape["dim"]
-    compute_s = per_token * tokens / (gpu.bf16_tflops * 1e12 * MFU)
+    compute_s = per_token * tokens / (gpu.bf16_tflops * 1e12 * gpu.efficiency)
     network = netsim.Network(
         gpus_per_node=setup["gpus_per_node"],
         intra_bandwidth=gpu.intra_gbytes_s * 1e9,
@@ -377,11 +392,11 @@ def assumptions(setup: dict[str, Any], gpu: GPU, layout: dict[str, Any]) -> list
             else "activations NOT counted (a parameter count has no layers), one unit"
         )
     return [
-        f"GPU: {gpu.name}, {gpu.memory_gib:g} GiB, {RESERVE:.0%} kept back (CUDA context, "
-        "allocator fragmentation, NCCL buffers)",
-        f"compute: {gpu.bf16_tflops:g} dense bf16 TFLOPS at {MFU:.0%} utilisation; 6 FLOPs "
+        f"GPU: {gpu.name}, {gpu.memory_gib:.3g} GiB, {RESERVE:.0%} kept back (on a GPU: the "
+        "CUDA context, allocator fragmentation, NCCL buffers)",
+        f"compute: {gpu.bf16_tflops:.3g} {gpu.flops_kind} TFLOPS at {gpu.efficiency:.0%} utilisation; 6 FLOPs "
         "per parameter per token (8 with every block recomputed) + causal attention",
-        f"links: {gpu.intra_gbytes_s:g} GB/s per GPU inside a node, {gpu.nic_gbit_s:g} Gbit/s "
+        f"links: {gpu.intra_gbytes_s:.3g} GB/s per GPU inside a node, {gpu.nic_gbit_s:.3g} Gbit/s "
         "per GPU between nodes; ring collectives (alpha-beta, netsim); communication fully "
         "overlapped with compute",
         "memory: fsdp_lab.shard with Adam — fp32 shards, gradients and moments; "
@@ -474,8 +489,8 @@ def compare(predicted: dict[str, Any], measured: dict[str, Any]) -> dict:
             op: _rel(comm["by_collective"].get(op, 0.0), b)
             for op, b in predicted["comm_bytes_per_rank"]["by_collective"].items()
         },
-        "wall_s": measured["wall_s"],
-        "peak_rss_bytes": measured["peak_rss_bytes"],
+        "wall_s": measured.get("wall_s"),
+        "peak_rss_bytes": measured.get("peak_rss_bytes"),
         "how": "one rank of the world under PyTorch's fake process group and FakeTensorMode: "
         "fsdp_lab.shard at full size, two Adam steps, MemoryTracker and comm.CommLog",
     }

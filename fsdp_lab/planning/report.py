@@ -11,7 +11,11 @@ from fsdp_lab.markdown import table
 from fsdp_lab.sizes import format_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "gathered", "activations")
-MOMENTS = {"end_of_forward": "at the end of forward", "in_backward": "in the first backward"}
+MOMENTS = {
+    "end_of_forward": "at the end of forward",
+    "loss_backward": "in the loss's backward",
+    "in_backward": "in the last block's backward",
+}
 
 
 def summary(plan: dict[str, Any]) -> str:
@@ -76,7 +80,7 @@ def zero_paper_line(plan: dict[str, Any]) -> str:
 def memory_table(plan: dict[str, Any]) -> str:
     """Per-rank bytes by category: planned, and measured on a fake rank when verified."""
     verified = plan.get("verified")
-    header = ["per GPU", "planned"] + (["fake rank", "difference"] if verified else [])
+    header = ["per GPU", "planned"] + (["measured", "difference"] if verified else [])
     rows = []
     for name in (*CATEGORIES, "total"):
         planned = plan["per_rank_bytes"][name]
@@ -88,14 +92,14 @@ def memory_table(plan: dict[str, Any]) -> str:
                 "-" if diff is None else f"{diff:+.1%}",
             ]
         rows.append(row)
-    return table(header, rows)
+    return table(header, rows) + (f"\n\nmeasured: {verified['how']}" if verified else "")
 
 
 def comm_table(plan: dict[str, Any]) -> str:
     """Bytes per GPU and step by collective and by link; the fake rank's beside them."""
     verified = plan.get("verified")
     comm = plan["comm_bytes_per_rank"]
-    header = ["bytes per GPU per step", "planned"] + (["fake rank"] if verified else [])
+    header = ["bytes per GPU per step", "planned"] + (["measured"] if verified else [])
     rows = []
     for kind in ("by_collective", "by_link"):
         for name, value in comm[kind].items():
@@ -104,3 +108,44 @@ def comm_table(plan: dict[str, Any]) -> str:
                 row.append(format_bytes(verified["comm_bytes_per_rank"][kind].get(name, 0.0)))
             rows.append(row)
     return table(header, rows)
+
+
+def verification_sentence(plan: dict[str, Any]) -> str:
+    """In words: what the measurement (fake rank or real ranks) agreed with, and by how much."""
+    v = plan["verified"]
+    exact = set(v["comm_bytes_rel_diff"].values()) == {0.0}
+    diff = v["per_rank_bytes_rel_diff"]
+    state = [k for k in ("parameters", "optimizer_state", "gathered") if diff.get(k) == 0.0]
+    cost = (
+        f" It took {v['wall_s']:.1f} s and {format_bytes(v['peak_rss_bytes'])} of resident "
+        "memory on this machine."
+        if v.get("wall_s") is not None
+        else ""
+    )
+    return (
+        f"Measured ({v['how']}): the bytes per collective "
+        f"{'equal the plan exactly' if exact else 'differ from the plan: ' + str(v['comm_bytes_rel_diff'])}"
+        f"; {', '.join(state) or 'no category'} equal the plan exactly; the peak is "
+        f"{format_bytes(v['per_rank_bytes']['total'])}, {diff['total']:+.1%} from the planned "
+        f"{format_bytes(plan['per_rank_bytes']['total'])} — gradients and activations at the "
+        "peak are a snapshot of one moment of the step, which the plan approximates." + cost
+    )
+
+
+def twin_time_sentence(twin: dict[str, Any]) -> str:
+    """The twin's measured step time beside the plan's, as a ratio, with what the plan omits."""
+    ratio = twin["step_time_ratio"]
+    parts = twin["step_time_parts"]
+    return (
+        f"Step time: measured {twin['measured_step_time_s'] * 1e3:.1f} ms, planned "
+        f"{twin['step_time_s'] * 1e3:.2f} ms (compute {parts['compute_s'] * 1e3:.2f} ms at this "
+        f"machine's measured matmul rate, communication {parts['comm_s'] * 1e3:.2f} ms at its "
+        f"measured all-gather bandwidth): the real step takes {ratio:.1f}x the plan. "
+        + (
+            "The plan counts FLOPs and bytes only; on a model this small, the time of each "
+            "operator call, hook and message start — which no roofline counts — is most of a "
+            "step here."
+            if ratio > 2
+            else "At this size FLOPs and bytes already account for most of the step."
+        )
+    )
