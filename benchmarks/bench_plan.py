@@ -24,7 +24,7 @@ import time
 
 import fsdp_lab
 from fsdp_lab.planning.fake_ranks import run_in_subprocess
-from fsdp_lab.planning.planner import compare, fake_run
+from fsdp_lab.planning.verify import compare, fake_run
 
 GB = 1e9
 GOAL = ("llama3-70b", 64, "zero3", 120.0, 2 * 2**30)  # model, GPUs, strategy, seconds, bytes

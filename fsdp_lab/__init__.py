@@ -11,6 +11,8 @@ Public names (everything else may change):
 - `ShardedOptimizer(params, optimizer_class, **kwargs)`: ZeRO-1 as an optimizer, with
   PyTorch's `ZeroRedundancyOptimizer` contract (beside DDP).
 - `LabResult`: what every `fsdp_lab.labs.<lab>.run(...)` returns.
+- `plan(model, gpus, ...)`: a real run planned (memory, bytes, step time), `verify="fake"` runs
+  it on a fake rank.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from typing import Any, NoReturn
 # only (importing torch took 4-18 s); torch comes in when a lab is about to run.
 from fsdp_lab.choices import BACKENDS, DEVICE_ENV, DEVICES
 from fsdp_lab.cores import OversubscribedWarning, available_cores, too_many_ranks
+from fsdp_lab.host import under_torchrun
 from fsdp_lab.labs.options import add_config_arguments, config_overrides, to_flags
 from fsdp_lab.labs.registry import LABS, PLANNED
 
@@ -282,6 +283,8 @@ def prepare(name: str, args: argparse.Namespace, out: Path | None, tour: bool = 
     overrides["backend"] = args.backend
     if args.world_size is not None:
         overrides["world_size"] = args.world_size
+    if under_torchrun() and "world_size" in config_cls.__dataclass_fields__:
+        overrides["world_size"] = int(os.environ["WORLD_SIZE"])  # the job's size is given
     takes_model = "model" in config_cls.__dataclass_fields__
     if args.model is not None and takes_model:
         overrides["model"] = args.model
@@ -298,7 +301,7 @@ def prepare(name: str, args: argparse.Namespace, out: Path | None, tour: bool = 
         raise usage_error(exc, where, config_cls) from None
 
     # From here on torch is imported: the lab is going to run.
-    from fsdp_lab.cluster import resolve_placement, under_torchrun
+    from fsdp_lab.cluster import resolve_placement
     from fsdp_lab.host import check_ranks_fit
 
     try:
@@ -313,8 +316,6 @@ def prepare(name: str, args: argparse.Namespace, out: Path | None, tour: bool = 
 
 def warn_about_cores(planned: list[Planned]) -> None:
     """One line on stderr per distinct warning, before the ranks start (not under torchrun)."""
-    from fsdp_lab.cluster import under_torchrun
-
     if under_torchrun():
         return
     said = set()

@@ -214,3 +214,46 @@ def run_ranks(
                 p.kill()
                 p.join()
     return [results[r] for r in range(world)]
+
+
+def torchrun_on_nodes(
+    nodes: Nodes, nproc_per_node: int, argv: list[str], timeout: float = 300, port: int = 29500
+) -> list[subprocess.CompletedProcess]:
+    """``torchrun --nnodes N --node-rank k -m fsdp_lab *argv`` in each emulated node, as one
+    would type it on N machines: static rendezvous at node 0's address (`port`, inside the
+    namespaces only), gloo bound to each node's link (``GLOO_SOCKET_IFNAME``). Returns each
+    node's finished process (stdout, stderr, returncode); on a timeout every node's launcher
+    and ranks are killed (each node runs in a session of its own) and a TimeoutError names it."""
+    import sys
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg"}
+    procs = []
+    for k, (ns, iface) in enumerate(zip(nodes.namespaces, nodes.interfaces, strict=True)):
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
+               "--nnodes", str(len(nodes.namespaces)), "--node-rank", str(k),
+               "--nproc-per-node", str(nproc_per_node), "--master-addr", nodes.addresses[0],
+               "--master-port", str(port), "-m", "fsdp_lab", *argv]  # fmt: skip
+        procs.append(subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**env, "GLOO_SOCKET_IFNAME": iface}, start_new_session=True,
+        ))  # fmt: skip
+    deadline = time.monotonic() + timeout
+    finished = []
+    try:
+        for k, proc in enumerate(procs):
+            left = max(1.0, deadline - time.monotonic())
+            try:
+                out, err = proc.communicate(timeout=left)
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(
+                    f"torchrun on emulated node {k} did not finish within {timeout:.0f} s: "
+                    f"fsdp-lab {' '.join(argv)}"
+                ) from None
+            finished.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, 9)
+                proc.wait()
+    return finished

@@ -7,6 +7,8 @@ ranks or letting the kernel's out-of-memory killer choose a victim. Torch-free.
 
 from __future__ import annotations
 
+import os
+
 import psutil
 
 # What one rank process holds of its own: about 50 MB measured (USS of a gloo rank on torch
@@ -41,3 +43,8 @@ def check_fits(need: int, what: str, fix: str) -> None:
             f"{what} needs about {need / GiB:.1f} GiB of host memory, {free / GiB:.1f} GiB is "
             f"available. Fix: {fix}"
         )
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun (env:// rendezvous variables set)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))

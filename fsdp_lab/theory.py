@@ -1,5 +1,8 @@
 """Every formula the labs compare their measurements against, and nothing else.
 
+(Over 450 lines on purpose: one home for every formula is the rule a reader relies on — a
+formula elsewhere would be one nobody checks.)
+
 A lab measures (bytes counted at the collective call, storages the tracker saw, layer calls a
 hook counted) and then sets the number beside the formula from here; no lab keeps a private
 copy. Ψ is the number of parameters, N the ranks a tensor is sharded over, b bytes per element.

@@ -188,7 +188,9 @@ def test_no_course_module_writes_a_mechanism_attribute():
     assert offenders == []
 
 
-@pytest.mark.parametrize("package", ["fsdp_lab", "fsdp_lab.sharding", "fsdp_lab.pipeline"])
+@pytest.mark.parametrize(
+    "package", ["fsdp_lab", "fsdp_lab.sharding", "fsdp_lab.pipeline", "fsdp_lab.planning"]
+)
 def test_a_lazy_public_name_is_never_shadowed_by_a_submodule(package):
     # Importing `fsdp_lab.sharding.shard` (a module) binds `shard` on the package: had the
     # entry point's module been named like the function, `from fsdp_lab.sharding import shard`

@@ -17,7 +17,7 @@ import pytest
 
 import fsdp_lab
 from fsdp_lab.planning.fake_ranks import Run, on_real_rank, run_in_subprocess
-from fsdp_lab.planning.planner import compare, fake_run
+from fsdp_lab.planning.verify import compare, fake_run
 
 TWIN = "llama3-8b-twin"
 EXACT = ("parameters", "optimizer_state")

@@ -11,7 +11,8 @@ Modules, in the order a call travels:
     rank_main.py  the loop inside each rank
     output.py     ranks' stdout/stderr, live, as [rank r] lines
     where.py      rank(), world_size(), device() inside a rank
-    torchrun.py   AttachedCluster: the same interface under torchrun; borrow() for labs
+    torchrun.py   AttachedCluster: the same interface under torchrun; borrow() for labs,
+                  shared_folder() for files every rank reads
 """
 
 # Importing this package starts nothing: the fork server ranks are forked from starts with the
@@ -23,6 +24,7 @@ from fsdp_lab.cluster.torchrun import (
     AttachedCluster,
     borrow,
     open_cluster,
+    shared_folder,
     under_torchrun,
 )
 from fsdp_lab.cluster.where import (
@@ -45,6 +47,7 @@ __all__ = [
     "Cluster",
     "RankError",
     "borrow",
+    "shared_folder",
     "device",
     "in_rank_threads",
     "intra_op_threads",

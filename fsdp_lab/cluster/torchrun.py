@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from fsdp_lab.cluster.driver import Cluster, check_timeout
 from fsdp_lab.cluster.protocol import RankError
 from fsdp_lab.cluster.where import place_this_rank, rank, resolve_placement
+from fsdp_lab.host import under_torchrun
 
 
 class AttachedCluster:
@@ -62,9 +65,31 @@ class AttachedCluster:
         self.close()
 
 
-def under_torchrun() -> bool:
-    """True when this process was started by torchrun (env:// rendezvous variables set)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+SHARED_DIR_ENV = "FSDP_LAB_SHARED_DIR"  # where torchrun's ranks share files (several machines)
+
+
+@contextlib.contextmanager
+def shared_folder(cluster: Cluster | AttachedCluster, prefix: str) -> Iterator[str]:
+    """A temporary folder every rank of `cluster` writes and reads (a sharded checkpoint).
+
+    A `Cluster`'s ranks share this host: the driver's own temporary folder. Under torchrun
+    each rank runs this code itself, so rank 0 makes the folder — in ``$FSDP_LAB_SHARED_DIR``,
+    default the temporary folder; on several machines a filesystem every node mounts — and
+    broadcasts its path. Removed once every rank is done with it.
+    """
+    if not isinstance(cluster, AttachedCluster):
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            yield tmp
+        return
+    base = os.environ.get(SHARED_DIR_ENV) or tempfile.gettempdir()
+    path = [tempfile.mkdtemp(prefix=prefix, dir=base) if rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    try:
+        yield path[0]
+    finally:
+        dist.barrier()
+        if rank() == 0:
+            shutil.rmtree(path[0], ignore_errors=True)
 
 
 def open_cluster(

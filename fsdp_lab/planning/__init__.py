@@ -3,6 +3,7 @@
     planner.py     `plan()`: the model's units on meta, `theory`'s formulas, the network model
     fake_ranks.py  one rank of the real run, simulated: our shard() under PyTorch's fake
                    process group and FakeTensorMode, measured by the lab's own tracker
+    verify.py      the plan beside a measurement: each figure and its relative difference
     models.py      the models a plan is made for (Llama-3 presets, twins, any factory)
     report.py      a plan in words: tables beside the fake rank's measurement
     explorer.py    notebook 08's widget

@@ -109,6 +109,7 @@ def plan(
         result["to_fit"] = cheapest_fix(setup, layout)
     if verify == "fake":
         from fsdp_lab.planning.fake_ranks import run_in_subprocess
+        from fsdp_lab.planning.verify import compare, fake_run
 
         if not layout["param_tensors"]:
             raise ValueError(
@@ -117,22 +118,6 @@ def plan(
             )
         result["verified"] = compare(result, run_in_subprocess(fake_run(result)))
     return result
-
-
-def fake_run(planned: dict[str, Any]) -> Any:
-    """The `fake_ranks.Run` that simulates rank 0 of `planned`'s world."""
-    from fsdp_lab.planning.fake_ranks import Run
-
-    return Run(
-        model=planned["model"],
-        world=planned["gpus"],
-        strategy=STRATEGIES[planned["strategy"]],
-        mesh=tuple(planned["mesh"]) if planned["mesh"] else None,
-        precision=planned["precision"],
-        checkpoint=planned["checkpoint"],
-        seq=planned["seq"],
-        micro_batch=planned["micro_batch"],
-    )
 
 
 def _checked(
@@ -299,6 +284,7 @@ def predict(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
                 "micro_batch",
             )
         },
+        "shard_strategy": setup["lab_strategy"],  # the name `shard(strategy=...)` takes
         "mesh": list(setup["mesh"]) if setup["mesh"] else None,
         "nodes": max(1, setup["gpus"] // setup["gpus_per_node"]),
         "parameters": layout["parameters"],
@@ -459,44 +445,3 @@ def cheapest_fix(setup: dict[str, Any], layout: dict[str, Any]) -> str | None:
         if predict(trial, units)["fits"]:
             return words
     return None
-
-
-def compare(predicted: dict[str, Any], measured: dict[str, Any]) -> dict:
-    """The fake rank's measurement beside the plan: per category, total and bytes per
-    collective, each with its relative difference (measured − planned) / planned."""
-    peak = measured["peak_by_category"]
-    got = {
-        "parameters": peak["parameters"],
-        "gradients": peak["gradients"],
-        "optimizer_state": peak["optimizer_state"],
-        "gathered": peak["comm_buffers"],
-        "activations": peak["activations"],
-        "other": peak["other"],
-    }
-    got["total"] = measured["peak_bytes"]
-    plan_bytes = predicted["per_rank_bytes"]
-    by_link = {"intra_node": 0.0, "inter_node": 0.0}
-    for label, ops in measured["comm_bytes_per_step_by_group"].items():
-        ranks = [int(r) for r in label.removeprefix("ranks ").split(",")]
-        nodes = {r // predicted["gpus_per_node"] for r in ranks}
-        by_link["inter_node" if len(nodes) > 1 else "intra_node"] += sum(ops.values())
-    comm = {"by_collective": measured["comm_bytes_per_step"], "by_link": by_link}
-    return {
-        "per_rank_bytes": got,
-        "per_rank_bytes_rel_diff": {k: _rel(got[k], plan_bytes.get(k, 0.0)) for k in plan_bytes},
-        "comm_bytes_per_rank": comm,
-        "comm_bytes_rel_diff": {
-            op: _rel(comm["by_collective"].get(op, 0.0), b)
-            for op, b in predicted["comm_bytes_per_rank"]["by_collective"].items()
-        },
-        "wall_s": measured.get("wall_s"),
-        "peak_rss_bytes": measured.get("peak_rss_bytes"),
-        "how": "one rank of the world under PyTorch's fake process group and FakeTensorMode: "
-        "fsdp_lab.shard at full size, two Adam steps, MemoryTracker and comm.CommLog",
-    }
-
-
-def _rel(measured: float, planned: float | None) -> float | None:
-    if planned is None or planned == 0:
-        return None if measured else 0.0
-    return (measured - planned) / planned

@@ -16,7 +16,8 @@ import statistics
 import time
 from typing import Any
 
-from fsdp_lab.planning.planner import GPU, compare, fake_run, plan
+from fsdp_lab.planning.planner import GPU, plan
+from fsdp_lab.planning.verify import compare, fake_run
 
 SIZE = 512  # the matmul timed: big enough for a steady rate, small enough for a second
 

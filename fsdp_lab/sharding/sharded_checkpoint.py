@@ -291,7 +291,8 @@ def _read_meta(folder: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} not found: not a complete sharded checkpoint (save_sharded writes meta.json "
-            "last, once every rank's file is written)"
+            "last, once every rank's file is written). Ranks on several machines need a folder "
+            "every node mounts"
         )
     try:
         meta = json.loads(path.read_bytes())

@@ -223,9 +223,7 @@ class ShardedUnit:
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
-            # Activation checkpointing recomputes this unit inside its own backward: the
-            # pre-backward hook already gathered it and set the views, so no message, and no
-            # free afterwards.
+            # A recompute inside this unit's backward: gathered, views set; no message, no free
             self._recomputing = True
             return
         self._recomputing = False  # a recompute stopped early never reached post-forward
@@ -292,11 +290,9 @@ class ShardedUnit:
             # Gathered again if post-forward freed it (or already here, or on its way).
             self.state.steps.regather(self.flat.unsharded, self.unshard)
             self.wait_unshard()
-            # Live again for anything that reruns the module (checkpointing), and made in grad
-            # mode, as in forward: backward runs without it, and views that want no gradient
-            # make ``x * weight`` save less in the recompute than it did in forward (autograd
-            # keeps x only for weight's sake), which the recompute refuses.
-            with torch.enable_grad():
+            # Live again for a rerun (checkpointing), in grad mode as in forward: a view that
+            with torch.enable_grad():  # wants no gradient makes ``x * weight`` save no x
+
                 self._use_views()
             if self.state.prefetch:
                 nxt = self.state.next_in_backward(self)

@@ -205,7 +205,9 @@ def _train_on(grid: list[list[int]], case: Case) -> dict:
     mesh = (
         device_mesh(replicas, size)  # the reference grid is PyTorch's own (R, S) mesh
         if grid == [[r * size + s for s in range(size)] for r in range(replicas)]
-        else DeviceMesh(placed_device().type, torch.tensor(grid), mesh_dim_names=("replicate", "shard"))
+        else DeviceMesh(
+            placed_device().type, torch.tensor(grid), mesh_dim_names=("replicate", "shard")
+        )
     )
     model = build_model(case)
     shard(model, units={Block, MLPBlock}, strategy="hybrid", mesh=mesh)

@@ -7,11 +7,10 @@ state per rank) — then PyTorch's HSDP twins on the same 2-D DeviceMesh, and on
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 from fsdp_lab import comm, reference
-from fsdp_lab.cluster import AttachedCluster, Cluster, borrow, in_rank_threads
+from fsdp_lab.cluster import AttachedCluster, Cluster, borrow, in_rank_threads, shared_folder
 from fsdp_lab.hsdp.lab.config import SYSTEMS, HsdpConfig
 from fsdp_lab.hsdp.lab.emulated import measure_emulated
 from fsdp_lab.model_spec import check_on_rank0
@@ -100,7 +99,7 @@ def measure(config: HsdpConfig, cluster: Cluster | AttachedCluster | None = None
             if config.compare_pytorch
             else {}
         )
-        with tempfile.TemporaryDirectory(prefix="fsdp_lab_hsdp_") as tmp:
+        with shared_folder(ranks, "fsdp_lab_hsdp_") as tmp:  # torchrun: one for every rank
             checkpoints = {
                 s: ranks.run(checkpoint_worker, config, s, os.path.join(tmp, s), vocab)
                 for s in ("full", "hybrid")
