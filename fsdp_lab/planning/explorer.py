@@ -17,7 +17,14 @@ from fsdp_lab.explorer import Slots, settings_text
 from fsdp_lab.planning import report
 from fsdp_lab.planning.figures import draw_strategies
 from fsdp_lab.planning.models import model_names
-from fsdp_lab.planning.planner import CHECKPOINTS, GPUS, PRECISIONS, STRATEGIES, plan
+from fsdp_lab.planning.planner import (
+    CHECKPOINTS,
+    GPUS,
+    PRECISIONS,
+    SETTINGS,
+    STRATEGIES,
+    plan,
+)
 
 COMPARED = ("ddp", "zero1", "zero2", "zero3", "hsdp")  # the picture's bars
 
@@ -80,20 +87,7 @@ class PlanExplorer:
     def settings(self) -> dict[str, Any]:
         """The controls as `plan()`'s keywords."""
         mesh = tuple(int(x) for x in self.mesh.value.split(",")) if self.mesh.value else None
-        return {
-            c: getattr(self, c).value
-            for c in (
-                "model",
-                "gpus",
-                "gpus_per_node",
-                "gpu",
-                "strategy",
-                "precision",
-                "checkpoint",
-                "seq",
-                "micro_batch",
-            )
-        } | {"mesh": mesh}
+        return {c: getattr(self, c).value for c in SETTINGS} | {"mesh": mesh}
 
     def show(self, verify: str | None = None) -> dict[str, Any] | None:
         """Plan at the controls' settings (and verify when asked); draw the plan, the table and

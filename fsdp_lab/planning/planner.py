@@ -36,6 +36,9 @@ STRATEGIES = {
 LAB_NAMES = {lab: name for name, lab in STRATEGIES.items()}
 PRECISIONS = {"bf16-mixed": 2, "fp32": 4}  # bytes per element the units compute and gather in
 CHECKPOINTS = ("none", "blocks")
+# A plan's settings as `plan()` takes them (mesh apart: a tuple in, a list in the JSON).
+SETTINGS = ("model", "gpus", "gpus_per_node", "gpu", "strategy", "precision", "checkpoint", "seq",
+            "micro_batch")  # fmt: skip
 RESERVE = 0.10  # of a GPU's memory: the CUDA context, the allocator's fragmentation, NCCL
 
 
@@ -270,20 +273,7 @@ def predict(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
     comm = comm_bytes(setup, layout)
     timing = step_time(setup, layout, comm, gpu)
     return {
-        **{
-            k: setup[k]
-            for k in (
-                "model",
-                "gpus",
-                "gpus_per_node",
-                "gpu",
-                "strategy",
-                "precision",
-                "checkpoint",
-                "seq",
-                "micro_batch",
-            )
-        },
+        **{k: setup[k] for k in SETTINGS},
         "shard_strategy": setup["lab_strategy"],  # the name `shard(strategy=...)` takes
         "mesh": list(setup["mesh"]) if setup["mesh"] else None,
         "nodes": max(1, setup["gpus"] // setup["gpus_per_node"]),

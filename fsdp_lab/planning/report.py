@@ -67,7 +67,10 @@ def verdict(plan: dict[str, Any]) -> str:
 def zero_paper_line(plan: dict[str, Any]) -> str:
     """The ZeRO paper's model-state accounting for this Ψ and GPU count, beside ours."""
     # In GB (10^9), as the paper prints them: 7.5B on 64 GPUs reads 120 · 31.4 · 16.6 · 1.88.
-    paper = " · ".join(f"{k} {v / 1e9:.3g} GB" for k, v in plan["zero_paper_bytes"].items())
+    paper = " · ".join(
+        f"{k} {v / 1e9:,.0f} GB" if v >= 1e12 else f"{k} {v / 1e9:.3g} GB"
+        for k, v in plan["zero_paper_bytes"].items()
+    )
     return (
         f"The ZeRO paper's accounting for {plan['parameters'] / 1e9:.3g}B parameters on "
         f"{plan['gpus']} GPUs (fp16 parameters and gradients, fp32 Adam and master weights, "
@@ -127,8 +130,14 @@ def verification_sentence(plan: dict[str, Any]) -> str:
         f"{'equal the plan exactly' if exact else 'differ from the plan: ' + str(v['comm_bytes_rel_diff'])}"
         f"; {', '.join(state) or 'no category'} equal the plan exactly; the peak is "
         f"{format_bytes(v['per_rank_bytes']['total'])}, {diff['total']:+.1%} from the planned "
-        f"{format_bytes(plan['per_rank_bytes']['total'])} — gradients and activations at the "
-        "peak are a snapshot of one moment of the step, which the plan approximates." + cost
+        f"{format_bytes(plan['per_rank_bytes']['total'])}"
+        + (
+            " — gradients and activations at the peak are a snapshot of one moment of the "
+            "step, which the plan approximates."
+            if abs(diff["total"]) >= 0.005
+            else "."
+        )
+        + cost
     )
 
 
