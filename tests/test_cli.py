@@ -663,8 +663,11 @@ def test_the_public_names_still_resolve_lazily():
 
     assert fsdp_lab.__all__ == [
         *("Cluster", "LabResult", "MixedPrecision", "RankError", "ShardedOptimizer", "comm"),
-        *("device", "rank", "shard", "trace", "world_size"),
+        *("plan", "device", "rank", "shard", "trace", "world_size"),
     ]
+    from fsdp_lab.planning import planner
+
+    assert fsdp_lab.plan is planner.plan
     assert fsdp_lab.Cluster is cluster.Cluster and fsdp_lab.RankError is cluster.RankError
     assert fsdp_lab.ShardedOptimizer is sharding.ShardedOptimizer
     assert fsdp_lab.shard is sharding.shard and fsdp_lab.LabResult is labs.LabResult
