@@ -27,7 +27,7 @@ EVERY_LAB = os.environ.get("FSDP_LAB_MULTINODE_ALL") == "1"
 IN_THE_SUITE = ("shard",)
 LABS = {
     "collectives": ["--numel", "64"],
-    "shard": ["--steps", "2"],
+    "shard": ["--steps", "2", "--no-sharded-optimizer"],
     "checkpoint": ["--layers", "8", "--dim", "16", "--batch", "8"],
     "tying": [
         "--vocab",
