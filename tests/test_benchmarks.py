@@ -215,3 +215,16 @@ def test_bench_gpu_runs_on_cpu_ranks_and_prints_ours_beside_plain_and_fully_shar
     assert re.search(row.format("ours", "-"), two, re.M) and "| plain |" not in two, two
     saved = json.loads(out.read_text())["results"]
     assert saved["1"]["step_s"]["plain"] > 0 and set(saved["2"]["step_s"]) == {"ours", "fsdp2"}
+
+
+def test_bench_plan_prints_a_verified_row(tmp_path):
+    # At full size it verifies 8B/70B/405B on 8/64/512 fake ranks; here one twin row.
+    out = tmp_path / "plan.json"
+    proc = _run_benchmark(
+        "bench_plan.py", "--models", "llama3-8b-twin", "--gpus", "8", "--strategies", "zero3",
+        "--seq", "64", "--json", str(out),
+    )  # fmt: skip
+    row = r"^\| llama3-8b-twin \| 8 \| zero3 \| yes \| [\d.,]+ \| [\d.,]+ \| [+-][\d.]+% \| [\d.,]+ = fake \|"
+    assert re.search(row, proc.stdout, re.M), proc.stdout
+    (plan,) = json.loads(out.read_text())
+    assert set(plan["verified"]["comm_bytes_rel_diff"].values()) == {0.0}
