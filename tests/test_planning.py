@@ -160,3 +160,14 @@ def test_bad_plan_input_gets_one_line_and_a_hint(args, says):
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout == ""
+
+
+def test_a_model_given_by_its_size_alone_is_planned_and_says_what_it_leaves_out():
+    from fsdp_lab.planning.report import summary
+
+    small, big = fsdp_lab.plan("7.5e9", gpus=64), fsdp_lab.plan("70B", gpus=64)
+    assert small["per_rank_bytes"]["activations"] is None and small["parameters"] == 7_500_000_000
+    assert "activations not counted" in summary(small) and small["fits"]
+    # One unit of 70B gathered whole never fits a GPU, whatever changes: said, not crashed.
+    assert not big["fits"] and big["to_fit"] is None
+    assert "one unit, gathered whole" in summary(big)

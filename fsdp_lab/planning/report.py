@@ -22,7 +22,7 @@ def summary(plan: dict[str, Any]) -> str:
     """Markdown: the verdict, the memory table, the bytes table, the step time, assumptions."""
     mesh = f", mesh {plan['mesh'][0]}x{plan['mesh'][1]}" if plan["mesh"] else ""
     lines = [
-        f"**{plan['model']}** ({plan['parameters'] / 1e9:.2f}B parameters) on {plan['gpus']} "
+        f"**{plan['model']}** ({_count(plan['parameters'])} parameters) on {plan['gpus']} "
         f"{plan['gpu']} ({plan['nodes']} node(s) of {plan['gpus_per_node']}), "
         f"{plan['strategy']}{mesh}, {plan['precision']}, checkpoint {plan['checkpoint']}, "
         f"seq {plan['seq']} x micro-batch {plan['micro_batch']}",
@@ -45,17 +45,28 @@ def summary(plan: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _count(parameters: float) -> str:
+    return f"{parameters / 1e9:.2f}B" if parameters >= 1e8 else f"{parameters / 1e6:.2f}M"
+
+
 def verdict(plan: dict[str, Any]) -> str:
     """One sentence: fits or not, by how much, and the cheapest change that makes it fit."""
     total, usable = plan["per_rank_bytes"]["total"], plan["usable_bytes"]
+    unknown = plan["per_rank_bytes"]["activations"] is None
     head = (
-        f"Peak per GPU {format_bytes(total)} ({MOMENTS[plan['peak_moment']]}) of "
+        f"Peak per GPU {format_bytes(total)} ({MOMENTS[plan['peak_moment']]}"
+        f"{'; activations not counted: see the assumptions' if unknown else ''}) of "
         f"{format_bytes(usable)} usable: "
     )
     if plan["fits"]:
         return head + "**fits**."
     if plan["to_fit"]:
         return head + f"**does not fit**; the cheapest change that fits: `{plan['to_fit']}`."
+    if unknown:
+        return head + (
+            "**does not fit**, and no change of checkpointing, ZeRO stage, micro-batch or GPU "
+            "count makes it (a model given by its parameter count is one unit, gathered whole)."
+        )
     return head + (
         "**does not fit**, and no change of checkpointing, ZeRO stage, micro-batch or GPU count "
         "makes it: the activations of one sequence alone need "
