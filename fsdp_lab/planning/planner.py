@@ -109,7 +109,7 @@ def plan(
     layout = model_layout(model, seq, setup["shard_ranks"])
     result = predict(setup, layout)
     if not result["fits"]:
-        result["to_fit"] = cheapest_fix(setup, layout)
+        result["to_fit"] = cheapest_fix(setup)
     if verify == "fake":
         from fsdp_lab.planning.fake_ranks import run_in_subprocess
         from fsdp_lab.planning.verify import compare, fake_run
@@ -380,7 +380,7 @@ def assumptions(setup: dict[str, Any], gpu: GPU, layout: dict[str, Any]) -> list
     ]
 
 
-def cheapest_fix(setup: dict[str, Any], layout: dict[str, Any]) -> str | None:
+def cheapest_fix(setup: dict[str, Any]) -> str | None:
     """The first change, in order of cost, after which the plan fits: recompute blocks, shard
     more (ZeRO-1 -> 2 -> 3, HSDP -> ZeRO-3), halve the micro-batch, then double the GPUs."""
     tries = []
@@ -417,21 +417,8 @@ def cheapest_fix(setup: dict[str, Any], layout: dict[str, Any]) -> str | None:
         tries.append((f"gpus={more}", change))
     for words, change in tries:
         trial = {**setup, **change}
-        units = (
-            layout
-            if trial["shard_ranks"] == setup["shard_ranks"]
-            else {
-                **layout,
-                "units": [
-                    {
-                        **u,
-                        "padded_numel": -(-u["numel"] // trial["shard_ranks"])
-                        * trial["shard_ranks"],
-                    }
-                    for u in layout["units"]
-                ],
-            }
-        )
+        # The units padded for the trial's shard group (the built model is cached: no rebuild).
+        units = model_layout(trial["model"], trial["seq"], trial["shard_ranks"])
         if predict(trial, units)["fits"]:
             return words
     return None
