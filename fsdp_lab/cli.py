@@ -55,6 +55,14 @@ INTERRUPTED = "interrupted — ranks stopped"
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130  # 130 = 128 + SIGINT, as shells report
 
 
+class Failed(Exception):
+    """The command could not finish, for a reason it says in one line (exit 1, no traceback)."""
+
+    def __init__(self, error: str, hint: str) -> None:
+        super().__init__(error)
+        self.error, self.hint = error, hint
+
+
 class UsageError(Exception):
     """Wrong input: `error` names the value and what was expected, `hint` says the fix."""
 
@@ -174,6 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-limit", type=_positive_float, default=30.0, help="seconds per case (default 30)"
     )
     grade.add_argument("--only", default=None, metavar="EXERCISE", help="grade one exercise")
+    grade.add_argument(
+        "--max-files-per-student", type=_positive_int, default=10, metavar="N",
+        help="grade at most N files of each student; the rest get a row saying so (default 10)",
+    )  # fmt: skip
+    grade.add_argument(
+        "--class-time-limit", type=_positive_float, default=None, metavar="SECONDS",
+        help="start no file after this long; the files left get a row saying so",
+    )  # fmt: skip
     grade.add_argument("--json", action="store_true", help="print exactly one JSON object")
     bugs = sub.add_parser("bugs", help="the bug gallery: classic bugs beside the correct run")
     bugs.add_argument(
@@ -412,16 +428,34 @@ def grade_command(args: argparse.Namespace) -> dict[str, Any]:
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    missing = [str(p) for p in args.paths if not (p.exists() or p.is_symlink())]
+    if missing:
+        raise UsageError(
+            f"no such file or folder: {', '.join(missing)}",
+            "give the submitted files or their folder (e.g. nbgrader's submitted/)",
+            "fsdp-lab grade",
+        )
     try:
-        results = grading.grade_paths(args.paths, args.time_limit, args.only, progress)
-    except ValueError as exc:  # --only naming no exercise
+        graded = grading.grade_paths(
+            args.paths, args.time_limit, args.only, progress,
+            max_files=args.max_files_per_student, class_time_limit=args.class_time_limit,
+        )  # fmt: skip
+    except ValueError as exc:  # --only naming no exercise, a grader set-up it cannot use
         raise UsageError(str(exc), "see `fsdp-lab grade --help`", "fsdp-lab grade") from None
+    except grading.GraderError as exc:  # the grader's own failure: no row blames a student
+        raise Failed(
+            str(exc), "nothing was graded: fix the grader's set-up and run again"
+        ) from None
+    results = graded["submissions"]
     if args.csv is not None:
         grading.write_csv(results, args.csv)
         print(f"gradebook CSV: {args.csv}", file=sys.stderr)
     if not args.json:
         print(grading.text_report(results))
-    return {"submissions": results}
+    if graded["grader_errors"]:
+        print(f"fsdp-lab grade: the grader failed on {graded['grader_errors']} file(s) (their "
+              "rows say so): a bug in fsdp_lab, please report it", file=sys.stderr)  # fmt: skip
+    return graded
 
 
 def plan_command(args: argparse.Namespace) -> dict[str, Any]:
@@ -549,10 +583,14 @@ def _run(argv: list[str]) -> tuple[int, dict[str, Any]]:
             "plan": plan_command,
         }
         with device_chosen(getattr(args, "device", None)):
-            return 0, commands.get(args.lab, one_lab)(args)
+            payload = commands.get(args.lab, one_lab)(args)
+        return (EXIT_FAILED if payload.get("grader_errors") else 0), payload
     except UsageError as exc:
         _say(exc.where or where, exc.error, exc.hint)
         return EXIT_USAGE, {"error": exc.error, "hint": exc.hint}
+    except Failed as exc:
+        _say(where, exc.error, exc.hint)
+        return EXIT_FAILED, {"error": exc.error, "hint": exc.hint}
     except KeyboardInterrupt:  # the cluster was closed on the way out (run_lab's finally)
         print(f"fsdp-lab: {INTERRUPTED}", file=sys.stderr)
         return EXIT_INTERRUPTED, {"error": INTERRUPTED, "hint": "run it again to get a result"}

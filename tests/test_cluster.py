@@ -202,3 +202,26 @@ def test_a_plain_results_cluster_reads_no_code_a_rank_sends(tmp_path):
     with Cluster(1, backend="gloo", verbose=False) as cluster:  # the default: cloudpickle
         cluster.run(lambda: _RunsWhenUnpickled(str(marker)))
     assert marker.exists()  # what plain_results is for
+
+
+def test_a_line_without_end_is_read_in_linear_time_and_bounded_memory(capsys):
+    """Issue 35, point 10: a rank that printed 100 MB without a newline made the driver join its
+    partial line to every new chunk (quadratic time, the whole line held). A line longer than
+    `MAX_LINE` is printed in pieces of at most that length, so the reader keeps at most one."""
+    from fsdp_lab.cluster.output import CHUNK, MAX_LINE, RankOutput
+
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    out = RankOutput(0, read_end, os.dup(2))
+    held = 0
+    for _ in range(64):  # 4 MiB in all, no newline
+        os.write(write_end, b"x" * CHUNK)
+        out.read(read_end)
+        held = max(held, len(out._partial[read_end]))
+    os.close(write_end)
+    out.read(read_end)
+    out.close()
+    assert held <= MAX_LINE
+    pieces = capsys.readouterr().out.splitlines()
+    assert sum(len(p) - len("[rank 0] ") for p in pieces) == 64 * CHUNK  # nothing lost
+    assert max(len(p) for p in pieces) <= MAX_LINE + len("[rank 0] ")

@@ -394,8 +394,8 @@ def test_the_sandbox_sees_no_course_folder_no_network_and_no_other_process(tmp_p
     assert seen["course"] is False and seen["cwd"] == ["probe.py"]
     assert seen["interfaces"] == ["lo"]
     assert len(seen["pids"]) <= 3  # bwrap's init, the probe (and bwrap's monitor)
-    if os.geteuid() == 0:
-        assert seen["uid"] == 65534
+    if os.geteuid() == 0:  # a user of the sandbox's own, never root
+        assert seen["uid"] >= 200_000 or seen["uid"] == 65534
         assert seen["shm"] == -1  # System V shared memory, which no rlimit counts, is capped
 
 
@@ -470,3 +470,253 @@ def test_a_python_or_checkout_under_tmp_is_still_seen_inside_the_sandbox(tmp_pat
     command = [bwrap(), *sandbox._mounts([str(tmp_path)]), "cat", str(tmp_path / "seen.txt")]
     out = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert out.stdout == "the checkout", out.stderr
+
+
+# -- round two (issue 35): text, forged figures, a neighbour's folder, limits per sandbox -----
+
+SHARD_AND_CHECKPOINT = """\
+import math
+
+
+def free_unsharded(buffer):
+    buffer.untyped_storage().resize_(0)
+
+
+def unit_to_prefetch(forward_order, position):
+    return forward_order[position - 1] if position > 0 else None
+
+
+def sqrt_segment_starts(n_layers):
+    k = max(1, round(math.sqrt(n_layers)))
+    return list(range(0, n_layers, k))
+"""
+
+SQRT_ONLY = SHARD_AND_CHECKPOINT.split("def free_unsharded")[0] + (
+    SHARD_AND_CHECKPOINT.split("return forward_order[position - 1] if position > 0 else None\n")[1]
+)
+
+# Wrong code, and a few lines that rewrite what its run reports about itself: nothing held, no
+# all-gathers, no layer calls. The trial's own result is replaced on its way to the reply.
+FORGE = """
+import fsdp_lab.course.checker as _checker
+_run_case = _checker.run_case
+
+
+def _forged(exercise, fn, case, pool):
+    run = _run_case(exercise, fn, case, pool)
+    for o in run.get("outcomes", []):
+        if "markers" in o:
+            o["markers"] = [[label, 0] for label, _ in o["markers"]]
+            o["held"] = [[unit, "0 bytes (freed)"] for unit, _ in o["held"]]
+        if "peak_gathered" in o:
+            o.update(gathers=[], on_demand=[], peak_gathered=0)
+            o["gathered_at_markers"] = [0 for _ in o["gathered_at_markers"]]
+        if "segments" in o:
+            o["segments"].update(peak=0, calls=0)
+    return run
+
+
+_checker.run_case = _forged
+"""
+WRONG = {
+    "free_unsharded": "def free_unsharded(buffer):\n    del buffer\n",
+    "unit_to_prefetch": (
+        "def unit_to_prefetch(forward_order, position):\n    return forward_order[position]\n"
+    ),
+    "sqrt_segment_starts": "def sqrt_segment_starts(n_layers):\n    return [0]\n",
+}
+
+
+def write_second_class(root: Path) -> Path:
+    subs = root / "checkout" / "course" / "submitted"
+    alice = subs / "alice" / "ex.py"
+    files = {
+        ("alice", "ex.py"): SHARD_AND_CHECKPOINT,
+        # 7. a name that starts like an option
+        ("dash", "-v2.py"): SQRT_ONLY,
+        # 1. a lone surrogate: raised at top level, raised on a rank, written as a reply
+        ("sur_top", "ex.py"): SQRT_ONLY + 'raise ValueError("\\ud800")\n',
+        ("sur_rank", "ex.py"): 'def sqrt_segment_starts(n_layers):\n    raise ValueError("x\\ud800")\n',
+        ("sur_reply", "ex.py"): 'import os\nos.write(3, b\'{"error": "\\\\ud800"}\\n\')\nos._exit(0)\n',
+        # 3. a neighbour's file, by its path (the checkout is on PYTHONPATH)
+        ("peeker", "ex.py"): SQRT_ONLY + f"raise RuntimeError('saw:' + str(__import__('os').path.exists({str(alice)!r})))\n",
+        # 6. one student's many files
+        **{("many", f"{c}.py"): "" for c in "abcdef"},
+    }  # fmt: skip
+    for name, wrong in WRONG.items():  # 2. wrong code + forged figures
+        files[(f"forge_{name}", "ex.py")] = wrong + FORGE
+    for (student, name), text in files.items():
+        path = subs / student / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return subs
+
+
+@pytest.fixture(scope="module")
+def graded_again(tmp_path_factory):
+    root = tmp_path_factory.mktemp("course2")
+    subs = write_second_class(root)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "checkout"), *sys.path])}
+    command = [*FSDP_LAB, "grade", str(subs), "--time-limit", "8", "--json",
+               "--max-files-per-student", "2", "--csv", str(root / "grades.csv")]  # fmt: skip
+    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, timeout=900)
+    print(proc.stderr.decode(errors="replace")[-4000:])
+    return root, proc
+
+
+def test_a_lone_surrogate_costs_nothing_but_its_own_file(graded_again):
+    root, proc = graded_again
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = by_student(proc)
+    assert score(got["alice"]) == 6
+    assert score(got["sur_top"]) == 2  # its function is still graded
+    assert any("\\ud800" in n for n in got["sur_top"]["notes"])
+    (v,) = [v for v in got["sur_rank"]["verdicts"] if v["exercise"] == "sqrt_segment_starts"]
+    assert v["kind"] == "raised" and "\\ud800" in v["summary"]
+    assert "\\ud800" in got["sur_reply"]["error"]
+    rows = list(csv.DictReader((root / "grades.csv").open(encoding="utf-8")))
+    assert {"alice", "sur_top", "sur_rank", "sur_reply"} <= {r["student"] for r in rows}
+
+
+def test_forged_figures_with_wrong_code_score_nothing(graded_again):
+    _, proc = graded_again
+    got = by_student(proc)
+    for name in WRONG:
+        (v,) = [v for v in got[f"forge_{name}"]["verdicts"] if v["exercise"] == name]
+        assert v["score"] == 0 and v["kind"] in ("wrong result", "invalid reply"), v
+
+
+def test_a_file_named_like_an_option_is_graded(graded_again):
+    _, proc = graded_again
+    assert score(by_student(proc)["dash"]) == 2
+
+
+def test_the_sandbox_binds_no_folder_that_holds_submissions(graded_again):
+    root, proc = graded_again
+    got = by_student(proc)
+    assert any("saw:False" in n for n in got["peeker"]["notes"]), got["peeker"]
+    seen = json.loads(proc.stdout)["sandbox"]
+    subs = str(root / "checkout" / "course")
+    assert seen["binds"] and not any(subs.startswith(b.rstrip("/") + "/") for b in seen["binds"])
+
+
+def test_one_student_cannot_stall_the_class(graded_again):
+    _, proc = graded_again
+    results = json.loads(proc.stdout)["submissions"]
+    many = [r for r in results if r["student"] == "many"]
+    assert len(many) == 6
+    skipped = [r for r in many if "not graded" in r.get("error", "")]
+    assert len(skipped) == 4 and all("2 files per student" in r["error"] for r in skipped)
+    # fair order: every other student's file was graded before the second of "many"
+    order = [r["student"] for r in results if "not graded" not in r.get("error", "")]
+    second = [i for i, s in enumerate(order) if s == "many"][1]
+    assert second == len(order) - 1, order
+
+
+def test_an_error_on_the_graders_side_blames_no_student(tmp_path):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "ex.py").write_text(CORRECT)
+    env = {**os.environ, "FSDP_LAB_DEVICE": "garbage"}
+    proc = subprocess.run([*FSDP_LAB, "grade", "s", "--json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "[1/" not in proc.stderr and "garbage" in proc.stderr
+    assert "submissions" not in json.loads(proc.stdout)
+
+
+def test_a_reference_that_fails_mid_run_stops_grading_as_the_graders_error():
+    from fsdp_lab.course.grading import GraderError, Judge
+
+    judge = Judge()
+    try:
+        judge._futures["x"] = broken = __import__("concurrent.futures").futures.Future()
+        broken.set_exception(RuntimeError("the reference solution of x failed"))
+        with pytest.raises(GraderError, match="reference"):
+            judge.reference("x")
+    finally:
+        judge.close()
+
+
+def test_a_path_that_does_not_exist_is_wrong_input(tmp_path):
+    proc = subprocess.run([*FSDP_LAB, "grade", "nosuch/"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "nosuch" in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(bwrap() is None, reason="bubblewrap cannot run here (CI installs it)")
+@pytest.mark.parametrize("how", ["as the machine allows", "watchdog"])
+def test_memory_is_limited_for_the_sandbox_as_a_whole(tmp_path, monkeypatch, how):
+    """Under an address-space limit per process, four children and two memfds held twice the
+    limit. The sandbox as a whole is limited now: a control group where root may make one
+    (as here and in CI), else a watchdog summing its processes and their memfds."""
+    from fsdp_lab.course import sandbox
+
+    if how == "watchdog":
+        monkeypatch.setattr(sandbox.ControlGroup, "make", classmethod(lambda cls, *a: None))
+
+    probe = textwrap.dedent("""
+        import ctypes, os, time
+        MiB = 1 << 20
+        fds = [os.memfd_create("hoard") for _ in range(2)]  # under the file-size limit each
+        for fd in fds:
+            for _ in range(60):
+                os.write(fd, b"y" * MiB)
+        os.write(3, b"memfd ")
+        children = []
+        for k in range(4):
+            pid = os.fork()
+            if pid == 0:
+                hold = (ctypes.c_char * (150 * MiB))()
+                ctypes.memset(hold, 1, 150 * MiB)  # every page touched: resident
+                os.write(3, f"child{k} ".encode())
+                time.sleep(30)
+                os._exit(0)
+            children.append(pid)
+            time.sleep(1.0)
+        time.sleep(3)
+        alive = sum(os.waitpid(pid, os.WNOHANG) == (0, 0) for pid in children)
+        os.write(3, f"alive={alive}".encode())
+        """)
+    (tmp_path / "probe.py").write_text(probe)
+    limits = sandbox.Limits(wall_seconds=60, memory_bytes=400 << 20)
+    run = sandbox.run_submission(tmp_path / "probe.py", "probe.py", ["probe.py"], limits, 1 << 20)
+    said = (run.reply or b"").decode()
+    assert said.startswith("memfd child0"), (said, run.stderr[-2000:])  # ran, then was stopped
+    # 120 MiB of memfds and 150 MiB per child: within 400 MiB, one child at most holds on
+    assert run.limit_hit == "memory" and "alive=2" not in said and "alive=3" not in said, said
+    assert "memory" in sandbox.sandbox_note(limits)
+
+
+@pytest.mark.skipif(bwrap() is None, reason="bubblewrap cannot run here (CI installs it)")
+def test_one_sandbox_s_processes_do_not_starve_another(tmp_path):
+    """Every sandbox ran as one user, and the process limit was that user's: one submission's
+    threads made a concurrent sandbox fail to start its own. The limit is per sandbox now."""
+    from fsdp_lab.course import sandbox
+
+    probe = textwrap.dedent("""
+        import os, threading, time
+        started = 0
+        try:
+            for _ in range(300):
+                threading.Thread(target=time.sleep, args=(8,), daemon=True).start()
+                started += 1
+        except RuntimeError:
+            pass
+        os.write(3, str(started).encode())
+        time.sleep(4)
+        """)
+    (tmp_path / "probe.py").write_text(probe)
+    limits = sandbox.Limits(wall_seconds=60, processes=400)
+    runs: list = []
+
+    def one() -> None:
+        runs.append(sandbox.run_submission(tmp_path / "probe.py", "probe.py", ["probe.py"], limits,
+                                           1 << 20))  # fmt: skip
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(2.0)
+    for t in threads:
+        t.join()
+    assert sorted(int(r.reply or b"0") for r in runs) == [300, 300], [r.stderr[-500:] for r in runs]

@@ -549,3 +549,32 @@ def test_clip_grad_norm_counts_a_replicated_unit_once(cluster_of):
     assert root > 1e-3 * single**2  # counted twice, it would move the norm by > 5e-4 (rel)
     for got in cluster_of(2).run(_clipped_norm):
         assert got == pytest.approx(single, rel=1e-5)
+
+
+# -- plans that differ between ranks (issue 35, point 11) ----------------------------------------
+
+
+def _policies_differ_by_rank():
+    from fsdp_lab.sharding import shard
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    mine = {"": UnitPolicy(strategy="replicate")} if dist.get_rank() == 1 else None
+    try:
+        shard(model, units={nn.Linear, nn.Embedding}, strategy="full", policies=mine)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_plan_that_differs_between_ranks_is_refused_on_every_rank_naming_it(cluster_of):
+    """Rank 1 replicated its root where rank 0 sharded it: the ranks then sent different
+    messages and gloo aborted the process ("a crash in native code"). Every rank compares a
+    digest of its plan with the others' before the first collective and refuses, naming the
+    first difference."""
+    cluster = cluster_of(2)
+    msg0, msg1 = cluster.run(_policies_differ_by_rank)
+    assert msg0 is not None and msg0 == msg1
+    assert "rank 0" in msg0 and "rank 1" in msg0 and "unit ''" in msg0
+    assert "strategy=full" in msg0 and "strategy=replicate" in msg0
+    assert cluster.run(dist.get_rank) == [0, 1]  # no rank died: the cluster is still usable

@@ -4,7 +4,9 @@ Each rank's stdout and stderr are the write ends of two OS pipes; the driver hol
 ends and reads whatever is there whenever it waits for the ranks. So a line printed before a
 hang or a crash is already in the pipe when the rank stops, and a long stream arrives line by
 line while the call runs (read in chunks of up to 64 KiB, printed with one write per chunk),
-not all at once at the end.
+not all at once at the end. A line longer than `MAX_LINE` bytes is printed in pieces of that
+length: a rank that prints 100 MB without a newline costs the driver one piece at a time, not
+a partial line joined to every chunk (quadratic) and held whole.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from typing import TextIO
 
 CHUNK = 1 << 16
+MAX_LINE = 1 << 16  # bytes of one line kept before it is printed as a piece
 
 
 class RankOutput:
@@ -38,11 +41,14 @@ class RankOutput:
                 self._emit(fd, self._partial[fd] + (b"\n" if self._partial[fd] else b""))
                 self._close(fd)
                 return
-            data = self._partial[fd] + data
+            got = len(data)
+            data = self._partial[fd] + data  # the partial line is below MAX_LINE: joined cheaply
             cut = data.rfind(b"\n") + 1
+            while len(data) - cut > MAX_LINE:  # no newline for that long: print a piece
+                cut += MAX_LINE
             self._partial[fd] = data[cut:]
             self._emit(fd, data[:cut])
-            if len(data) < CHUNK:
+            if got < CHUNK:
                 return
 
     def drain(self) -> None:

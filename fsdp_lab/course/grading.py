@@ -15,6 +15,12 @@ crash, reply garbage, delete files — it is that file's row, and grading goes o
 Every file is copied into the grader's private folder before the first one runs (a submission
 cannot change or delete another's), links are refused (a link can name another student's file,
 or anything the grader may read), and names and the text of verdicts are kept printable.
+
+A class is graded fairly: every student's first file, then every student's second, ..., at most
+`MAX_FILES_PER_STUDENT` each (the rest get a row that says so), within an optional class time
+limit. What goes wrong on the grader's side is the grader's: a reference that cannot run stops
+grading with one line (`GraderError`), never a row that blames a student; a file whose reply
+the grader fails on is that file's row, marked as the grader's error, and the others go on.
 """
 
 from __future__ import annotations
@@ -43,6 +49,12 @@ MAX_FILE_BYTES = 16 << 20  # a submission larger than this is refused unread
 REPLY_LIMIT = 8 << 20  # a whole class's correct reply is about 4 MB (all 15 exercises)
 MAX_REPLY_LINES = 100  # a reply is a header and a line per exercise
 MAX_NOTES, NOTE_CHARS = 20, 300
+MAX_FILES_PER_STUDENT = 10
+
+
+class GraderError(Exception):
+    """The grader cannot grade (its reference solution failed to run): nobody's submission is
+    at fault, so grading stops with this one line instead of rows that blame students."""
 
 
 @dataclass(frozen=True)
@@ -126,53 +138,124 @@ def _read(path: Path, student: str, copy: Path) -> Submission:
     return Submission(shown, student, path.name, copy=copy)
 
 
+def fair_order(todo: list[Submission], max_files: int) -> tuple[list[Submission], list[dict]]:
+    """Every student's first file, then every student's second, ... (one student's thousand
+    files cannot hold up the class); past `max_files` a student's files get a row each that
+    says they were not graded."""
+    by_student: dict[str, list[Submission]] = {}
+    for sub in todo:
+        by_student.setdefault(sub.student or sub.shown, []).append(sub)
+    rounds = max((len(subs) for subs in by_student.values()), default=0)
+    ordered = [subs[k] for k in range(min(rounds, max_files)) for subs in by_student.values()
+               if k < len(subs)]  # fmt: skip
+    skipped = [
+        {"file": sub.shown, "student": sub.student,
+         "error": f"not graded: more than {max_files} files per student (--max-files-per-student)"}
+        for subs in by_student.values() for sub in subs[max_files:]
+    ]  # fmt: skip
+    return ordered, skipped
+
+
+def check_grader_environment() -> None:
+    """What would make the grader's own reference fail, checked before the first file (a
+    ValueError naming the fix): the ranks of grading run on the CPU, as the sandbox's do."""
+    from fsdp_lab.choices import DEVICE_ENV, DEVICES
+
+    device = os.environ.get(DEVICE_ENV)
+    if device and device not in DEVICES:
+        raise ValueError(
+            f"{DEVICE_ENV}={device!r} is not one of {DEVICES}; grading runs every rank on the "
+            f"CPU (submissions and the reference alike) — unset {DEVICE_ENV}"
+        )
+
+
 def grade_paths(
     paths: Iterable[Path],
     time_limit: float,
     only: str | None = None,
     progress: Callable[[str], None] = lambda line: None,
-) -> list[dict[str, Any]]:
-    """Every file's result, in order; `progress` gets one line per file as it is graded."""
+    max_files: int = MAX_FILES_PER_STUDENT,
+    class_time_limit: float | None = None,
+) -> dict[str, Any]:
+    """Every file's result (`submissions`, in the order graded), what the sandbox sees
+    (`sandbox`) and how many files the grader itself failed on (`grader_errors`); `progress`
+    gets one line per file as it is graded. A ValueError before the first file for input the
+    grader cannot use; a GraderError if its reference cannot run."""
     from fsdp_lab.course.catalog import exercise
 
     if only is not None:
         exercise(only)  # a name that does not exist: ValueError before anything runs
+    check_grader_environment()
+    paths = list(paths)
+    binds = sandbox.python_binds(avoid=paths) if sandbox.bwrap() is not None else []
     snapshot = tempfile.TemporaryDirectory(prefix="fsdp_lab_submissions_")  # mode 0700
-    todo = submissions(paths, Path(snapshot.name))
-    progress(sandbox.sandbox_note())
+    todo, skipped = fair_order(submissions(paths, Path(snapshot.name)), max_files)
+    seen = {"note": sandbox.sandbox_note(sandbox.Limits(wall_seconds=0)), "binds": binds}
+    progress(seen["note"])
+    students = len({sub.student for sub in todo})
+    walls = [file_limits(sub, time_limit, only) for sub in todo]
+    budget = sum(lim.wall_seconds for lim in walls if lim is not None)
+    progress(
+        f"{len(todo)} files of {students} students; each file stops at its own time limit: "
+        f"{budget / 60:.0f} min at most in all"
+        + (f" (class time limit {class_time_limit:g} s)" if class_time_limit else "")
+    )
     judge = Judge()
     # The reference of every exercise the class mentions, measured while the first files run.
     for name in dict.fromkeys(n for sub in todo for n in mentioned(sub)):
         if only is None or name == only:
             judge.prepare(exercise(name))
-    results = []
+    results, grader_errors, t_start = [], 0, time.monotonic()
     try:
         for i, sub in enumerate(todo, 1):
             t0 = time.perf_counter()
-            result = grade_one(sub, time_limit, only, judge)
+            if class_time_limit is not None and time.monotonic() - t_start > class_time_limit:
+                result = {"file": sub.shown, "student": sub.student,
+                          "error": f"not graded: the class time limit ({class_time_limit:g} s) "
+                          "was reached first — grade this file again on its own"}  # fmt: skip
+            else:
+                try:
+                    result = grade_one(sub, time_limit, only, judge, binds)
+                except (GraderError, KeyboardInterrupt):
+                    raise
+                except Exception as exc:  # ours, not the student's: this row, then go on
+                    grader_errors += 1
+                    result = {"file": sub.shown, "student": sub.student,
+                              "error": f"grader error on this file (a bug in fsdp_lab, not the "
+                              f"submission's fault: please report it): {printable(repr(exc))[:300]}"}  # fmt: skip
             results.append(result)
             took = time.perf_counter() - t0
             progress(f"[{i}/{len(todo)}] {sub.shown}: {score_line(result)} ({took:.0f} s)")
     finally:
         judge.close()
         snapshot.cleanup()
-    return results
+    return {"sandbox": seen, "submissions": results + skipped, "grader_errors": grader_errors}
 
 
-def grade_one(sub: Submission, time_limit: float, only: str | None, judge: Judge) -> dict:
+def file_limits(sub: Submission, time_limit: float, only: str | None) -> sandbox.Limits | None:
+    """What `sub`'s sandbox may use: its wall clock grows with the exercises it mentions."""
+    if sub.copy is None:
+        return None
+    checks = 1 if only else len(mentioned(sub))
+    return sandbox.Limits(wall_seconds=START_ALLOWANCE + time_limit * (1 + checks))
+
+
+def grade_one(
+    sub: Submission, time_limit: float, only: str | None, judge: Judge,
+    binds: list[str] | None = None,
+) -> dict:  # fmt: skip
     """One file's row: its verdicts, or the one error that stopped it."""
     row: dict[str, Any] = {"file": sub.shown, "student": sub.student}
-    if sub.copy is None:
+    limits = file_limits(sub, time_limit, only)
+    if sub.copy is None or limits is None:
         return {**row, "error": sub.error}
-
-    checks = 1 if only else len(mentioned(sub))
-    limits = sandbox.Limits(wall_seconds=START_ALLOWANCE + time_limit * (1 + checks))
     inside = "submission" + Path(sub.name).suffix
-    argv = ["-m", "fsdp_lab.course.submission", inside, "--time-limit", str(time_limit)]
-    argv += ["--name", printable(sub.name)]
+    argv = ["-m", "fsdp_lab.course.submission", inside, f"--time-limit={time_limit:g}"]
+    argv += [f"--name={printable(sub.name)}"]  # one argument: a name may start like an option
     run = sandbox.run_submission(
-        sub.copy, inside, [*argv, *(["--only", only] if only else [])], limits, REPLY_LIMIT
-    )
+        sub.copy, inside, [*argv, *([f"--only={only}"] if only else [])], limits, REPLY_LIMIT,
+        binds=binds,
+    )  # fmt: skip
     return {**row, **judge.verdicts(read_reply(run), run, only, sub)}
 
 
@@ -210,6 +293,10 @@ def read_reply(run: sandbox.Run) -> dict[str, Any]:
 
 def how_it_stopped(run: sandbox.Run) -> str:
     """Why a submission's process gave no (full) reply, in one line."""
+    if run.limit_hit == "memory":
+        return "stopped at the sandbox's memory limit (all its processes together)"
+    if run.limit_hit == "processes":
+        return "stopped at the sandbox's limit of processes and threads"
     if run.timed_out:
         return f"stopped at the file's time limit ({run.seconds:.0f} s)"
     if run.reply is None:
@@ -238,13 +325,22 @@ class Judge:
         from fsdp_lab.course.checker import expected_outcomes
         from fsdp_lab.course.pool import ClusterPool
 
-        if self._pool is None:
-            self._pool = ClusterPool()
+        if self._pool is None:  # on the CPU, as the sandboxed submissions run
+            self._pool = ClusterPool(device="cpu")
         return {case.label: expected_outcomes(ex, case, self._pool) for case in ex.cases}
 
+    def reference(self, name: str) -> dict[str, list]:
+        """The reference's outcomes of exercise `name`, by case; a GraderError if it failed."""
+        try:
+            return self._futures[name].result()
+        except Exception as exc:
+            raise GraderError(
+                f"the grader's reference for {name} could not run: {printable(str(exc))[:500]}"
+            ) from exc
+
     def expected(self, ex: Any) -> Callable[[Any], list]:
-        future = self.prepare(ex)
-        return lambda case: future.result()[case.label]
+        self.prepare(ex)
+        return lambda case: self.reference(ex.name)[case.label]
 
     def verdicts(
         self, reply: dict[str, Any], run: sandbox.Run, only: str | None, sub: Submission

@@ -39,14 +39,21 @@ class ClusterPool:
     Args:
         time_limit: seconds one case may take on the ranks before they count as hung.
         backend: passed to `Cluster`.
+        device: passed to `Cluster` (None: its default; the grader pins "cpu", where the
+            sandboxed submissions run).
     """
 
-    def __init__(self, time_limit: float = DEFAULT_TIME_LIMIT, backend: str = "gloo") -> None:
+    def __init__(
+        self,
+        time_limit: float = DEFAULT_TIME_LIMIT,
+        backend: str = "gloo",
+        device: str | None = None,
+    ) -> None:
         self.time_limit = check_timeout("time_limit", time_limit)
         # Every rank of a check imports every exercise and takes an optimizer step: done once in
         # the fork server the ranks come from, when the pool is the first to start ranks.
         launcher.preload("fsdp_lab.course.catalog", "torch._dynamo")
-        self.backend = backend
+        self.backend, self.device = backend, device
         self._clusters: dict[int, Cluster] = {}
         # (exercise, case label) -> the reference solution's per-rank outcomes: the reference
         # gives the same values every time, so a pool measures each case once.
@@ -63,6 +70,7 @@ class ClusterPool:
                 self._clusters[world_size] = Cluster(
                     world_size,
                     backend=self.backend,
+                    device=self.device,
                     timeout=self.time_limit,
                     verbose=False,
                     failure_grace=FAILURE_GRACE,

@@ -7,9 +7,14 @@ child process that can harm nothing the grader owns:
   directory a small private tmpfs holding a read-only copy of the submission and nothing else of
   the course; a private /tmp; its own PID namespace (every process it starts dies with it:
   nothing outlives grading); a network namespace with loopback only (gloo's sockets work,
-  nothing leaves the machine); and — when the grader runs as root — an unprivileged user
-  (nobody) without capabilities;
-- **rlimits** on every process it starts: address space, CPU seconds, file size, processes; and
+  nothing leaves the machine); of the grader's files only what Python needs to import this
+  package and its dependencies (`binds`), never a folder that holds submissions; and — when
+  the grader runs as root — an unprivileged user of its own, without capabilities;
+- **limits on the sandbox as a whole** (`containment`): its memory — every process, shared
+  memory and memfds summed — and its processes and threads, in a control group of its own where
+  the grader may make one, else watched by a thread that stops it at the limit; as root, a user
+  of its own, so no sandbox's processes count against another's;
+- **rlimits** on every process it starts: address space, CPU seconds, file size; and
   the out-of-memory killer's first choice (oom_score_adj 1000), so a runaway submission is
   what dies, not the grader;
 - **a wall clock** per file: at the limit the whole sandbox is killed;
@@ -44,7 +49,8 @@ from typing import Any
 
 import psutil
 
-NOBODY = 65534  # the unprivileged user a root grader runs submissions as
+from fsdp_lab.course.containment import ControlGroup, Watchdog, sandbox_uid
+
 INSIDE = "/sandbox"  # the working directory inside the sandbox
 REPLY_FD = 3  # the child writes its reply here: a pipe to the grader, nothing on disk
 TMPFS = ("--perms", "01777", "--size", str(256 << 20), "--tmpfs")  # a small private folder
@@ -62,9 +68,10 @@ class Limits:
 
     Args:
         wall_seconds: the whole run, start-up included; then everything is killed.
-        memory_bytes: address space per process (a rank or the grading process).
+        memory_bytes: memory of the whole sandbox (every process, shared memory, memfds); also
+            the address space of each process in it.
         file_bytes: largest file a process may write.
-        processes: processes and threads of the sandbox's user (when it runs as nobody).
+        processes: processes and threads of the whole sandbox.
         output_bytes: the last bytes of stdout and of stderr that are kept.
     """
 
@@ -85,6 +92,7 @@ class Run:
     stdout: str
     stderr: str
     reply: bytes | None
+    limit_hit: str | None = None  # "memory" or "processes": the sandbox was stopped at it
 
     @property
     def timed_out(self) -> bool:
@@ -105,23 +113,45 @@ def bwrap() -> str | None:
     return path if ok else None
 
 
-def sandbox_note() -> str:
-    """One line: how submissions are contained on this machine."""
+def sandbox_note(limits: Limits | None = None) -> str:
+    """One line: how submissions are contained on this machine (and with `limits`, what each
+    may use in all)."""
+    limited = ""
+    if limits is not None:
+        how = "a control group" if _can_make_cgroups() else "a watchdog"
+        limited = (
+            f"; each sandbox limited as a whole by {how}: {limits.memory_bytes >> 20} MiB of "
+            f"memory, {limits.processes} processes and threads"
+        )
     if bwrap() is not None:
-        who = "as user nobody, " if os.geteuid() == 0 else ""
+        who = "as a user of its own, " if os.geteuid() == 0 else ""
         return (
             f"submissions run in a bubblewrap sandbox ({who}own PID and network namespaces, "
-            "no view of the course folder)"
+            f"of this machine's files only Python and fsdp_lab, read-only){limited}"
         )
     return (
         "bubblewrap (bwrap) is not available: submissions run unsandboxed, with your user's "
         "rights, in a temporary folder and a process group of their own (killed as a whole), "
-        "under rlimits — install bubblewrap (apt-get install bubblewrap) to contain them"
+        f"under rlimits{limited} — install bubblewrap (apt-get install bubblewrap) to contain them"
     )
 
 
+@functools.cache
+def _can_make_cgroups() -> bool:
+    group = ControlGroup.make(f"fsdp_lab_probe_{os.getpid()}", 1 << 30, 64)
+    if group is None:
+        return False
+    group.remove()
+    return True
+
+
 def run_submission(
-    submission: Path, name: str, argv: list[str], limits: Limits, reply_limit: int
+    submission: Path,
+    name: str,
+    argv: list[str],
+    limits: Limits,
+    reply_limit: int,
+    binds: list[str] | None = None,
 ) -> Run:
     """Run `python argv...` with `submission` as `name` (a read-only copy) in its working
     directory; its reply is what it writes to file descriptor 3.
@@ -132,18 +162,23 @@ def run_submission(
         argv: the arguments after the Python executable (e.g. ["-m", "module", name]).
         limits: see `Limits`.
         reply_limit: a reply longer than this many bytes is not read (`Run.reply` None).
+        binds: the folders the sandbox sees read-only (default: `python_binds()`).
     """
     folder = Path(tempfile.mkdtemp(prefix="fsdp_lab_grade_"))
     try:
         sandboxed = bwrap() is not None
+        uid = sandbox_uid() if os.geteuid() == 0 else None
         if sandboxed:
-            command = _bwrap_command(submission, name, argv)
+            seen = python_binds() if binds is None else binds
+            command = _bwrap_command(submission, name, argv, seen, uid)
         else:  # the best without a sandbox: a folder of its own with a copy
             shutil.copyfile(submission, folder / name)
             command = [sys.executable, *argv]
         t0 = time.monotonic()
-        code, out, err, reply = _run_limited(command, limits, folder, sandboxed, reply_limit)
-        return Run(code, time.monotonic() - t0, out, err, reply)
+        code, out, err, reply, hit = _run_limited(
+            command, limits, folder, sandboxed, reply_limit, own_user=sandboxed and uid is not None
+        )
+        return Run(code, time.monotonic() - t0, out, err, reply, hit)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -176,25 +211,51 @@ def _mounts(extra: list[str]) -> list[str]:
     return args
 
 
-def _python_paths() -> list[str]:
-    """What the child's Python reads: its installation, its import path, this package — not the
-    folder grading started in (the course folder, most likely)."""
+SITE_FOLDERS = ("site-packages", "dist-packages")
+
+
+def python_binds(avoid: list[Path] = ()) -> list[str]:  # type: ignore[assignment]
+    """The folders a sandboxed Python needs, to be bound read-only: its installation (and a
+    virtual environment's), the folders of installed packages on its import path, and this
+    package's own folder — not the other folders on the import path (a checkout, PYTHONPATH:
+    they may hold a course and its submissions), nor the folder grading started in. A ValueError
+    if one of them holds a folder of `avoid` (the submissions), which the sandbox must not see.
+    """
     import fsdp_lab
 
     wanted = {sys.base_prefix, sys.prefix, sys.exec_prefix, str(Path(fsdp_lab.__file__).parent)}
-    wanted |= {p for p in sys.path if p and os.path.isdir(p)}
+    wanted |= {p for p in sys.path if p and os.path.isdir(p) and Path(p).name in SITE_FOLDERS}
+    prefixes = [os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)]
+    wanted |= {p for p in sys.path if p and os.path.isdir(p) and _inside(p, prefixes)}
     cwd = os.path.realpath(os.getcwd())
     real = {os.path.realpath(p) for p in wanted}
     paths = sorted(p for p in real if p != cwd and not p.startswith(("/usr/", "/etc/")))
-    return [p for i, p in enumerate(paths) if not any(p.startswith(q + "/") for q in paths[:i])]
+    binds = [p for i, p in enumerate(paths) if not any(p.startswith(q + "/") for q in paths[:i])]
+    for folder in avoid:
+        where = os.path.realpath(folder)
+        for bind in binds:
+            if where == bind or where.startswith(bind + "/"):
+                raise ValueError(
+                    f"{folder} is inside {bind}, which the sandbox must see to run Python and "
+                    "fsdp_lab: every submission would see every other. Move the submissions "
+                    "out of it (e.g. grade a copy of the folder made elsewhere)"
+                )
+    return binds
 
 
-def _bwrap_command(submission: Path, name: str, argv: list[str]) -> list[str]:
+def _inside(path: str, folders: list[str]) -> bool:
+    real = os.path.realpath(path)
+    return any(real == f or real.startswith(f + "/") for f in folders)
+
+
+def _bwrap_command(
+    submission: Path, name: str, argv: list[str], binds: list[str], uid: int | None
+) -> list[str]:
     path = bwrap()
     assert path is not None
     command = [
         path,
-        *_mounts(_python_paths()),
+        *_mounts(binds),
         *(*TMPFS, INSIDE, "--ro-bind", str(submission), f"{INSIDE}/{name}", "--chdir", INSIDE),
         *("--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"),
         *("--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv"),
@@ -202,14 +263,14 @@ def _bwrap_command(submission: Path, name: str, argv: list[str]) -> list[str]:
     for key, value in _environment(INSIDE).items():
         command += ["--setenv", key, value]
     command.append("--")
-    if os.geteuid() == 0:  # drop root inside: the child runs as nobody, without capabilities
+    if uid is not None:  # drop root inside: a user of this sandbox's own, without capabilities
         # First, still root in the sandbox's own IPC namespace: cap System V shared memory,
         # which no rlimit counts (a segment outlives its process until the namespace dies).
         command += ["/bin/sh", "-c", SHM_LIMITS + 'exec "$@"', "sh"]
         command += [
             "setpriv",
-            f"--reuid={NOBODY}",
-            f"--regid={NOBODY}",
+            f"--reuid={uid}",
+            f"--regid={uid}",
             "--clear-groups",
             "--bounding-set=-all",
             "--inh-caps=-all",
@@ -235,21 +296,27 @@ def _environment(home: str) -> dict[str, str]:
 
 
 def _run_limited(
-    command: list[str], limits: Limits, folder: Path, sandboxed: bool, reply_limit: int
-) -> tuple[int | None, str, str, bytes | None]:
+    command: list[str], limits: Limits, folder: Path, sandboxed: bool, reply_limit: int,
+    own_user: bool,
+) -> tuple[int | None, str, str, bytes | None, str | None]:  # fmt: skip
     """Start `command` in a session of its own under `limits`; wait up to the wall clock, then
-    kill it whole. Returns the exit code (None: killed), the kept output and the reply."""
+    kill it whole. Returns the exit code (None: killed), the kept output, the reply and the
+    limit the sandbox was stopped at (or None). `own_user`: the child runs as a user of its
+    own (so the per-user process rlimit counts this sandbox alone)."""
     env = None if sandboxed else {**_environment(str(folder)), "TMPDIR": str(folder)}
     reply_r, reply_w = os.pipe()
+    group = ControlGroup.make(folder.name, limits.memory_bytes, limits.processes)
 
     def apply_limits() -> None:  # in the child, before exec: inherited by all it starts
+        if group is not None:
+            group.join()
         resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
         cpu = int(limits.wall_seconds) + 1
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        # counted per user: it holds the sandbox's nobody (root itself is exempt)
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+        if own_user:  # counted per user: the sandbox's own (root itself is exempt)
+            resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
         with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")  # out of memory: the submission goes first
         os.dup2(reply_w, REPLY_FD)
@@ -273,19 +340,39 @@ def _run_limited(
             pass_fds=tuple(sorted({reply_w, REPLY_FD})),
             preexec_fn=apply_limits,
         )
+    except BaseException:
+        if group is not None:
+            group.remove()
+        raise
     finally:
         os.close(reply_w)
+    watchdog = None
+    if group is None:
+        watchdog = Watchdog(proc.pid, limits.memory_bytes, limits.processes,
+                            kill=lambda: _kill_tree(proc.pid))  # fmt: skip
     tails = [_Tail(proc.stdout, limits.output_bytes), _Tail(proc.stderr, limits.output_bytes)]
     reply = _Tail(os.fdopen(reply_r, "rb"), reply_limit, keep="first")
     try:
         returncode: int | None = proc.wait(timeout=limits.wall_seconds)
     except subprocess.TimeoutExpired:
         returncode = None
-    except BaseException:  # Ctrl-C: nothing of the submission is left behind
+    finally:  # also on Ctrl-C: nothing of the submission is left behind
+        if watchdog is not None:
+            watchdog.stop()
         _kill(proc, before)
-        raise
-    _kill(proc, before)
-    return returncode, tails[0].text(), tails[1].text(), reply.data()
+        hit = group.hit() if group is not None else watchdog.hit if watchdog else None
+        if group is not None:
+            group.remove()
+    return returncode, tails[0].text(), tails[1].text(), reply.data(), hit
+
+
+def _kill_tree(pid: int) -> None:
+    """`pid` and everything below it (the watchdog's stop: a sandbox past its limit)."""
+    with contextlib.suppress(psutil.Error):
+        top = psutil.Process(pid)
+        for p in [*top.children(recursive=True), top]:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
 
 
 def _kill(proc: subprocess.Popen, before: set[int] | None) -> None:

@@ -39,8 +39,17 @@ KINDS = (
 
 
 def printable(text: str, keep_newlines: bool = False) -> str:
-    """`text` with undecodable bytes as \\xNN and control and bidirectional characters escaped,
-    so no name or message can rewrite the line (or the terminal) it is printed on."""
+    """`text` with undecodable bytes as \\xNN, lone surrogates as \\udNNN, and control and
+    bidirectional characters escaped, so no name or message can rewrite the line (or the
+    terminal) it is printed on, nor stop it being printed or written as UTF-8."""
+    # A file name's undecodable bytes arrive as surrogates U+DC80..U+DCFF (surrogateescape):
+    # back to their bytes, shown as \xNN; any other surrogate (a message's "\ud800") escaped.
+    text = "".join(
+        ch
+        if not 0xD800 <= ord(ch) <= 0xDFFF or 0xDC80 <= ord(ch) <= 0xDCFF
+        else f"\\u{ord(ch):04x}"
+        for ch in str(text)
+    )
     text = os.fsencode(text).decode("utf-8", errors="backslashreplace")
     return "".join(
         ch

@@ -43,7 +43,9 @@ from fsdp_lab.sharding.checks import (
     check_bucket_cap,
     check_init_options,
     check_model,
+    check_same_plan,
     check_units,
+    plan_lines,
 )
 from fsdp_lab.sharding.materialize import (
     EMPTY,
@@ -147,6 +149,12 @@ def shard(
     unit_plans = resolve_policies(  # what each unit does: the defaults, or its own policy
         model, plan, policy, policies, mixed_precision, reshard_after_forward, offload
     )
+    settings = (
+        f"shard(strategy={policy.name}, prefetch={prefetch}, use_orig_params={use_orig_params}, "
+        f"bucket_cap_mb={bucket_cap_mb}, mesh={groups.replicas}x{groups.shard_size})"
+    )
+    everyone = groups.group if groups.replicate_group is None else None
+    check_same_plan(plan_lines(model, plan, unit_plans, settings), everyone)  # the 1st message
 
     on_meta = next(model.parameters()).is_meta  # one device: check_model made sure
     if on_meta and not recorded_ties(model):

@@ -6,9 +6,11 @@ check here reads only this rank's model, which every rank built the same way.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any
 
+import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_lab.sharding.state import sharded_root, sharding_state
@@ -125,3 +127,56 @@ def check_bucket_cap(bucket_cap_mb: Any) -> None:
             f"bucket_cap_mb={bucket_cap_mb!r}: expected a number of MiB >= 0 (DDP's default is "
             "25; 0 sends each unit's gradient once, after its backward). Fix: bucket_cap_mb=25"
         )
+
+
+def plan_lines(model: nn.Module, plan: Any, unit_plans: dict[str, Any], settings: str) -> list[str]:
+    """This rank's plan as lines of text, the model-wide settings first, then one per unit:
+    its modules, its parameters' shapes and dtypes, and what its policy resolved to."""
+    lines = [settings]
+    for name, unit in unit_plans.items():
+        members = plan.members_of(name)
+        params = [
+            (f"{m}.{n}".strip("."), tuple(p.shape), str(p.dtype).removeprefix("torch."))
+            for m in members
+            for n, p in model.get_submodule(m).named_parameters()
+        ]
+        precision = unit.mixed_precision
+        dtypes = (precision.param_dtype, precision.reduce_dtype) if precision else None
+        lines.append(
+            f"unit {name!r}: strategy={unit.strategy.name} "
+            f"reshard_after_forward={unit.reshard_after_forward} mixed_precision={dtypes} "
+            f"offload={unit.offload} modules={members} parameters={params}"
+        )
+    return lines
+
+
+def check_same_plan(lines: list[str], group: Any) -> None:
+    """Refuse, on every rank of `group`, a plan that differs between them, naming the first
+    difference. Ranks that disagree would send messages of different sizes (or to different
+    groups) in the first collective, where gloo aborts the process and NCCL hangs.
+
+    A check, not the mechanism: its two small messages (a digest; the plans only when digests
+    differ) bypass `fsdp_lab.comm`, so every lab's counted bytes stay the mechanism's.
+    """
+    if not dist.is_initialized() or dist.get_backend(group) == "fake":
+        return
+    if dist.get_world_size(group) == 1:
+        return
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    digests: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) == 1:
+        return
+    plans: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(plans, lines, group=group)
+    first = next(r for r, d in enumerate(digests) if d != digests[0])
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(plans))
+    theirs, ours = plans[first], plans[0]
+    k = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+             min(len(ours), len(theirs)))  # fmt: skip
+    said = [p[k][:400] if k < len(p) else "(no such line)" for p in (ours, theirs)]
+    raise ValueError(
+        f"shard(): the ranks were given different plans — rank {list(ranks)[0]}: {said[0]}; "
+        f"rank {list(ranks)[first]}: {said[1]}. Every rank must call shard() with the same "
+        "model, units, strategy and policies (a policy chosen by rank() differs between ranks)"
+    )

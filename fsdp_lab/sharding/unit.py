@@ -292,7 +292,6 @@ class ShardedUnit:
             self.wait_unshard()
             # Live again for a rerun (checkpointing), in grad mode as in forward: a view that
             with torch.enable_grad():  # wants no gradient makes ``x * weight`` save no x
-
                 self._use_views()
             if self.state.prefetch:
                 nxt = self.state.next_in_backward(self)
