@@ -114,6 +114,10 @@ class Exercise:
         bugs: the classic mistakes this exercise catches.
         points: for nbgrader and `fsdp-lab grade`.
         minutes: how long the exercise takes a learner, roughly (the instructor guide).
+        replayed: the learner's function maps plain data to plain data (no tensors, no side
+            effects), so `fsdp-lab grade` keeps only what it answered on each rank and replays
+            those answers inside the mechanism on the grader's own ranks (`Replay`): every figure
+            the judge reads is then measured where no learner code ran.
     """
 
     name: str
@@ -131,6 +135,7 @@ class Exercise:
     minutes: int = 10
     setup: str = ""
     hang_hint: str = ""
+    replayed: bool = False
 
     def bug(self, slug: str) -> Bug:
         """The bug named `slug`, or a ValueError listing the ones there are."""
@@ -142,6 +147,18 @@ class Exercise:
 
 
 RTOL, ATOL = 1e-5, 1e-7
+
+
+class Impossible(ValueError):
+    """A figure no run of the mechanism can measure (fewer bytes than a correct run must move or
+    hold, an unknown label): only an altered reply has it, so the verdict is "invalid reply"."""
+
+
+def at_least(got: float, floor: float, what: str) -> None:
+    """Raise Impossible unless `got` >= `floor`, the least any correct run measures of `what`
+    (the reference's figure, where the reference does the least the step allows)."""
+    if not isinstance(got, int | float) or isinstance(got, bool) or not got >= floor:
+        raise Impossible(f"{what}: {got!r}, below the {floor:g} any correct run measures")
 
 
 def close(got: Sequence[float] | torch.Tensor, expected: Sequence[float] | torch.Tensor) -> bool:
@@ -250,21 +267,26 @@ def plain(value: Any) -> Any:
     raise TypeError(f"a trial returned {type(value).__name__}, which has no JSON form")
 
 
-def as_json(value: Any) -> str:
-    return json.dumps(plain(value))
-
-
 def attempt(
     trial: Callable[..., Any],
     fn: Callable[..., Any],
     case: Case,
     stack_file: str,
     dump_after: float,
+    record: bool = False,
 ) -> str:
-    """Run one trial on this rank and return what it measured as JSON; if it is still running
+    """Run one trial on this rank and return, as JSON, what it measured (`outcome`) and, with
+    `record`, every call of `fn` as [arguments, answer] (`answers`); if it is still running
     after `dump_after` seconds, write every thread's stack to `stack_file` (the driver reads it
     if the call then times out)."""
     from fsdp_lab.cluster import rank, rank_threads
+
+    answers: list[list[Any]] = []
+
+    def recorded(*args: Any) -> Any:
+        answer = fn(*args)
+        answers.append([plain(list(args)), recorded_answer(answer)])
+        return answer
 
     # rank_threads: the cores shared by the ranks. N ranks x torch's default thread count
     # oversubscribe a laptop's cores and made checks several times slower. Every run (the
@@ -272,7 +294,53 @@ def attempt(
     with open(stack_file.format(rank=rank()), "w") as out, rank_threads():
         faulthandler.dump_traceback_later(dump_after, file=out)
         try:
-            outcome = trial(fn, case)
+            outcome = trial(recorded if record else fn, case)
         finally:
             faulthandler.cancel_dump_traceback_later()
-    return as_json(outcome)
+    return json.dumps({"outcome": plain(outcome), "answers": answers if record else None})
+
+
+NOT_PLAIN, TENSOR = "not plain data", "tensor"
+
+
+def recorded_answer(answer: Any) -> Any:
+    """An answer as JSON data that `Replay` turns back into it: a tensor with its dtype; what
+    has no JSON form as an object no step accepts (as the original was not accepted)."""
+    if isinstance(answer, torch.Tensor):
+        return {TENSOR: answer.detach().cpu().tolist(), "dtype": str(answer.dtype)[6:]}
+    try:
+        return plain(answer)
+    except TypeError:
+        return {NOT_PLAIN: type(answer).__name__}
+
+
+def replayed_answer(recorded: Any) -> Any:
+    if isinstance(recorded, dict) and TENSOR in recorded:
+        dtype = getattr(torch, str(recorded.get("dtype")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ReplayMismatch(f"a recorded tensor's dtype {recorded.get('dtype')!r}")
+        return torch.tensor(recorded[TENSOR], dtype=dtype)
+    return recorded
+
+
+class ReplayMismatch(Exception):
+    """A replayed function was asked something its recorded answers do not hold."""
+
+
+class Replay:
+    """A learner's function replayed from its recorded answers, `answers[rank]` a list of
+    [arguments, answer] in call order. The trial is deterministic given the answers, so the
+    replay is asked exactly what the learner's function was; anything else means the answers
+    were not recorded by `attempt` (a ReplayMismatch)."""
+
+    def __init__(self, answers: list[list[list[Any]]]) -> None:
+        self.answers, self.calls = answers, 0
+
+    def __call__(self, *args: Any) -> Any:
+        from fsdp_lab.cluster import rank
+
+        mine = self.answers[rank()]
+        if self.calls >= len(mine) or plain(list(args)) != mine[self.calls][0]:
+            raise ReplayMismatch(f"call {self.calls + 1} on rank {rank()} is not in the reply")
+        self.calls += 1
+        return replayed_answer(mine[self.calls - 1][1])

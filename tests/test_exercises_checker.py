@@ -134,3 +134,57 @@ def test_a_wrong_result_names_an_exact_multiple_and_only_an_exact_one():
     assert multiple([2.0, 4.0, -6.0], [1.0, 2.0, -3.0]) == " (2× the reference's)"
     assert multiple([2.0, 4.0, -5.0], [1.0, 2.0, -3.0]) == ""  # correlated, not a multiple
     assert multiple([1.0, 2.0], [1.0, 2.0]) == ""
+
+
+# -- replayed exercises: the grader measures what a learner's answers do (issue 35, point 2) -----
+
+REPLAYED = [e for e in __import__("fsdp_lab.course.catalog", fromlist=["EXERCISES"]).EXERCISES
+            if e.replayed]  # fmt: skip
+
+
+def test_the_exercises_whose_answers_are_plain_data_are_replayed():
+    assert {e.name for e in REPLAYED} == {
+        "unit_to_prefetch", "sqrt_segment_starts", "mesh_groups", "stage_seeds"
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("exercise", REPLAYED, ids=lambda e: e.name)
+def test_a_replayed_bug_gets_the_verdict_it_gets_on_the_learners_own_ranks(short_pool, exercise):
+    """Every classic bug, its answers recorded on the learner's ranks and replayed on the
+    grader's: the same verdict kind, and the figures the grader shows are the grader's."""
+    from fsdp_lab.course.checker import learner_runs, replayed_run, verdict_of
+
+    def expected(case):
+        return __import__("fsdp_lab.course.checker", fromlist=["x"]).expected_outcomes(
+            exercise, case, short_pool
+        )
+
+    for bug in exercise.bugs:
+        runs = list(learner_runs(exercise, bug.wrong, short_pool))
+        own = verdict_of(exercise, runs, expected)
+        forged = [{**r, "outcomes": "forged"} if "outcomes" in r else r for r in runs]
+        replayed = verdict_of(
+            exercise,
+            (replayed_run(exercise, c, r, short_pool) for c, r in zip(exercise.cases, forged, strict=False)),
+            expected,
+        )  # fmt: skip
+        assert (replayed.kind, replayed.case) == (own.kind, own.case), bug.slug
+        assert own.kind != "passed"
+    runs = list(learner_runs(exercise, exercise.solution, short_pool))
+    replayed = (
+        replayed_run(exercise, c, r, short_pool) for c, r in zip(exercise.cases, runs, strict=False)
+    )
+    assert verdict_of(exercise, replayed, expected).passed
+
+
+def test_answers_no_run_recorded_are_an_invalid_reply(short_pool):
+    from fsdp_lab.course.catalog import exercise
+    from fsdp_lab.course.checker import learner_runs, replayed_run
+
+    ex = exercise("sqrt_segment_starts")
+    (case, *_) = ex.cases
+    (run, *_) = learner_runs(ex, ex.solution, short_pool)
+    asked = [[[[case.params["layers"] + 1], [0, 3]]]] * case.world_size  # another question
+    for answers in (asked, "x", [[]] * case.world_size, [[["a"]]] * case.world_size):
+        got = replayed_run(ex, case, {**run, "answers": answers}, short_pool)
+        assert got["failure"]["kind"] == "invalid reply", answers

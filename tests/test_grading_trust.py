@@ -491,8 +491,13 @@ def sqrt_segment_starts(n_layers):
     return list(range(0, n_layers, k))
 """
 
-SQRT_ONLY = SHARD_AND_CHECKPOINT.split("def free_unsharded")[0] + (
-    SHARD_AND_CHECKPOINT.split("return forward_order[position - 1] if position > 0 else None\n")[1]
+SQRT_ONLY = (
+    SHARD_AND_CHECKPOINT.split("def free_unsharded")[0]
+    + (
+        SHARD_AND_CHECKPOINT.split(
+            "return forward_order[position - 1] if position > 0 else None\n"
+        )[1]
+    )
 )
 
 # Wrong code, and a few lines that rewrite what its run reports about itself: nothing held, no

@@ -35,7 +35,7 @@ from fsdp_lab.cluster import RankError
 from fsdp_lab.cluster.driver import how_it_ended
 from fsdp_lab.course.pool import ClusterPool
 from fsdp_lab.course.verdict import ExerciseFailed, Verdict, printable
-from fsdp_lab.exercise import HINT_MARK, Case, Exercise, attempt
+from fsdp_lab.exercise import HINT_MARK, Case, Exercise, Impossible, Replay, attempt
 
 DUMP_SHARE = 0.8  # a hung rank writes its stack at this share of the time limit
 MAX_TRACEBACK_LINES = 30
@@ -109,24 +109,31 @@ def learner_runs(exercise: Exercise, fn: Any, pool: ClusterPool) -> Iterator[dic
 
 
 def run_case(exercise: Exercise, fn: Any, case: Case, pool: ClusterPool) -> dict[str, Any]:
-    """One trial of `fn` on the case's ranks: {"outcomes": [per-rank data]} or {"failure": {kind,
-    summary, rank, traceback, hint}} when a rank raised, hung or died."""
+    """One trial of `fn` on the case's ranks: {"outcomes": [per-rank data]} (and, for a replayed
+    exercise, "answers": per rank, every call of `fn` as [arguments, answer]) or {"failure":
+    {kind, summary, rank, traceback, hint}} when a rank raised, hung or died."""
     cluster = pool.cluster(case.world_size)
     stack_file = os.path.join(pool.stack_dir, f"{exercise.name}.rank{{rank}}.stack")
+    record = exercise.replayed and not isinstance(fn, Replay)
     try:
         texts = cluster.run(
-            attempt, exercise.trial, fn, case, stack_file, pool.time_limit * DUMP_SHARE
+            attempt, exercise.trial, fn, case, stack_file, pool.time_limit * DUMP_SHARE, record
         )
     except RankError as exc:
         return {"failure": _rank_failure(exc, exercise, fn, stack_file, case)}
     try:
-        return {"outcomes": [json.loads(t) for t in texts]}
-    except (TypeError, ValueError) as exc:  # `attempt` itself was replaced on a rank
-        return {"failure": {"kind": "invalid reply", "summary": f"the ranks replied {exc}"}}
+        replies = [json.loads(t) for t in texts]
+        run = {"outcomes": [r["outcome"] for r in replies]}
+    except (TypeError, ValueError, KeyError) as exc:  # `attempt` itself was replaced on a rank
+        return {"failure": {"kind": "invalid reply", "summary": f"the ranks replied {exc!r}"}}
+    if record:
+        run["answers"] = [r.get("answers") for r in replies]
+    return run
 
 
-def expected_outcomes(exercise: Exercise, case: Case, pool: ClusterPool) -> list[Any]:
-    """The reference solution's per-rank outcomes on `case` (run once per pool, then cached)."""
+def expected_run(exercise: Exercise, case: Case, pool: ClusterPool) -> dict[str, Any]:
+    """The reference solution's run of `case`: its per-rank outcomes (and answers, for a
+    replayed exercise), measured once per pool, then cached."""
     key = (exercise.name, case.label)
     if key not in pool.expected:
         run = run_case(exercise, exercise.solution, case, pool)
@@ -135,8 +142,48 @@ def expected_outcomes(exercise: Exercise, case: Case, pool: ClusterPool) -> list
                 f"the reference solution of {exercise.name} failed on case {case.label!r}: "
                 f"{run['failure']['summary']}\n{run['failure'].get('traceback', '')}"
             )
-        pool.expected[key] = run["outcomes"]
+        pool.expected[key] = run
     return pool.expected[key]
+
+
+def expected_outcomes(exercise: Exercise, case: Case, pool: ClusterPool) -> list[Any]:
+    """The reference solution's per-rank outcomes on `case` (run once per pool, then cached)."""
+    return expected_run(exercise, case, pool)["outcomes"]
+
+
+MAX_ANSWERS = 10_000  # calls per rank a replayed reply may hold (a trial makes a few dozen)
+
+
+def replayed_run(exercise: Exercise, case: Case, run: Any, pool: ClusterPool) -> Any:
+    """For a replayed exercise, the learner's `run` as the grader measures it: its answers
+    replayed in the mechanism on `pool`'s ranks (or, when they are the reference's answers,
+    the reference's outcomes: the same answers give the same run). A failure the learner's
+    ranks reported stays as it was; answers of the wrong form are an "invalid reply"."""
+    if not exercise.replayed or not isinstance(run, dict) or "failure" in run:
+        return run
+    answers = run.get("answers")
+    if not _answer_lists(answers, case.world_size):
+        return {"failure": {"kind": "invalid reply", "summary": "the reply holds no answers of "
+                            "the form a recorded run gives"}}  # fmt: skip
+    reference = expected_run(exercise, case, pool)
+    if answers == reference.get("answers"):
+        return {"outcomes": reference["outcomes"]}
+    replay = run_case(exercise, Replay(answers), case, pool)
+    failure = replay.get("failure")
+    if failure is not None and "ReplayMismatch" in failure.get("traceback", ""):
+        return {"failure": {"kind": "invalid reply", "summary": "the reply's answers are not "
+                            "what the exercise asks: they were not recorded by a run"}}  # fmt: skip
+    return replay
+
+
+def _answer_lists(answers: Any, world_size: int) -> bool:
+    return (
+        isinstance(answers, list)
+        and len(answers) == world_size
+        and all(isinstance(mine, list) and len(mine) <= MAX_ANSWERS for mine in answers)
+        and all(isinstance(a, list) and len(a) == 2 for mine in answers for a in mine)
+        and _shallow(answers, MAX_DEPTH)
+    )
 
 
 def verdict_of(
@@ -201,6 +248,8 @@ def _case_verdict(
         return verdict("invalid reply", f"the outcomes nest deeper than {MAX_DEPTH} levels")
     try:
         mismatch = exercise.judge(outcomes, expected(case), case)
+    except Impossible as exc:
+        return verdict("invalid reply", f"an impossible measurement — {exc}")
     except MALFORMED as exc:
         return verdict("invalid reply", f"the ranks' outcomes cannot be judged ({exc!r:.200})")
     if mismatch is None:

@@ -321,15 +321,37 @@ class Judge:
             self._futures[ex.name] = self._worker.submit(self._measure, ex)
         return self._futures[ex.name]
 
-    def _measure(self, ex: Any) -> dict[str, list]:
-        from fsdp_lab.course.checker import expected_outcomes
+    def _measure(self, ex: Any) -> dict[str, dict]:
+        from fsdp_lab.course.checker import expected_run
+
+        return {case.label: expected_run(ex, case, self._ranks()) for case in ex.cases}
+
+    def _ranks(self) -> Any:
         from fsdp_lab.course.pool import ClusterPool
 
         if self._pool is None:  # on the CPU, as the sandboxed submissions run
             self._pool = ClusterPool(device="cpu")
-        return {case.label: expected_outcomes(ex, case, self._pool) for case in ex.cases}
+        return self._pool
 
-    def reference(self, name: str) -> dict[str, list]:
+    def measured(self, ex: Any, runs: list) -> Iterable[Any]:
+        """A replayed exercise's runs as the grader measures them (`checker.replayed_run`, on
+        the reference's thread and ranks, one case at a time as the verdict asks for it: a
+        verdict stops at the first failing case); other exercises' runs as they came."""
+        if not ex.replayed:
+            return runs
+        from fsdp_lab.course.checker import replayed_run
+
+        self.reference(ex.name)  # a reference that failed: the grader's error, said first
+
+        def replay(case: Any, run: Any) -> Any:
+            return replayed_run(ex, case, run, self._ranks())
+
+        return (
+            self._worker.submit(replay, case, run).result()
+            for case, run in zip(ex.cases, runs, strict=False)
+        )
+
+    def reference(self, name: str) -> dict[str, dict]:
         """The reference's outcomes of exercise `name`, by case; a GraderError if it failed."""
         try:
             return self._futures[name].result()
@@ -340,7 +362,7 @@ class Judge:
 
     def expected(self, ex: Any) -> Callable[[Any], list]:
         self.prepare(ex)
-        return lambda case: self.reference(ex.name)[case.label]
+        return lambda case: self.reference(ex.name)[case.label]["outcomes"]
 
     def verdicts(
         self, reply: dict[str, Any], run: sandbox.Run, only: str | None, sub: Submission
@@ -375,7 +397,8 @@ class Judge:
             else:
                 runs = report.get("runs") if isinstance(report, dict) else None
                 stopped = stopped or not isinstance(runs, list)
-                v = verdict_of(ex, runs if isinstance(runs, list) else [], self.expected(ex))
+                runs = self.measured(ex, runs[: len(ex.cases)] if isinstance(runs, list) else [])
+                v = verdict_of(ex, runs, self.expected(ex))
             verdicts.append(v.to_dict())
         if stopped:
             notes.append(how_it_stopped(run))

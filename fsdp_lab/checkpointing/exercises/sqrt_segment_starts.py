@@ -228,4 +228,5 @@ SQRT_SEGMENT_STARTS = Exercise(
     ),
     points=2,
     minutes=10,
+    replayed=True,  # its answers are plain data: the grader replays them (grading)
 )

@@ -22,7 +22,16 @@ import torch
 import torch.distributed as dist
 
 from fsdp_lab import comm
-from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, first_values, ratio_hint
+from fsdp_lab.exercise import (
+    Bug,
+    Case,
+    Exercise,
+    Mismatch,
+    at_least,
+    close,
+    first_values,
+    ratio_hint,
+)
 from fsdp_lab.sharding.exercises.reduce_scatter_grad import (
     STEPS,
     drifted,
@@ -134,6 +143,7 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
     if across is not None:
         got_b = got_all[0]["reduce_bytes"].get(across, 0.0)
         exp_b = expected[0]["reduce_bytes"].get(across, 0.0)
+        at_least(got_b, exp_b, f"bytes rank 0 moved in {across}")
         if got_b > 1.5 * exp_b:
             return Mismatch(
                 f"values right, but rank 0 sent {got_b / exp_b:.2g}x the bytes across the "

@@ -397,4 +397,5 @@ MESH_GROUPS = Exercise(
     ),
     points=2,
     minutes=10,
+    replayed=True,  # its answers are plain data: the grader replays them (grading)
 )

@@ -258,4 +258,5 @@ STAGE_SEEDS = Exercise(
     ),
     points=2,
     minutes=8,
+    replayed=True,  # its answers are plain data (a tensor of seeds): the grader replays them
 )

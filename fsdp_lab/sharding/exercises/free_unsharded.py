@@ -20,7 +20,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, first_values, series_of
+from fsdp_lab.exercise import (
+    Bug,
+    Case,
+    Exercise,
+    Impossible,
+    Mismatch,
+    at_least,
+    close,
+    first_values,
+    series_of,
+)
 from fsdp_lab.models import MLPBlock, MLPStack, synthetic_batch
 from fsdp_lab.reference import local_slice
 from fsdp_lab.sharding import ShardingSteps, shard, sharding_state
@@ -138,8 +148,27 @@ def _kib(n: float) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
+HELD = ("0 bytes (freed)", "the gathered parameters", "zeros", "other values (garbage)")
+
+
+def _physical(got: dict, exp: dict) -> None:
+    """What a run of this mechanism can have measured: the units and markers the reference
+    measured, in its order; what a buffer held, one of `_held`'s words; at every marker, no
+    fewer gathered bytes than the reference holds (it frees all a unit can)."""
+    if [u for u, _ in got["held"]] != [u for u, _ in exp["held"]]:
+        raise Impossible("the units whose backward began are not the mechanism's")
+    if any(h not in HELD for _, h in got["held"]):
+        raise Impossible("a buffer 'held' something no measurement says")
+    if [label for label, _ in got["markers"]] != [label for label, _ in exp["markers"]]:
+        raise Impossible("the memory markers are not the trial's")
+    for (label, g), (_, e) in zip(got["markers"], exp["markers"], strict=True):
+        at_least(g, e, f"gathered bytes {label}")
+
+
 def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
     for r, (got, exp) in enumerate(zip(got_all, expected, strict=True)):
+        if not got["error"]:
+            _physical(got, exp)
         held = dict(got["held"])
         wrong = [(u, h) for u, h in got["held"] if h != "the gathered parameters"]
         if got["error"]:

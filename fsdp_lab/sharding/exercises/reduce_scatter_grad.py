@@ -33,6 +33,7 @@ from fsdp_lab.exercise import (
     Case,
     Exercise,
     Mismatch,
+    at_least,
     close,
     expect_tensor,
     first_values,
@@ -213,6 +214,7 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
         return drifted(r, got, exp, hint)
     got_bytes = sum(got_all[0]["reduce_bytes"].values())
     exp_bytes = sum(expected[0]["reduce_bytes"].values())
+    at_least(got_bytes, exp_bytes, "bytes rank 0 sent to reduce the gradients")
     if got_bytes > 1.5 * exp_bytes:
         return Mismatch(
             f"values right, but reducing the gradients moved {got_bytes / exp_bytes:.2g}x the "

@@ -303,4 +303,5 @@ UNIT_TO_PREFETCH = Exercise(
     ),
     points=2,
     minutes=10,
+    replayed=True,  # its answers are plain data: the grader replays them (grading)
 )
