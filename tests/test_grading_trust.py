@@ -725,3 +725,26 @@ def test_one_sandbox_s_processes_do_not_starve_another(tmp_path):
     for t in threads:
         t.join()
     assert sorted(int(r.reply or b"0") for r in runs) == [300, 300], [r.stderr[-500:] for r in runs]
+
+
+def test_the_class_time_limit_leaves_rows_not_a_stall(tmp_path):
+    for who in ("ann", "bob", "cid"):
+        (tmp_path / "s" / who).mkdir(parents=True)
+        (tmp_path / "s" / who / "ex.py").write_text("x = 1\n")
+    proc = subprocess.run([*FSDP_LAB, "grade", "s", "--json", "--class-time-limit", "0.5"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["submissions"]
+    assert "defines none" in rows[0]["error"]  # the first file starts within the limit
+    assert [r["student"] for r in rows] == ["ann", "bob", "cid"]
+    assert all("class time limit (0.5 s)" in r["error"] for r in rows[1:]), rows
+    assert "at most in all (class time limit 0.5 s)" in proc.stderr
+
+
+def test_students_are_graded_in_turns_up_to_their_cap():
+    from fsdp_lab.course.grading import Submission, fair_order
+
+    todo = [Submission(f"{s}/{k}.py", s, f"{k}.py") for s in "aab" for k in "xy"]
+    order, skipped = fair_order(todo[:2] + todo[4:] + [Submission("a/z.py", "a", "z.py")], 2)
+    assert [o.shown for o in order] == ["a/x.py", "b/x.py", "a/y.py", "b/y.py"]
+    assert [r["file"] for r in skipped] == ["a/z.py"]
