@@ -452,7 +452,7 @@ def test_a_reply_is_read_within_bounds_whatever_it_holds():
 
 
 def test_a_path_the_system_cannot_take_is_a_row_not_a_crash(tmp_path):
-    from fsdp_lab.course.grading import submissions
+    from fsdp_lab.course.roster import submissions
 
     (row,) = submissions([tmp_path / ("x" * 5000 + ".py")], tmp_path)
     assert row.copy is None and "name too long" in row.error.lower()
@@ -742,9 +742,32 @@ def test_the_class_time_limit_leaves_rows_not_a_stall(tmp_path):
 
 
 def test_students_are_graded_in_turns_up_to_their_cap():
-    from fsdp_lab.course.grading import Submission, fair_order
+    from fsdp_lab.course.roster import Submission, fair_order
 
     todo = [Submission(f"{s}/{k}.py", s, f"{k}.py") for s in "aab" for k in "xy"]
     order, skipped = fair_order(todo[:2] + todo[4:] + [Submission("a/z.py", "a", "z.py")], 2)
     assert [o.shown for o in order] == ["a/x.py", "b/x.py", "a/y.py", "b/y.py"]
     assert [r["file"] for r in skipped] == ["a/z.py"]
+
+
+def test_a_grader_error_on_one_file_is_its_row_and_the_others_are_graded(tmp_path, monkeypatch):
+    """Point 1's rule for whatever the grader itself gets wrong on one file's reply: that
+    file's row says so (the grader's error, not the student's), every other file is graded."""
+    from fsdp_lab.course import grading
+
+    for who, text in (("ann", CORRECT), ("bob", CORRECT)):
+        (tmp_path / who).mkdir()
+        (tmp_path / who / "ex.py").write_text(text)
+    verdicts = grading.Judge.verdicts
+
+    def fails_on_ann(self, reply, run, only, sub):
+        if sub.student == "ann":
+            raise KeyError("a bug of the grader's")
+        return verdicts(self, reply, run, only, sub)
+
+    monkeypatch.setattr(grading.Judge, "verdicts", fails_on_ann)
+    graded = grading.grade_paths([tmp_path], 8.0, "all_reduce_mean")
+    rows = {r["student"]: r for r in graded["submissions"]}
+    assert graded["grader_errors"] == 1
+    assert rows["ann"]["error"].startswith("grader error on this file")
+    assert score(rows["bob"]) == 2

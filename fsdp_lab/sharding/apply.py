@@ -149,12 +149,8 @@ def shard(
     unit_plans = resolve_policies(  # what each unit does: the defaults, or its own policy
         model, plan, policy, policies, mixed_precision, reshard_after_forward, offload
     )
-    settings = (
-        f"shard(strategy={policy.name}, prefetch={prefetch}, use_orig_params={use_orig_params}, "
-        f"bucket_cap_mb={bucket_cap_mb}, mesh={groups.replicas}x{groups.shard_size})"
-    )
-    everyone = groups.group if groups.replicate_group is None else None
-    check_same_plan(plan_lines(model, plan, unit_plans, settings), everyone)  # the 1st message
+    settings = f"{policy.name} {prefetch} {use_orig_params} {bucket_cap_mb} {offload}"
+    check_same_plan(plan_lines(model, plan, unit_plans, settings), groups)  # the 1st message
 
     on_meta = next(model.parameters()).is_meta  # one device: check_model made sure
     if on_meta and not recorded_ties(model):

@@ -130,9 +130,10 @@ def check_bucket_cap(bucket_cap_mb: Any) -> None:
 
 
 def plan_lines(model: nn.Module, plan: Any, unit_plans: dict[str, Any], settings: str) -> list[str]:
-    """This rank's plan as lines of text, the model-wide settings first, then one per unit:
-    its modules, its parameters' shapes and dtypes, and what its policy resolved to."""
-    lines = [settings]
+    """This rank's plan as lines of text, the model-wide settings first (strategy, prefetch,
+    use_orig_params, bucket_cap_mb, offload), then one per unit: its modules, its parameters'
+    shapes and dtypes, and what its policy resolved to."""
+    lines = [f"shard(strategy, prefetch, use_orig_params, bucket_cap_mb, offload) = {settings}"]
     for name, unit in unit_plans.items():
         members = plan.members_of(name)
         params = [
@@ -150,14 +151,15 @@ def plan_lines(model: nn.Module, plan: Any, unit_plans: dict[str, Any], settings
     return lines
 
 
-def check_same_plan(lines: list[str], group: Any) -> None:
-    """Refuse, on every rank of `group`, a plan that differs between them, naming the first
-    difference. Ranks that disagree would send messages of different sizes (or to different
+def check_same_plan(lines: list[str], groups: Any) -> None:
+    """Refuse, on every rank of the model's mesh (`groups`), a plan that differs between
+    them, naming the first difference. Ranks that disagree would send messages of different sizes (or to different
     groups) in the first collective, where gloo aborts the process and NCCL hangs.
 
     A check, not the mechanism: its two small messages (a digest; the plans only when digests
     differ) bypass `fsdp_lab.comm`, so every lab's counted bytes stay the mechanism's.
     """
+    group = groups.group if groups.replicate_group is None else None  # None: every rank
     if not dist.is_initialized() or dist.get_backend(group) == "fake":
         return
     if dist.get_world_size(group) == 1:
