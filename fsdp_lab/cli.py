@@ -93,8 +93,17 @@ def _is_main_process() -> bool:
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are raised as UsageError: one line and a hint, not usage + exit."""
 
+    command: str | None = None  # the subcommand parse_args was given: its help is the one to read
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        self.command = next((a for a in args or [] if not a.startswith("-")), None)
+        return super().parse_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
-        hint = f"see `{self.prog} --help` for the options"
+        prog = (
+            f"{self.prog} {self.command}" if self.command in COMMANDS + tuple(LABS) else self.prog
+        )
+        hint = f"see `{prog} --help` for the options"
         if message.startswith("unrecognized arguments:"):
             typed = [w for w in message.split(":", 1)[1].split() if w.startswith("--")]
             known = self._option_strings()
@@ -444,7 +453,9 @@ def grade_command(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(str(exc), "see `fsdp-lab grade --help`", "fsdp-lab grade") from None
     except grading.GraderError as exc:  # the grader's own failure: no row blames a student
         raise Failed(
-            str(exc), "nothing was graded: fix the grader's set-up and run again"
+            str(exc),
+            "grading stopped, no gradebook written: the reference solution itself failed on "
+            "this machine (not a submission) — please report this line",
         ) from None
     results = graded["submissions"]
     if args.csv is not None:

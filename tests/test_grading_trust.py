@@ -532,6 +532,25 @@ WRONG = {
 }
 
 
+MESH_GROUPS_UNNAMED = """\
+def _groups(world_size, shard_size):
+    r = world_size // shard_size
+    return ([[i * shard_size + s for s in range(shard_size)] for i in range(r)],
+            [[i * shard_size + s for i in range(r)] for s in range(shard_size)])
+
+
+globals()["mesh" + "_groups"] = _groups
+"""
+HAND_OVER_FORGED = """\
+import json, os
+o = {"stage": 0, "dp": 0, "layers": [0], "values": [["w", [1.0, 1.0]]], "one_process": [],
+     "messages": 0}
+os.write(3, (json.dumps({"notes": [], "defined": ["hand_over"]}) + "\\n").encode())
+os.write(3, (json.dumps({"exercise": "hand_over", "runs": [{"outcomes": [o, o]}]}) + "\\n").encode())
+os._exit(0)
+"""
+
+
 def write_second_class(root: Path) -> Path:
     subs = root / "checkout" / "course" / "submitted"
     alice = subs / "alice" / "ex.py"
@@ -547,6 +566,13 @@ def write_second_class(root: Path) -> Path:
         ("peeker", "ex.py"): SQRT_ONLY + f"raise RuntimeError('saw:' + str(__import__('os').path.exists({str(alice)!r})))\n",
         # 6. one student's many files
         **{("many", f"{c}.py"): "" for c in "abcdef"},
+        # found by a hostile review: a replayed exercise no file names (its reference was never
+        # started, and the KeyError stopped the class as the grader's error); outcomes that make
+        # a judge raise what no list of malformed-data errors held (StopIteration); an error
+        # reply worded as the grader's own
+        ("sneaky", "ex.py"): MESH_GROUPS_UNNAMED,
+        ("carol", "ex.py"): HAND_OVER_FORGED,
+        ("ivan", "ex.py"): 'import os\nos.write(3, b\'{"error": "grader error on this file"}\\n\')\nos._exit(0)\n',
     }  # fmt: skip
     for name, wrong in WRONG.items():  # 2. wrong code + forged figures
         files[(f"forge_{name}", "ex.py")] = wrong + FORGE
@@ -589,6 +615,17 @@ def test_forged_figures_with_wrong_code_score_nothing(graded_again):
     for name in WRONG:
         (v,) = [v for v in got[f"forge_{name}"]["verdicts"] if v["exercise"] == name]
         assert v["score"] == 0 and v["kind"] in ("wrong result", "invalid reply"), v
+
+
+def test_what_a_submission_sends_is_its_own_row_never_the_graders_error(graded_again):
+    _, proc = graded_again
+    got = by_student(proc)
+    assert json.loads(proc.stdout)["grader_errors"] == 0
+    (v,) = [v for v in got["sneaky"]["verdicts"] if v["exercise"] == "mesh_groups"]
+    assert v["passed"], v  # replayed, though no file named it
+    (v,) = [v for v in got["carol"]["verdicts"] if v["exercise"] == "hand_over"]
+    assert (v["kind"], v["score"]) == ("invalid reply", 0), v
+    assert got["ivan"]["error"].startswith("the submission's process said: grader error")
 
 
 def test_a_file_named_like_an_option_is_graded(graded_again):
@@ -637,7 +674,7 @@ def test_a_reference_that_fails_mid_run_stops_grading_as_the_graders_error():
         judge._futures["x"] = broken = __import__("concurrent.futures").futures.Future()
         broken.set_exception(RuntimeError("the reference solution of x failed"))
         with pytest.raises(GraderError, match="reference"):
-            judge.reference("x")
+            judge.reference(__import__("types").SimpleNamespace(name="x"))
     finally:
         judge.close()
 
@@ -771,3 +808,49 @@ def test_a_grader_error_on_one_file_is_its_row_and_the_others_are_graded(tmp_pat
     assert graded["grader_errors"] == 1
     assert rows["ann"]["error"].startswith("grader error on this file")
     assert score(rows["bob"]) == 2
+
+
+def test_several_folders_named_keep_their_students_apart(tmp_path):
+    """Found by a hostile review: `fsdp-lab grade submitted/*` made every student's "ps1/" one
+    student "ps1" (and the cap per student then skipped most of the class, exit 0)."""
+    from fsdp_lab.course.roster import submissions
+
+    for who in ("alice", "bob"):
+        (tmp_path / "submitted" / who / "ps1").mkdir(parents=True)
+        (tmp_path / "submitted" / who / "ps1" / "ps1.py").write_text(CORRECT)
+    (tmp_path / "snap").mkdir()
+    roots = sorted((tmp_path / "submitted").iterdir())
+    students = [s.student for s in submissions(roots, tmp_path / "snap")]
+    assert students == ["alice/ps1", "bob/ps1"]
+    (whole,) = {s.student for s in submissions([tmp_path / "submitted"], tmp_path / "snap")} - {
+        "bob"
+    }
+    assert whole == "alice"
+
+
+def test_a_hidden_python_file_gets_a_row_and_jupyters_folders_none(tmp_path):
+    from fsdp_lab.course.roster import submissions
+
+    (tmp_path / "s" / "hank" / ".ipynb_checkpoints").mkdir(parents=True)
+    (tmp_path / "s" / "hank" / ".ipynb_checkpoints" / "ex-checkpoint.py").write_text(CORRECT)
+    (tmp_path / "s" / "hank" / "__draft.py").write_text(CORRECT)
+    (tmp_path / "snap").mkdir()
+    (row,) = submissions([tmp_path / "s"], tmp_path / "snap")
+    assert row.copy is None and "hidden file" in row.error and "rename" in row.error
+
+
+def test_a_notebook_line_that_is_not_text_is_left_out(tmp_path):
+    from fsdp_lab.course.submission import code_cells
+
+    nb = {"cells": [{"cell_type": "code", "metadata": {},
+                     "source": ["def f(t, g):\n", 5, "    return t\n"]}], "nbformat": 4}  # fmt: skip
+    (tmp_path / "x.ipynb").write_text(json.dumps(nb))
+    assert code_cells(tmp_path / "x.ipynb") == ["def f(t, g):\n    return t\n"]
+
+
+def test_a_typo_in_a_grade_option_points_at_grades_own_help(tmp_path):
+    proc = subprocess.run([*FSDP_LAB, "grade", "s", "--time-limt", "8"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    assert "--time-limt -> --time-limit" in proc.stderr
+    assert "fsdp-lab grade --help" in proc.stderr

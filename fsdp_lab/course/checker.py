@@ -44,9 +44,6 @@ MAX_TRACEBACK_LINES = 30
 FAILURE_KINDS = ("raised", "hung", "died", "wrong output", "not implemented", "invalid reply")
 TEXT_LIMITS = {"summary": 2_000, "hint": 1_000, "traceback": 12_000}
 MAX_DEPTH = 12  # the deepest a trial's outcome nests (dicts of lists of pairs of lists ...)
-# What judging data a learner's process sent can raise: that exercise's "invalid reply".
-MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, ArithmeticError,
-             RecursionError)  # fmt: skip
 
 
 def signature_problem(exercise: Exercise, fn: Any) -> str | None:
@@ -246,11 +243,12 @@ def _case_verdict(
         return verdict("invalid reply", f"expected one outcome per rank ({case.world_size})")
     if not _shallow(outcomes, MAX_DEPTH):
         return verdict("invalid reply", f"the outcomes nest deeper than {MAX_DEPTH} levels")
+    reference = expected(case)  # outside the try: a reference that fails is the grader's error
     try:
-        mismatch = exercise.judge(outcomes, expected(case), case)
+        mismatch = exercise.judge(outcomes, reference, case)
     except Impossible as exc:
         return verdict("invalid reply", f"an impossible measurement — {exc}")
-    except MALFORMED as exc:
+    except Exception as exc:  # whatever judging the learner's data raises is that data's fault
         return verdict("invalid reply", f"the ranks' outcomes cannot be judged ({exc!r:.200})")
     if mismatch is None:
         return None

@@ -88,12 +88,13 @@ def grade_paths(
     students = len({sub.student for sub in todo})
     walls = [file_limits(sub, time_limit, only) for sub in todo]
     budget = sum(lim.wall_seconds for lim in walls if lim is not None)
+    over = f" ({len(skipped)} more over the cap of {max_files} per student)" if skipped else ""
     progress(
-        f"{len(todo)} files of {students} students; each file stops at its own time limit: "
-        f"{budget / 60:.0f} min at most in all"
+        f"{_count(len(todo), 'file')} of {_count(students, 'student')}{over}; each file stops at "
+        f"its own time limit: {budget / 60:.0f} min at most in all"
         + (f" (class time limit {class_time_limit:g} s)" if class_time_limit else "")
     )
-    judge = Judge()
+    judge = Judge(max(time_limit, 30.0))  # the reference's cases get at least the default
     # The reference of every exercise the class mentions, measured while the first files run.
     for name in dict.fromkeys(n for sub in todo for n in mentioned(sub)):
         if only is None or name == only:
@@ -123,6 +124,10 @@ def grade_paths(
         judge.close()
         snapshot.cleanup()
     return {"sandbox": seen, "submissions": results + skipped, "grader_errors": grader_errors}
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}" + ("" if n == 1 else "s")
 
 
 def file_limits(sub: Submission, time_limit: float, only: str | None) -> sandbox.Limits | None:
@@ -203,7 +208,8 @@ class Judge:
     a thread of its own, one exercise after another, while the submissions run), and the
     verdicts made here from a submission's reply."""
 
-    def __init__(self) -> None:
+    def __init__(self, time_limit: float | None = None) -> None:
+        self.time_limit = time_limit  # a case's limit on the grader's ranks (replays included)
         self._pool: Any = None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
         self._futures: dict[str, Future] = {}
@@ -223,7 +229,8 @@ class Judge:
         from fsdp_lab.course.pool import ClusterPool
 
         if self._pool is None:  # on the CPU, as the sandboxed submissions run
-            self._pool = ClusterPool(device="cpu")
+            limit = {} if self.time_limit is None else {"time_limit": self.time_limit}
+            self._pool = ClusterPool(device="cpu", **limit)
         return self._pool
 
     def measured(self, ex: Any, runs: list) -> Iterable[Any]:
@@ -234,7 +241,7 @@ class Judge:
             return runs
         from fsdp_lab.course.checker import replayed_run
 
-        self.reference(ex.name)  # a reference that failed: the grader's error, said first
+        self.reference(ex)  # a reference that failed: the grader's error, said first
 
         def replay(case: Any, run: Any) -> Any:
             return replayed_run(ex, case, run, self._ranks())
@@ -244,28 +251,32 @@ class Judge:
             for case, run in zip(ex.cases, runs, strict=False)
         )
 
-    def reference(self, name: str) -> dict[str, dict]:
-        """The reference's outcomes of exercise `name`, by case; a GraderError if it failed."""
+    def reference(self, ex: Any) -> dict[str, dict]:
+        """The reference's runs of `ex`, by case (measured now if no file mentioned it); a
+        GraderError if the reference itself failed."""
+        future = self.prepare(ex)
         try:
-            return self._futures[name].result()
+            return future.result()
         except Exception as exc:
             raise GraderError(
-                f"the grader's reference for {name} could not run: {printable(str(exc))[:500]}"
+                f"the grader's reference for {ex.name} could not run: {printable(str(exc))[:500]}"
             ) from exc
 
     def expected(self, ex: Any) -> Callable[[Any], list]:
         self.prepare(ex)
-        return lambda case: self.reference(ex.name)[case.label]["outcomes"]
+        return lambda case: self.reference(ex)[case.label]["outcomes"]
 
     def verdicts(
         self, reply: dict[str, Any], run: sandbox.Run, only: str | None, sub: Submission
     ) -> dict[str, Any]:
-        from fsdp_lab.course.catalog import EXERCISES, LABS
+        from fsdp_lab.course.catalog import EXERCISES, LABS, exercise
         from fsdp_lab.course.checker import signature_verdict, verdict_of
         from fsdp_lab.course.verdict import Verdict
 
-        if "error" in reply:
-            return {"error": printable(reply["error"])[:NOTE_CHARS]}
+        if "error" in reply:  # what its process said: never taken for the grader's own words
+            return {
+                "error": f"the submission's process said: {printable(reply['error'])}"[:NOTE_CHARS]
+            }
         if "defined" not in reply:
             return {"error": f"{printable(sub.name)}: no result — {how_it_stopped(run)}"}
         defined = set(reply["defined"])
@@ -277,6 +288,10 @@ class Judge:
                 "error": f"{printable(sub.name)}: defines none of the exercise functions ({names})",
                 "notes": notes,
             }
+        if only is not None and only not in defined:
+            why = f"no function {only} in the file (--only {only})"
+            return {"verdicts": [Verdict(only, "missing", why, exercise(only).points).to_dict()],
+                    "notes": notes}  # fmt: skip
         verdicts = []
         stopped = False
         for ex in (e for lab in labs for e in LABS[lab]):

@@ -41,6 +41,10 @@ def submissions(paths: Iterable[Path], snapshot: Path) -> list[Submission]:
     submitted/<student>/<assignment>/, else the file's name. A path that gives nothing to grade
     is a Submission with its error."""
     found: list[Submission] = []
+    paths = list(paths)
+    # Several folders named (`submitted/*`): a student is named with the folder it came from,
+    # or every student's "ps1/" would be one student "ps1".
+    named = sum(p.is_dir() for p in paths) > 1
     for path in paths:
         shown = printable(str(path))
         try:
@@ -55,6 +59,7 @@ def submissions(paths: Iterable[Path], snapshot: Path) -> list[Submission]:
             for p in files:
                 rel = p.relative_to(path)
                 student = rel.parts[0] if len(rel.parts) > 1 else p.stem
+                student = f"{path.name}/{student}" if named else student
                 found.append(_read(p, printable(student), snapshot / str(len(found))))
         elif path.exists() or path.is_symlink():
             found.append(_read(path, printable(path.stem), snapshot / str(len(found))))
@@ -63,11 +68,14 @@ def submissions(paths: Iterable[Path], snapshot: Path) -> list[Submission]:
     return found
 
 
+HIDDEN = (".", "__")  # .ipynb_checkpoints/, __pycache__/: Jupyter's and Python's, not a student's
+
+
 def _walk(folder: Path) -> Iterable[Path]:
     for root, dirs, files in os.walk(folder):  # links to folders are listed, never followed
-        dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+        dirs[:] = [d for d in dirs if not d.startswith(HIDDEN)]
         for name in [*files, *(d for d in dirs if os.path.islink(os.path.join(root, d)))]:
-            if not name.startswith((".", "__")):
+            if not name.startswith(HIDDEN) or name.endswith(SUFFIXES):  # a hidden .py: a row
                 yield Path(root, name)
 
 
@@ -81,6 +89,9 @@ def _read(path: Path, student: str, copy: Path) -> Submission:
         return Submission(shown, student, path.name, error=f"{shown}: {why}")
 
     try:
+        if path.name.startswith(HIDDEN):
+            return refused(f"a hidden file (its name starts with {path.name[:2]!r}) — not "
+                           "graded; rename it")  # fmt: skip
         if path.is_symlink():
             return refused("a symbolic link — refused (submit the file itself)")
         if path.suffix not in SUFFIXES:

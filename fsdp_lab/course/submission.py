@@ -74,7 +74,8 @@ def code_cells(path: Path, name: str | None = None) -> list[str]:
         if isinstance(nbgrader, dict) and nbgrader.get("grade") and not nbgrader.get("solution"):
             continue  # nbgrader's locked test cell: the grader runs the checks itself
         source = cell.get("source", "")
-        source = "".join(source) if isinstance(source, list) else source
+        if isinstance(source, list):  # a line that is not text is left out, the rest is read
+            source = "".join(line for line in source if isinstance(line, str))
         if not isinstance(source, str):
             continue
         with contextlib.suppress(Exception):  # what IPython cannot read stays as it is
