@@ -68,7 +68,6 @@ def test_grade_scores_a_correct_a_buggy_and_a_broken_submission(tmp_path):
         "grade",
         str(subs),
         str(tmp_path / "empty"),
-        str(tmp_path / "nope"),
         "--json",
         "--csv",
         "grades.csv",
@@ -83,7 +82,7 @@ def test_grade_scores_a_correct_a_buggy_and_a_broken_submission(tmp_path):
     }
     alice = results["submitted/alice/ex.py"]
     assert alice["verdicts"][0]["kind"] == "passed", alice
-    assert alice["student"] == "alice"
+    assert alice["student"] == "submitted/alice"  # two folders named: each student with hers
     bob = {v["exercise"]: v for v in results[f"submitted/bob/{COLLECTIVES.name}"]["verdicts"]}
     assert bob["all_reduce_mean"]["score"] == 0
     assert "SUM where the average was meant" in bob["all_reduce_mean"]["hint"]
@@ -101,12 +100,11 @@ def test_grade_scores_a_correct_a_buggy_and_a_broken_submission(tmp_path):
         f"submitted/carol/{COLLECTIVES.name}",
         "submitted/dan/answers.txt",
         "empty",
-        "nope",
     }
     assert "not a readable notebook" in errors[f"submitted/carol/{COLLECTIVES.name}"]
     assert "not a notebook (.ipynb) or Python file" in errors["submitted/dan/answers.txt"]
     assert "no files in it" in errors["empty"]
-    assert "no such file" in errors["nope"]
+    # (a path that does not exist is wrong input, before any file: test_grading_trust.py)
     # No grading process and no rank is left behind.
     left = [
         p.pid
@@ -116,8 +114,11 @@ def test_grade_scores_a_correct_a_buggy_and_a_broken_submission(tmp_path):
     assert not left
     # The gradebook CSV: one row per submission, scores per exercise.
     rows = {r["student"]: r for r in csv.DictReader((tmp_path / "grades.csv").open())}
-    assert rows["alice"]["all_reduce_mean"] == "2" and rows["bob"]["all_reduce_mean"] == "0"
-    assert rows["carol"]["error"].startswith(COLLECTIVES.name)
+    assert rows["submitted/alice"]["all_reduce_mean"] == "2"
+    assert rows["submitted/bob"]["all_reduce_mean"] == "0"
+    assert rows["submitted/carol"]["error"].startswith(
+        f"the submission's process said: {COLLECTIVES.name}"
+    )
     # The progress lines went to stderr, one per file.
     assert "[1/" in proc.stderr and "gradebook CSV: grades.csv" in proc.stderr
 

@@ -44,7 +44,7 @@ def submissions(paths: Iterable[Path], snapshot: Path) -> list[Submission]:
     paths = list(paths)
     # Several folders named (`submitted/*`): a student is named with the folder it came from,
     # or every student's "ps1/" would be one student "ps1".
-    named = sum(p.is_dir() for p in paths) > 1
+    named = sum(_is_folder(p) for p in paths) > 1
     for path in paths:
         shown = printable(str(path))
         try:
@@ -66,6 +66,13 @@ def submissions(paths: Iterable[Path], snapshot: Path) -> list[Submission]:
         else:
             found.append(Submission(shown, "", path.name, error=f"{shown}: no such file or folder"))
     return found
+
+
+def _is_folder(path: Path) -> bool:
+    try:
+        return path.is_dir() and not path.is_symlink()
+    except OSError:  # a name longer than the system allows: its row says so below
+        return False
 
 
 HIDDEN = (".", "__")  # .ipynb_checkpoints/, __pycache__/: Jupyter's and Python's, not a student's
