@@ -10,8 +10,10 @@ are a snapshot of one moment, which the planner picks between two (see `theory.r
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -126,6 +128,7 @@ def _plan_cli(*args: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=Path(__file__).parent,  # a factory here (plan_models) is importable, as the CLI says
     )
 
 
@@ -153,6 +156,12 @@ def test_fsdp_lab_plan_json_has_the_promised_keys():
         (["--model", "7.5e9", "--verify", "fake"], "is a parameter count"),
         (["--model", "no_such_module:factory"], "no_such_module"),
         (["--gpu", "h1000"], "invalid choice: 'h1000'"),
+        # issue 36, hostile input: each one line, exit 2, no traceback
+        (["--model", "inf"], "a parameter count must be a number from 1 to"),
+        (["--model", "1e400"], "a parameter count must be a number from 1 to"),
+        (["--model", "nan"], "a parameter count must be a number from 1 to"),
+        (["--gpus", str(10**12)], "expected at most 1,048,576"),
+        (["--model", "plan_models:no_vocab", "--verify", "fake"], "says no vocabulary"),
     ],
 )
 def test_bad_plan_input_gets_one_line_and_a_hint(args, says):
@@ -160,6 +169,57 @@ def test_bad_plan_input_gets_one_line_and_a_hint(args, says):
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("memory_gib", float("nan")), ("memory_gib", float("inf")), ("bf16_tflops", -1.0),
+     ("nic_gbit_s", 0), ("efficiency", 0.0), ("efficiency", 1.5)],
+)  # fmt: skip
+def test_a_gpu_with_impossible_figures_is_refused_naming_the_field(field, value):
+    from fsdp_lab.planning.planner import GPU
+
+    figures = {"memory_gib": 80, "bf16_tflops": 989, "intra_gbytes_s": 450, "nic_gbit_s": 400}
+    with pytest.raises(ValueError, match=f"{field}="):
+        GPU("mine", **{**figures, field: value})
+
+
+def test_every_preset_and_strategy_is_said_in_words_with_its_peak_moment():
+    """Issue 36, point 1: ZeRO-1's plans that peak at the end of backward were an internal
+    error (KeyError) in the summary and in notebook 08's widget."""
+    from fsdp_lab.planning.planner import STRATEGIES
+    from fsdp_lab.planning.report import MOMENTS, summary
+
+    for model in ("llama3-8b", "llama3-70b"):
+        for strategy in STRATEGIES:
+            for checkpoint in ("none", "blocks"):
+                plan = fsdp_lab.plan(model, gpus=64, strategy=strategy, checkpoint=checkpoint,
+                                     seq=8192)  # fmt: skip
+                assert MOMENTS[plan["peak_moment"]] in summary(plan)
+    zero1 = fsdp_lab.plan("llama3-70b", gpus=64, strategy="zero1", checkpoint="blocks", seq=8192)
+    assert zero1["peak_moment"] == "end_of_backward"
+
+
+def test_the_zero_paper_line_states_this_plans_own_bytes_at_its_peak():
+    """Issue 36, point 6: the line said ZeRO-1/2 hold 2Ψ where the plan's own ZeRO-1 peak
+    holds the paper's 4Ψ (the gathered model and every whole gradient, in bf16)."""
+    from fsdp_lab.planning.report import zero_paper_line
+
+    zero1 = fsdp_lab.plan("llama3-8b", gpus=64, strategy="zero1", checkpoint="blocks")
+    line = zero_paper_line(zero1)
+    assert zero1["peak_moment"] == "end_of_backward"
+    # 2: the gathered bf16 model; 2 and a little: every whole gradient in bf16, and the one unit
+    # being reduced in fp32 as well
+    found = re.search(
+        r"holds ([\d.]+) bytes per parameter of gathered parameters and ([\d.]+) of", line
+    )
+    assert found and float(found[1]) == 2 and 2 <= float(found[2]) < 2.1, line
+
+
+def test_the_cheapest_change_is_said_as_the_command_lines_option():
+    proc = _plan_cli("--model", "llama3-70b", "--gpus", "64", "--seq", "8192")
+    assert proc.returncode == 0, proc.stderr
+    assert "`--checkpoint blocks` (in Python: `checkpoint='blocks'`)" in proc.stdout
 
 
 def test_a_model_given_by_its_size_alone_is_planned_and_says_what_it_leaves_out():

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 PRESETS = ("llama3-8b", "llama3-70b", "llama3-405b")
+MAX_PARAMETERS = 1e15  # a thousand times the largest model trained: beyond it, a typo
 TWIN = "-twin"
 
 
@@ -28,8 +29,11 @@ def parameter_count(name: str) -> int | None:
         count = float(text[:-1] if scale != 1 else text) * scale
     except ValueError:
         return None
-    if not count >= 1:
-        raise ValueError(f"--model {name!r}: a parameter count must be >= 1, e.g. 7.5e9 or 70B")
+    if not 1 <= count <= MAX_PARAMETERS:  # NaN, inf and 1e400 (inf) included
+        raise ValueError(
+            f"--model {name!r}: a parameter count must be a number from 1 to "
+            f"{MAX_PARAMETERS:.0e}, e.g. 7.5e9 or 70B"
+        )
     return int(count)
 
 

@@ -40,6 +40,7 @@ CHECKPOINTS = ("none", "blocks")
 SETTINGS = ("model", "gpus", "gpus_per_node", "gpu", "strategy", "precision", "checkpoint", "seq",
             "micro_batch")  # fmt: skip
 RESERVE = 0.10  # of a GPU's memory: the CUDA context, the allocator's fragmentation, NCCL
+MAX_GPUS = 1 << 20  # beyond any cluster built: a typo, said as one
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,21 @@ class GPU:
     nic_gbit_s: float  # inter-node bandwidth per GPU (one NIC per GPU on such nodes)
     efficiency: float = 0.5  # the share of peak FLOPS a well-tuned step reaches (MFU)
     flops_kind: str = "dense bf16"  # what `bf16_tflops` counts (a measured CPU: fp32 matmul)
+
+    def __post_init__(self) -> None:
+        for field in ("memory_gib", "bf16_tflops", "intra_gbytes_s", "nic_gbit_s"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"GPU({field}={value!r}): expected a number")
+            if not 0 < value < float("inf"):
+                raise ValueError(f"GPU({field}={value!r}): expected a finite number > 0")
+        if isinstance(self.efficiency, bool) or not isinstance(self.efficiency, int | float) or (
+            not 0 < self.efficiency <= 1
+        ):  # fmt: skip
+            raise ValueError(
+                f"GPU(efficiency={self.efficiency!r}): expected the share of peak FLOPS a step "
+                "reaches, in (0, 1] (published runs: 0.38-0.57 on H100, 0.58-0.74 on A100)"
+            )
 
 
 GPUS = {
@@ -119,6 +135,12 @@ def plan(
                 f"--verify fake needs a model to run, and {model!r} is a parameter count. "
                 "Fix: --model llama3-8b (or -70b, -405b) or package.module:factory"
             )
+        if layout["vocab_size"] is None:  # the fake rank trains it on token ids below it
+            raise ValueError(
+                f"--verify fake trains {model!r} on token ids, and it says no vocabulary (no "
+                "vocab_size, no config.vocab_size). Fix: set self.vocab_size in its __init__ "
+                "(the number of token ids its embedding takes)"
+            )
         result["verified"] = compare(result, run_in_subprocess(fake_run(result)))
     return result
 
@@ -145,6 +167,10 @@ def _checked(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: expected an int >= 1")
+        if name.startswith("gpus") and value > MAX_GPUS:
+            raise ValueError(
+                f"{name}={value}: expected at most {MAX_GPUS:,} (more than any cluster)"
+            )
     if gpus > gpus_per_node and gpus % gpus_per_node:
         raise ValueError(
             f"gpus={gpus} is not a whole number of nodes of {gpus_per_node}. Fix: gpus="
@@ -199,9 +225,9 @@ def model_layout(model: str, seq: int, shard_ranks: int) -> dict[str, Any]:
 
     count = parameter_count(model)
     if count is not None:  # a model given by its size alone: one unit, no layers, no activations
-        units, tensors, shape = (("", count),), 0, None
+        units, tensors, shape, vocab = (("", count),), 0, None, None
     else:
-        units, tensors, shape = _built_units(model, seq)
+        units, tensors, shape, vocab = _built_units(model, seq)
     return {
         "units": [
             {
@@ -214,13 +240,15 @@ def model_layout(model: str, seq: int, shard_ranks: int) -> dict[str, Any]:
         ],
         "param_tensors": tensors,
         "shape": dict(shape) if shape else None,
+        "vocab_size": vocab,
         "parameters": sum(numel for _, numel in units),
     }
 
 
 @functools.lru_cache(maxsize=16)
-def _built_units(model: str, seq: int) -> tuple[tuple, int, tuple | None]:
-    """(unit name, numel) in wrap order, the root first; parameter tensors; the Llama's shape.
+def _built_units(model: str, seq: int) -> tuple[tuple, int, tuple | None, int | None]:
+    """(unit name, numel) in wrap order, the root first; parameter tensors; the Llama's shape;
+    the vocabulary it declares (None: none).
     Cached: building 405B's 126 blocks on meta takes seconds, and a widget asks again."""
     from fsdp_lab.planning.models import block_classes, build_on_meta
     from fsdp_lab.sharding.wrap import build_plan
@@ -242,7 +270,8 @@ def _built_units(model: str, seq: int) -> tuple[tuple, int, tuple | None]:
             ("n_layers", config.n_layers),
             ("vocab_size", config.vocab_size),
         )
-    return units, len(params), shape
+    vocab = getattr(built, "vocab_size", None) or getattr(config, "vocab_size", None)
+    return units, len(params), shape, vocab
 
 
 def predict(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:

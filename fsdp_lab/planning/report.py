@@ -15,6 +15,7 @@ MOMENTS = {
     "end_of_forward": "at the end of forward",
     "loss_backward": "in the loss's backward",
     "in_backward": "in the last block's backward",
+    "end_of_backward": "at the end of backward, where ZeRO-1 reduces every whole gradient",
 }
 
 
@@ -61,7 +62,10 @@ def verdict(plan: dict[str, Any]) -> str:
     if plan["fits"]:
         return head + "**fits**."
     if plan["to_fit"]:
-        return head + f"**does not fit**; the cheapest change that fits: `{plan['to_fit']}`."
+        return head + (
+            f"**does not fit**; the cheapest change that fits: `{as_flags(plan['to_fit'])}` "
+            f"(in Python: `{plan['to_fit']}`)."
+        )
     if unknown:
         return head + (
             "**does not fit**, and no change of checkpointing, ZeRO stage, micro-batch or GPU "
@@ -75,19 +79,30 @@ def verdict(plan: dict[str, Any]) -> str:
     )
 
 
+def as_flags(change: str) -> str:
+    """A change in Python's words (``checkpoint='blocks'``) as `fsdp-lab plan`'s options."""
+    name, _, value = change.partition("=")
+    return f"--{name.replace('_', '-')} {value.strip(chr(39))}"
+
+
 def zero_paper_line(plan: dict[str, Any]) -> str:
-    """The ZeRO paper's model-state accounting for this Ψ and GPU count, beside ours."""
+    """The ZeRO paper's model-state accounting for this Ψ and GPU count, beside what this plan
+    holds at its own peak (its numbers, not a claim about every strategy)."""
     # In GB (10^9), as the paper prints them: 7.5B on 64 GPUs reads 120 · 31.4 · 16.6 · 1.88.
     paper = " · ".join(
         f"{k} {v / 1e9:,.0f} GB" if v >= 1e12 else f"{k} {v / 1e9:.3g} GB"
         for k, v in plan["zero_paper_bytes"].items()
     )
+    psi, at_peak = plan["parameters"], plan["per_rank_bytes"]
+    whole_grads = max(0.0, at_peak["gradients"] - at_peak["parameters"])  # beyond fp32 shards
     return (
-        f"The ZeRO paper's accounting for {plan['parameters'] / 1e9:.3g}B parameters on "
-        f"{plan['gpus']} GPUs (fp16 parameters and gradients, fp32 Adam and master weights, "
-        f"model state only): {paper}. The table above is `fsdp_lab.shard`'s own layout: "
-        "fp32 shards and a compute-dtype copy gathered, so ZeRO-1/2 hold the gathered model "
-        "(2Ψ in bf16), not fp16 parameters and gradients (4Ψ)."
+        f"The ZeRO paper's accounting for {psi / 1e9:.3g}B parameters on {plan['gpus']} GPUs "
+        f"(fp16 parameters and gradients, fp32 Adam and master weights, model state only): "
+        f"{paper}. This plan is `fsdp_lab.shard`'s own layout — fp32 shards, gradient shards "
+        f"and Adam moments, and compute-dtype copies: at its peak "
+        f"({MOMENTS[plan['peak_moment']]}) a GPU holds {at_peak['gathered'] / psi:.3g} bytes "
+        f"per parameter of gathered parameters and {whole_grads / psi:.3g} of gradients beyond "
+        "its shards, where the paper counts 2 + 2 (ZeRO-1) or 2 + 2/N (ZeRO-2) in fp16."
     )
 
 
