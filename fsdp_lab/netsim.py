@@ -124,6 +124,18 @@ def _links(mesh: tuple[int, int], gpus_per_node: int) -> dict[str, tuple[int, in
     return {"shard": (s, 1, s > g), "replicate": (r, s, r * s > g)}
 
 
+def inter_node_share(ranks: list[int], gpus_per_node: int) -> float:
+    """The share of a ring's edges over `ranks` (in ring order) that cross nodes: what one GPU
+    of the group sends over the network on average, per byte it sends in the ring. A ring over
+    64 GPUs on 8 nodes leaves each node once: 8 of its 64 edges cross, 1/8 per GPU; a ring across
+    replicas, one GPU per node, crosses on every edge."""
+    n = len(ranks)
+    crossing = sum(
+        ranks[i] // gpus_per_node != ranks[(i + 1) % n] // gpus_per_node for i in range(n)
+    )
+    return crossing / n if n > 1 else 0.0
+
+
 def node_nic_bytes(
     moved: dict[str, dict[str, float]], mesh: tuple[int, int], gpus_per_node: int
 ) -> float:

@@ -216,6 +216,39 @@ def test_the_zero_paper_line_states_this_plans_own_bytes_at_its_peak():
     assert found and float(found[1]) == 2 and 2 <= float(found[2]) < 2.1, line
 
 
+def test_the_fix_search_tries_changes_together_and_ranks_them_by_cost():
+    """Issue 36, point 2: 70B on 8 GPUs was "no change makes it fit" (one change at a time),
+    though recomputing blocks on 32 GPUs fits."""
+    from fsdp_lab.planning.report import as_flags
+
+    big = fsdp_lab.plan("llama3-70b", gpus=8, seq=8192)
+    assert big["to_fit"] == "checkpoint='blocks', gpus=32"
+    assert as_flags(big["to_fit"]) == "--checkpoint blocks --gpus 32"
+    fix = big["changes_that_fit"][0]
+    again = fsdp_lab.plan("llama3-70b", gpus=32, seq=8192, checkpoint="blocks")
+    assert again["fits"] and fix["peak_bytes"] == again["per_rank_bytes"]["total"]
+    costs = [f["gpu_s_per_1k_tokens"] for f in big["changes_that_fit"]]
+    assert costs == sorted(costs)
+    # "the activations of one sequence" are one sequence's, whatever the micro-batch
+    two = fsdp_lab.plan("llama3-405b", gpus=8, seq=8192, micro_batch=2)
+    one = fsdp_lab.plan("llama3-405b", gpus=8, seq=8192)
+    assert two["activations_one_sequence"] == one["per_rank_bytes"]["activations"]
+
+
+def test_bytes_by_link_are_per_gpu_as_the_ring_routes_them():
+    """Issue 36, point 5: ZeRO-3 over 8 nodes said every byte crossed the network per GPU;
+    a ring over 64 GPUs leaves each node once, so 1/8 of a GPU's bytes cross."""
+    plan = fsdp_lab.plan("llama3-70b", gpus=64, checkpoint="blocks", seq=8192)
+    comm = plan["comm_bytes_per_rank"]
+    total = sum(comm["by_collective"].values())
+    assert comm["by_link"]["inter_node"] == pytest.approx(total / 8)
+    assert comm["by_link"]["intra_node"] == pytest.approx(total * 7 / 8)
+    hsdp = fsdp_lab.plan("llama3-8b", gpus=64, strategy="hsdp")["comm_bytes_per_rank"]
+    assert hsdp["by_link"]["inter_node"] == pytest.approx(
+        sum(hsdp["by_group"]["replicate"].values())
+    )
+
+
 def test_the_cheapest_change_is_said_as_the_command_lines_option():
     proc = _plan_cli("--model", "llama3-70b", "--gpus", "64", "--seq", "8192")
     assert proc.returncode == 0, proc.stderr

@@ -125,7 +125,12 @@ def plan(
     layout = model_layout(model, seq, setup["shard_ranks"])
     result = predict(setup, layout)
     if not result["fits"]:
-        result["to_fit"] = cheapest_fix(setup)
+        result["changes_that_fit"] = changes_that_fit(setup)
+        result["to_fit"] = (
+            result["changes_that_fit"][0]["change"] if result["changes_that_fit"] else None
+        )
+        one = predict({**setup, "micro_batch": 1}, layout)["per_rank_bytes"]["activations"]
+        result["activations_one_sequence"] = one
     if verify == "fake":
         from fsdp_lab.planning.fake_ranks import run_in_subprocess
         from fsdp_lab.planning.verify import compare, fake_run
@@ -354,10 +359,12 @@ def comm_bytes(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
         for op, b in ops.items():
             by_collective[op] = by_collective.get(op, 0.0) + b
     r, s = mesh or (1, setup["gpus"])
-    links = netsim._links((r, s), setup["gpus_per_node"])
+    rank0_groups = {"shard": list(range(s)), "replicate": [k * s for k in range(r)]}
     by_link = {"intra_node": 0.0, "inter_node": 0.0}
-    for group, ops in by_group.items():
-        by_link["inter_node" if links[group][2] else "intra_node"] += sum(ops.values())
+    for group, ops in by_group.items():  # per GPU, as its ring routes it
+        share = netsim.inter_node_share(rank0_groups[group], setup["gpus_per_node"])
+        by_link["inter_node"] += share * sum(ops.values())
+        by_link["intra_node"] += (1 - share) * sum(ops.values())
     return {"by_collective": by_collective, "by_group": by_group, "by_link": by_link}
 
 
@@ -409,45 +416,63 @@ def assumptions(setup: dict[str, Any], gpu: GPU, layout: dict[str, Any]) -> list
     ]
 
 
-def cheapest_fix(setup: dict[str, Any]) -> str | None:
-    """The first change, in order of cost, after which the plan fits: recompute blocks, shard
-    more (ZeRO-1 -> 2 -> 3, HSDP -> ZeRO-3), halve the micro-batch, then double the GPUs."""
-    tries = []
-    if setup["checkpoint"] == "none":
-        tries.append(("checkpoint='blocks'", {"checkpoint": "blocks"}))
+def changes_that_fit(setup: dict[str, Any], most: int = 5) -> list[dict[str, Any]]:
+    """Every combination of recomputing blocks, a higher ZeRO stage (HSDP -> ZeRO-3), a smaller
+    micro-batch and more GPUs (up to 128x) after which the plan fits, cheapest first by the
+    planner's own cost — GPU-seconds per thousand tokens a step trains — then by headroom;
+    at most `most`, each with its words, its cost and its peak."""
     order = ["none", "optimizer", "grad_op", "full"]
     lab = setup["lab_strategy"]
+    strategies: list[tuple[str, dict[str, Any]]] = [("", {})]
     if lab in order[:-1]:
-        tries += [
+        strategies += [
             (f"strategy='{LAB_NAMES[s]}'", {"lab_strategy": s, "strategy": LAB_NAMES[s]})
             for s in order[order.index(lab) + 1 :]
         ]
     if lab.startswith("hybrid"):
-        tries.append(
-            (
-                "strategy='zero3'",
-                {
-                    "lab_strategy": "full",
-                    "strategy": "zero3",
-                    "mesh": None,
-                    "shard_ranks": setup["gpus"],
-                },
-            )
+        strategies.append(
+            ("strategy='zero3'", {"lab_strategy": "full", "strategy": "zero3", "mesh": None})
         )
-    batch = setup["micro_batch"]
-    while batch > 1:
-        batch //= 2
-        tries.append((f"micro_batch={batch}", {"micro_batch": batch}))
-    for doublings in range(1, 8):
-        more = setup["gpus"] * 2**doublings
-        change = {"gpus": more, "shard_ranks": more if not setup["mesh"] else setup["shard_ranks"]}
-        if setup["mesh"]:
-            change["mesh"] = (more // setup["mesh"][1], setup["mesh"][1])
-        tries.append((f"gpus={more}", change))
-    for words, change in tries:
-        trial = {**setup, **change}
-        # The units padded for the trial's shard group (the built model is cached: no rebuild).
-        units = model_layout(trial["model"], trial["seq"], trial["shard_ranks"])
-        if predict(trial, units)["fits"]:
-            return words
-    return None
+    checkpoints = [("", {})] + (
+        [("checkpoint='blocks'", {"checkpoint": "blocks"})] if setup["checkpoint"] == "none" else []
+    )
+    batches = [("", {})]
+    b = setup["micro_batch"]
+    while b > 1:
+        b //= 2
+        batches.append((f"micro_batch={b}", {"micro_batch": b}))
+    fits = []
+    for words_c, c in checkpoints:
+        for words_s, st in strategies:
+            for words_b, mb in batches:
+                for doublings in range(8):
+                    trial = {**setup, **c, **st, **mb}
+                    more = setup["gpus"] * 2**doublings
+                    trial["gpus"] = more
+                    if trial["mesh"]:
+                        trial["mesh"] = (more // trial["mesh"][1], trial["mesh"][1])
+                    trial["shard_ranks"] = trial["mesh"][1] if trial["mesh"] else more
+                    words = [w for w in (words_c, words_s, words_b) if w]
+                    words += [f"gpus={more}"] if doublings else []
+                    if not words:
+                        continue
+                    planned = predict(trial, model_layout(trial["model"], trial["seq"],
+                                                          trial["shard_ranks"]))  # fmt: skip
+                    if planned["fits"]:
+                        tokens = trial["seq"] * trial["micro_batch"]
+                        fits.append({
+                            "change": ", ".join(words),
+                            "gpu_s_per_1k_tokens": planned["step_time_s"] * 1e3 / tokens,
+                            "peak_bytes": planned["per_rank_bytes"]["total"],
+                            "headroom_bytes": planned["usable_bytes"]
+                            - planned["per_rank_bytes"]["total"],
+                        })  # fmt: skip
+                        break  # more GPUs than the fewest that fit only cost more
+    fits.sort(key=lambda f: (round(f["gpu_s_per_1k_tokens"], 9), -f["headroom_bytes"]))
+    return fits[:most]
+
+
+def cheapest_fix(setup: dict[str, Any]) -> str | None:
+    """The cheapest change after which the plan fits (`changes_that_fit`), or None."""
+    found = changes_that_fit(setup, most=1)
+    return found[0]["change"] if found else None

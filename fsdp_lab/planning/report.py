@@ -62,9 +62,20 @@ def verdict(plan: dict[str, Any]) -> str:
     if plan["fits"]:
         return head + "**fits**."
     if plan["to_fit"]:
+        best, *others = plan.get("changes_that_fit") or [{"change": plan["to_fit"]}]
+        cost = (
+            f", {best['gpu_s_per_1k_tokens']:.3g} GPU-seconds per 1,000 tokens, peak "
+            f"{format_bytes(best['peak_bytes'])}"
+            if "peak_bytes" in best
+            else ""
+        )
+        also = "".join(
+            f"; or `{as_flags(o['change'])}` ({o['gpu_s_per_1k_tokens']:.3g} GPU-s per 1k tokens)"
+            for o in others[:2]
+        )
         return head + (
             f"**does not fit**; the cheapest change that fits: `{as_flags(plan['to_fit'])}` "
-            f"(in Python: `{plan['to_fit']}`)."
+            f"(in Python: `{plan['to_fit']}`){cost}{also}."
         )
     if unknown:
         return head + (
@@ -74,15 +85,20 @@ def verdict(plan: dict[str, Any]) -> str:
     return head + (
         "**does not fit**, and no change of checkpointing, ZeRO stage, micro-batch or GPU count "
         "makes it: the activations of one sequence alone need "
-        f"{format_bytes(plan['per_rank_bytes']['activations'])} per GPU — tensor or context "
+        f"{format_bytes(plan.get('activations_one_sequence') or plan['per_rank_bytes']['activations'])}"
+        " per GPU — tensor or context "
         "parallelism (not modelled here) would split them."
     )
 
 
 def as_flags(change: str) -> str:
-    """A change in Python's words (``checkpoint='blocks'``) as `fsdp-lab plan`'s options."""
-    name, _, value = change.partition("=")
-    return f"--{name.replace('_', '-')} {value.strip(chr(39))}"
+    """A change in Python's words (``checkpoint='blocks', gpus=32``) as `fsdp-lab plan`'s
+    options (``--checkpoint blocks --gpus 32``)."""
+    flags = []
+    for part in change.split(", "):
+        name, _, value = part.partition("=")
+        flags.append(f"--{name.replace('_', '-')} {value.strip(chr(39))}")
+    return " ".join(flags)
 
 
 def zero_paper_line(plan: dict[str, Any]) -> str:

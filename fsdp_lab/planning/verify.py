@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fsdp_lab import netsim
+
 
 def fake_run(planned: dict[str, Any]) -> Any:
     """The `fake_ranks.Run` that simulates rank 0 of `planned`'s world."""
@@ -39,10 +41,11 @@ def compare(predicted: dict[str, Any], measured: dict[str, Any]) -> dict:
     got["total"] = measured["peak_bytes"]
     plan_bytes = predicted["per_rank_bytes"]
     by_link = {"intra_node": 0.0, "inter_node": 0.0}
-    for label, ops in measured["comm_bytes_per_step_by_group"].items():
+    for label, ops in measured["comm_bytes_per_step_by_group"].items():  # as its ring routes it
         ranks = [int(r) for r in label.removeprefix("ranks ").split(",")]
-        nodes = {r // predicted["gpus_per_node"] for r in ranks}
-        by_link["inter_node" if len(nodes) > 1 else "intra_node"] += sum(ops.values())
+        share = netsim.inter_node_share(ranks, predicted["gpus_per_node"])
+        by_link["inter_node"] += share * sum(ops.values())
+        by_link["intra_node"] += (1 - share) * sum(ops.values())
     comm = {"by_collective": measured["comm_bytes_per_step"], "by_link": by_link}
     return {
         "per_rank_bytes": got,
