@@ -18,10 +18,10 @@ relative difference of each quantity.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 from fsdp_lab import netsim, theory
+from fsdp_lab.planning.gpus import GPU, GPUS
 from fsdp_lab.theory import MIXED_ADAM
 
 # Names people use for the strategies, and the lab's own (`shard(strategy=...)`).
@@ -41,43 +41,6 @@ SETTINGS = ("model", "gpus", "gpus_per_node", "gpu", "strategy", "precision", "c
             "micro_batch")  # fmt: skip
 RESERVE = 0.10  # of a GPU's memory: the CUDA context, the allocator's fragmentation, NCCL
 MAX_GPUS = 1 << 20  # beyond any cluster built: a typo, said as one
-
-
-@dataclass(frozen=True)
-class GPU:
-    """Vendor datasheet figures (SXM/PCIe as named): the plan's assumptions about a GPU."""
-
-    name: str
-    memory_gib: float
-    bf16_tflops: float  # dense, no sparsity
-    intra_gbytes_s: float  # one GPU's share of its node's links, per direction
-    nic_gbit_s: float  # inter-node bandwidth per GPU (one NIC per GPU on such nodes)
-    efficiency: float = 0.5  # the share of peak FLOPS a well-tuned step reaches (MFU)
-    flops_kind: str = "dense bf16"  # what `bf16_tflops` counts (a measured CPU: fp32 matmul)
-
-    def __post_init__(self) -> None:
-        for field in ("memory_gib", "bf16_tflops", "intra_gbytes_s", "nic_gbit_s"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"GPU({field}={value!r}): expected a number")
-            if not 0 < value < float("inf"):
-                raise ValueError(f"GPU({field}={value!r}): expected a finite number > 0")
-        if isinstance(self.efficiency, bool) or not isinstance(self.efficiency, int | float) or (
-            not 0 < self.efficiency <= 1
-        ):  # fmt: skip
-            raise ValueError(
-                f"GPU(efficiency={self.efficiency!r}): expected the share of peak FLOPS a step "
-                "reaches, in (0, 1] (published runs: 0.38-0.57 on H100, 0.58-0.74 on A100)"
-            )
-
-
-GPUS = {
-    "h100": GPU("H100 SXM 80GB", 80, 989, 450, 400),
-    "h200": GPU("H200 SXM 141GB", 141, 989, 450, 400),
-    "a100-80gb": GPU("A100 SXM 80GB", 80, 312, 300, 200),
-    "a100-40gb": GPU("A100 SXM 40GB", 40, 312, 300, 200),
-    "l4": GPU("L4 24GB (PCIe)", 24, 121, 32, 100),
-}
 
 
 def plan(
@@ -470,9 +433,3 @@ def changes_that_fit(setup: dict[str, Any], most: int = 5) -> list[dict[str, Any
                         break  # more GPUs than the fewest that fit only cost more
     fits.sort(key=lambda f: (round(f["gpu_s_per_1k_tokens"], 9), -f["headroom_bytes"]))
     return fits[:most]
-
-
-def cheapest_fix(setup: dict[str, Any]) -> str | None:
-    """The cheapest change after which the plan fits (`changes_that_fit`), or None."""
-    found = changes_that_fit(setup, most=1)
-    return found[0]["change"] if found else None
