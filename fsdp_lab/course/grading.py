@@ -15,8 +15,9 @@ crash, reply garbage, delete files — it is that file's row, and grading goes o
 Which files, whose, and in what order is `roster`'s (copied before the first runs, links
 refused, students in turns, a cap per student); the text of verdicts is kept printable. An
 optional class time limit bounds the whole run. What goes wrong on the grader's side is the
-grader's: a reference that cannot run stops grading with one line (`GraderError`), never a row that blames a student; a file whose reply
-the grader fails on is that file's row, marked as the grader's error, and the others go on.
+grader's: a reference that cannot run stops grading with one line (`GraderError`), never a
+row that blames a student; a file whose reply the grader fails on is that file's row, marked
+as the grader's error, and the others go on.
 """
 
 from __future__ import annotations
@@ -86,8 +87,11 @@ def grade_paths(
     seen = {"note": sandbox.sandbox_note(sandbox.Limits(wall_seconds=0)), "binds": binds}
     progress(seen["note"])
     students = len({sub.student for sub in todo})
-    walls = [file_limits(sub, time_limit, only) for sub in todo]
-    budget = sum(lim.wall_seconds for lim in walls if lim is not None)
+    mentions = [mentioned(sub) for sub in todo]  # each file read once, here
+    limits = [
+        file_limits(sub, len(m), time_limit, only) for sub, m in zip(todo, mentions, strict=True)
+    ]
+    budget = sum(lim.wall_seconds for lim in limits if lim is not None)
     over = f" ({len(skipped)} more over the cap of {max_files} per student)" if skipped else ""
     progress(
         f"{_count(len(todo), 'file')} of {_count(students, 'student')}{over}; each file stops at "
@@ -96,12 +100,12 @@ def grade_paths(
     )
     judge = Judge(max(time_limit, 30.0))  # the reference's cases get at least the default
     # The reference of every exercise the class mentions, measured while the first files run.
-    for name in dict.fromkeys(n for sub in todo for n in mentioned(sub)):
+    for name in dict.fromkeys(n for names in mentions for n in names):
         if only is None or name == only:
             judge.prepare(exercise(name))
     results, grader_errors, t_start = [], 0, time.monotonic()
     try:
-        for i, sub in enumerate(todo, 1):
+        for i, (sub, lim) in enumerate(zip(todo, limits, strict=True), 1):
             t0 = time.perf_counter()
             if class_time_limit is not None and time.monotonic() - t_start > class_time_limit:
                 result = {"file": sub.shown, "student": sub.student,
@@ -109,7 +113,7 @@ def grade_paths(
                           "was reached first — grade this file again on its own"}  # fmt: skip
             else:
                 try:
-                    result = grade_one(sub, time_limit, only, judge, binds)
+                    result = grade_one(sub, time_limit, lim, only, judge, binds)
                 except (GraderError, KeyboardInterrupt):
                     raise
                 except Exception as exc:  # ours, not the student's: this row, then go on
@@ -130,21 +134,23 @@ def _count(n: int, thing: str) -> str:
     return f"{n} {thing}" + ("" if n == 1 else "s")
 
 
-def file_limits(sub: Submission, time_limit: float, only: str | None) -> sandbox.Limits | None:
+def file_limits(
+    sub: Submission, mentions: int, time_limit: float, only: str | None
+) -> sandbox.Limits | None:
     """What `sub`'s sandbox may use: its wall clock grows with the exercises it mentions."""
     if sub.copy is None:
         return None
-    checks = 1 if only else len(mentioned(sub))
+    checks = 1 if only else mentions
     return sandbox.Limits(wall_seconds=START_ALLOWANCE + time_limit * (1 + checks))
 
 
 def grade_one(
-    sub: Submission, time_limit: float, only: str | None, judge: Judge,
-    binds: list[str] | None = None,
+    sub: Submission, time_limit: float, limits: sandbox.Limits | None, only: str | None,
+    judge: Judge, binds: list[str] | None = None,
 ) -> dict:  # fmt: skip
-    """One file's row: its verdicts, or the one error that stopped it."""
+    """One file's row (`limits`: its sandbox's, `file_limits`): its verdicts, or the one error
+    that stopped it."""
     row: dict[str, Any] = {"file": sub.shown, "student": sub.student}
-    limits = file_limits(sub, time_limit, only)
     if sub.copy is None or limits is None:
         return {**row, "error": sub.error}
     inside = "submission" + Path(sub.name).suffix
@@ -263,7 +269,6 @@ class Judge:
             ) from exc
 
     def expected(self, ex: Any) -> Callable[[Any], list]:
-        self.prepare(ex)
         return lambda case: self.reference(ex)[case.label]["outcomes"]
 
     def verdicts(

@@ -45,7 +45,6 @@ from fsdp_lab.sharding.checks import (
     check_model,
     check_same_plan,
     check_units,
-    plan_lines,
 )
 from fsdp_lab.sharding.materialize import (
     EMPTY,
@@ -150,7 +149,7 @@ def shard(
         model, plan, policy, policies, mixed_precision, reshard_after_forward, offload
     )
     settings = f"{policy.name} {prefetch} {use_orig_params} {bucket_cap_mb} {offload}"
-    check_same_plan(plan_lines(model, plan, unit_plans, settings), groups)  # the 1st message
+    check_same_plan(model, plan, unit_plans, settings, groups)  # the first message
 
     on_meta = next(model.parameters()).is_meta  # one device: check_model made sure
     if on_meta and not recorded_ties(model):

@@ -151,10 +151,13 @@ def plan_lines(model: nn.Module, plan: Any, unit_plans: dict[str, Any], settings
     return lines
 
 
-def check_same_plan(lines: list[str], groups: Any) -> None:
-    """Refuse, on every rank of the model's mesh (`groups`), a plan that differs between
-    them, naming the first difference. Ranks that disagree would send messages of different sizes (or to different
-    groups) in the first collective, where gloo aborts the process and NCCL hangs.
+def check_same_plan(
+    model: nn.Module, plan: Any, unit_plans: dict[str, Any], settings: str, groups: Any
+) -> None:
+    """Refuse, on every rank of the model's mesh (`groups`), a plan (`plan_lines`) that differs
+    between them, naming the first difference. Ranks that disagree would send messages of
+    different sizes (or to different groups) in the first collective, where gloo aborts the
+    process and NCCL hangs. One process, or fake ranks: nothing to compare, nothing built.
 
     A check, not the mechanism: its two small messages (a digest; the plans only when digests
     differ) bypass `fsdp_lab.comm`, so every lab's counted bytes stay the mechanism's.
@@ -164,6 +167,7 @@ def check_same_plan(lines: list[str], groups: Any) -> None:
         return
     if dist.get_world_size(group) == 1:
         return
+    lines = plan_lines(model, plan, unit_plans, settings)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     digests: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(digests, digest, group=group)
