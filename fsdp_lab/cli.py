@@ -229,6 +229,12 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU (default 1)")
     p.add_argument(
+        "--grad-accumulation", type=int, default=1, help="micro-batches per step (default 1)"
+    )
+    p.add_argument(
+        "--mfu", type=float, default=None, help="share of peak FLOPS reached (default 0.5)"
+    )
+    p.add_argument(
         "--verify", choices=("fake",), default=None, help="run one rank on fake ranks, compare"
     )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -502,6 +508,8 @@ def plan_command(args: argparse.Namespace) -> dict[str, Any]:
             args.seq,
             args.micro_batch,
             args.verify,
+            args.grad_accumulation,
+            args.mfu,
         )
     except ValueError as exc:
         error, _, fix = str(exc).partition(". Fix: ")

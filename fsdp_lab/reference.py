@@ -62,8 +62,12 @@ def train_steps(
     clip: Callable[[], Any] | None = None,
     on_step: Callable[[int], Any] | None = None,
     vocab_size: int | None = None,
+    micro_batches: int = 1,
 ) -> list[float]:
     """Train `steps` steps; returns this rank's local losses (their mean is the global loss).
+
+    `micro_batches` > 1: gradient accumulation — each step runs that many forwards and
+    backwards on batches of `global_batch` (the gradients summed) before one optimizer step.
 
     Token ids are drawn below `vocab_size`, by default `vocab_size_of(model)`: the model's
     ``vocab_size``, else its ``config.vocab_size`` (a wrapper that hides both, or a model that
@@ -73,18 +77,20 @@ def train_steps(
     losses = []
     vocab = vocab_size if vocab_size is not None else vocab_size_of(model)
     for step in range(steps):
-        x, y = synthetic_batch(vocab, global_batch, seq_len, step)
-        x, y = local_slice(x, rank, world).to(device), local_slice(y, rank, world).to(device)
-        # Memory made by forward and backward is activations (and their gradients); the
-        # tracker re-files parameter gradients by role at the next mark.
-        with compute_span("forward"), category("activations"):
-            logits = model(x)  # (B, T, V)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-        mark(f"step {step} forward done")
-        optimizer.zero_grad(set_to_none=True)
-        with category("activations"):
-            loss.backward()
-        mark(f"step {step} backward done")
+        for micro in range(micro_batches):
+            batch = synthetic_batch(vocab, global_batch, seq_len, step * micro_batches + micro)
+            x, y = (local_slice(t, rank, world).to(device) for t in batch)
+            # Memory made by forward and backward is activations (and their gradients); the
+            # tracker re-files parameter gradients by role at the next mark.
+            with compute_span("forward"), category("activations"):
+                logits = model(x)  # (B, T, V)
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+            mark(f"step {step} forward done")
+            if micro == 0:  # later micro-batches add to the gradients
+                optimizer.zero_grad(set_to_none=True)
+            with category("activations"):
+                loss.backward()
+            mark(f"step {step} backward done")
         if clip is not None:
             clip()
         with compute_span("optimizer step"):

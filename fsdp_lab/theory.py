@@ -453,13 +453,22 @@ def llama_activation_bytes(
                    head_dim) — plus 2 RMSNorm scales (b each) and attention's log-sum-exp
                    (4 bytes per head)
         kept       what the blocks keep to the end of forward: every block's set, or under
-                   `checkpoint="blocks"` each block's input only (D)
-        recompute  checkpoint="blocks": one block's set again while it is recomputed
+                   `checkpoint="blocks"` each block's input only (D); "selective" (every second
+                   block recomputed, torchtitan's layer option 2) one of each; under
+                   "selective-op" (torchtitan's per-op policy, `planning.selective`) each
+                   block's input and what the policy saves: q, v, attention's output and
+                   log-sum-exp, w1's and w2's outputs (4·D + KV + F, and 4 bytes per head)
+        recompute  one block's set again while it is recomputed (checkpointed blocks)
         ends       the embedding's output (D) and the final norm (2·D); the logits (b·V, kept
                    by the training loop's variable) and their fp32 log-softmax (4·V)
+        loss_forward  the loss's forward: the fp32 copy of the logits beside its log-softmax
+                   (4·V more than `ends`, for a moment)
         loss_grad  the loss's backward: the gradient of the log-softmax and of its input,
                    2 × 4·V — the step's largest transient at a large vocabulary
         head_grad  later in backward: the logits stay, the log-softmax is gone (b·V + 3·D·b)
+        logits     what stays to the end of backward: the logits (b·V)
+        head_weight_grad  the output layer's gradient (b·V·D, not per token), held whole from
+                   the head's backward until the root unit's gradient is complete
     Shape keys: dim, ffn_dim, n_heads, kv_dim, n_layers, vocab_size.
     """
     d, f, kv, h = shape["dim"], shape["ffn_dim"], shape["kv_dim"], shape["n_heads"]
@@ -467,10 +476,18 @@ def llama_activation_bytes(
     per_block = tokens * ((11 * d + 4 * f + kv) * b + 2 * b + 4 * h)
     if checkpoint == "none":
         kept, recompute = layers * per_block, 0
-    elif checkpoint == "blocks":
-        kept, recompute = layers * tokens * d * b, per_block
+    elif checkpoint == "selective-op":  # per block: its input, q and v (the 1st and 3rd
+        # matmuls), attention's output and log-sum-exp, w1's and w2's outputs (5th and 7th)
+        saved = tokens * ((3 * d + kv + f) * b + 4 * h)
+        kept, recompute = layers * (saved + tokens * d * b), per_block - saved
+    elif checkpoint in ("blocks", "selective"):
+        recomputed = layers if checkpoint == "blocks" else layers // 2  # blocks 1, 3, 5, ...
+        kept = (layers - recomputed) * per_block + recomputed * tokens * d * b
+        recompute = per_block  # the last block is one of them: recomputed first in backward
     else:
-        raise ValueError(f"checkpoint={checkpoint!r}: expected 'none' or 'blocks'")
+        raise ValueError(
+            f"checkpoint={checkpoint!r}: expected 'none', 'selective-op', 'selective' or 'blocks'"
+        )
     return {
         "per_block": float(per_block),
         "kept": float(kept),
@@ -478,6 +495,9 @@ def llama_activation_bytes(
         "ends": float(tokens * (3 * d * b + b * v + 4 * v)),
         "loss_grad": float(tokens * 2 * 4 * v),
         "head_grad": float(tokens * (3 * d * b + b * v)),
+        "logits": float(tokens * b * v),
+        "head_weight_grad": float(b * v * d),
+        "loss_forward": float(tokens * 4 * v),
     }
 
 
@@ -488,29 +508,41 @@ def rank_memory(
     compute_bytes: int,
     param_tensors: int,
     activations: dict[str, float],
+    accumulating: bool = False,
+    largest_tensor: int = 0,
 ) -> dict[str, dict[str, float]]:
     """One rank's bytes by category under `fsdp_lab.shard` with Adam (fp32 shards, gradients
-    and moments; units gathered in `compute_bytes` per element) at the moments one of
-    which is the step's peak — the largest total is (`llama_activation_bytes` for the names):
+    and moments; units gathered in `compute_bytes` = c per element) at the moments one of
+    which is the step's peak — the largest total is (`llama_activation_bytes` for the names;
+    R = the root unit's padded numel, B = the largest block's):
 
         end_of_forward  the loss computed: kept + ends; last step's gradient shards still held
                         (dropped at zero_grad, after forward); under ZeRO-3/HSDP only the root
                         unit gathered (kept for backward; every block freed)
+        loss_forward    as end_of_forward, with the loss's fp32 logits beside their log-softmax
+        optimizer_step  Adam's step: every gradient, and two fp32 temporaries the size of its
+                        largest tensor (`largest_tensor` numel; a flat shard when sharded); the
+                        logits still held by the loop
         loss_backward   after zero_grad (every gradient dropped), the loss's backward: kept +
                         ends + loss_grad
-        in_backward     the last block's backward: one block's set fewer (or, recomputed, one
-                        more), the head's remains; the gradient shards being rebuilt plus the
-                        unit's whole gradient in compute dtype; gathered the root, the unit
-                        computing, the next one prefetched and the compute-dtype copy of the
-                        shard being sent
+        block_backward  the last block's backward begins: every block's set (recomputed: its
+                        set rebuilt), the head's remains and the head weight's gradient;
+                        gathered the root, the block, the next one prefetched and a shard's copy
+        in_backward     the last block's gradient being reduced: its set freed, the head's
+                        remains and the head weight's gradient; the block's whole gradient
+                        (c·B), its fp32 copy and its new shard; gathered as in block_backward
+        root_backward   the embedding's gradient arrives: the head's and the embedding's
+                        gradients and the root's whole gradient they are summed into (2·c·R)
+        root_reduce     the root's whole gradient (c·R) and its fp32 copy, reduced last
         end_of_backward ZeRO-1 only: it reduces when backward is over, so every unit's whole
                         gradient is held (c·Ψ_padded), the one being reduced also in fp32
 
     Model state: parameters 4·Ψ_padded/S (DDP 4Ψ); gradients 4·Ψ_padded/S (DDP 4Ψ);
-    optimizer_state 8·Ψ_padded/S (DDP 8Ψ) and
-    a 4-byte step counter per parameter tensor. ZeRO-1/2 keep the whole model gathered, DDP a
-    compute copy when it is not fp32. `units`: "numel" and "padded_numel" (a multiple of S =
-    `shard_ranks`), the root first.
+    optimizer_state 8·Ψ_padded/S (DDP 8Ψ) and a 4-byte step counter per parameter tensor.
+    ZeRO-1/2 keep the whole model gathered through backward, DDP a compute copy when it is not
+    fp32. `accumulating`: a later micro-batch of gradient accumulation, whose gradient shards
+    are held from the one before (none are dropped). `units`: "numel" and "padded_numel" (a
+    multiple of S = `shard_ranks`), the root first.
     """
     s, c = shard_ranks, compute_bytes
     padded = sum(u["padded_numel"] for u in units)
@@ -519,6 +551,8 @@ def rank_memory(
     a = activations
     root, blocks = units[0], units[1:] or units[:1]
     largest = max(u["padded_numel"] for u in blocks)
+    fp32_copy = 4.0 if c != 4 else 0.0  # a gradient cast to fp32 for its reduction
+    max_shard = max(u["padded_numel"] for u in units) / s
     if strategy == "none":
         state = {
             "parameters": 4.0 * psi,
@@ -526,42 +560,78 @@ def rank_memory(
             "optimizer_state": 8.0 * psi + steps,
         }
         forward_end = backward = float(c * psi if c != 4 else 0)
-        unit_grad = 0.0  # DDP's gradients are the parameters' own, counted whole
     else:
         state = {
             "parameters": 4.0 * padded / s,
             "gradients": 4.0 * padded / s,
             "optimizer_state": 8.0 * padded / s + steps,
         }
-        unit_grad = float(c * largest)
         if strategy in ("full", "hybrid"):
             forward_end = float(c * root["padded_numel"])
             backward = c * (root["padded_numel"] + 2 * largest + largest / s)
         else:  # optimizer, grad_op, hybrid_zero2: gathered once, kept all step
             forward_end = backward = float(c * padded)
+    held = state["gradients"] if accumulating else 0.0  # shards kept from the micro-batch before
+    block_set = a["per_block"] if not a["recompute"] else 0.0
     moments = {
         "end_of_forward": {**state, "gathered": forward_end, "activations": a["kept"] + a["ends"]},
+        "loss_forward": {
+            **state,
+            "gathered": forward_end,
+            "activations": a["kept"] + a["ends"] + a["loss_forward"],
+        },
+        "optimizer_step": {
+            **state,
+            # single-tensor Adam (PyTorch's default off CUDA): two temporaries of one tensor
+            "optimizer_state": state["optimizer_state"]
+            + 8.0 * (largest_tensor if strategy == "none" else max_shard),
+            "gathered": forward_end,
+            "activations": a["logits"],
+        },
         "loss_backward": {
             **state,
-            "gradients": 0.0,
+            "gradients": held,
             "gathered": forward_end,
             "activations": a["kept"] + a["ends"] + a["loss_grad"],
         },
         "in_backward": {
             **state,
-            "gradients": state["gradients"] + unit_grad,
+            "gradients": state["gradients"] if strategy == "none" else held,
             "gathered": float(backward),
-            "activations": a["kept"]
-            - (a["per_block"] if not a["recompute"] else 0.0)
-            + a["recompute"]
-            + a["head_grad"],
+            "activations": a["kept"] - block_set + a["recompute"] + a["head_grad"],
         },
+    }
+    if strategy == "none":  # DDP's gradients are the parameters' own, counted whole
+        return moments
+    moments["block_backward"] = {  # the last block's backward begins (recomputed: rebuilt)
+        **moments["in_backward"],
+        "activations": a["kept"] + a["recompute"] + a["head_grad"] + a["head_weight_grad"],
+    }
+    in_backward = moments["in_backward"]
+    in_backward["activations"] += a["head_weight_grad"] + c * largest - a["recompute"]
+    if strategy != "optimizer":  # reduced now: cast, and its shard
+        in_backward["gradients"] += fp32_copy * largest + 4.0 * largest / s
+    root_numel = root["padded_numel"]
+    blocks_done = 4.0 * (padded - root_numel) / s + (4.0 * root_numel / s if accumulating else 0)
+    root_gathered = forward_end if strategy == "optimizer" else float(c * root_numel)
+    moments["root_backward"] = {
+        **state,
+        # ZeRO-1: the blocks' whole gradients, not reduced until backward is over
+        "gradients": held + c * (padded - root_numel) if strategy == "optimizer" else blocks_done,
+        "gathered": root_gathered,
+        "activations": a["logits"] + 2.0 * c * root_numel,
+    }
+    moments["root_reduce"] = {
+        **state,
+        "gradients": blocks_done + fp32_copy * root_numel + 4.0 * root_numel / s,
+        "gathered": root_gathered,
+        "activations": a["logits"] + c * root_numel,
     }
     if strategy == "optimizer":  # ZeRO-1 reduces once backward is over: every unit's whole
         # gradient (compute dtype) is held then, and the one being reduced also in fp32
         moments["end_of_backward"] = {
             **state,
-            "gradients": float(c * padded + 4 * largest),
+            "gradients": float(held + c * padded + 4 * largest),
             "gathered": forward_end,
             "activations": a["head_grad"],
         }

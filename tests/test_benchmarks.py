@@ -224,7 +224,31 @@ def test_bench_plan_prints_a_verified_row(tmp_path):
         "bench_plan.py", "--models", "llama3-8b-twin", "--gpus", "8", "--strategies", "zero3",
         "--seq", "64", "--json", str(out),
     )  # fmt: skip
-    row = r"^\| llama3-8b-twin \| 8 \| zero3 \| yes \| [\d.,]+ \| [\d.,]+ \| [+-][\d.]+% \| [\d.,]+ = fake \|"
+    row = (
+        r"^\| llama3-8b-twin \| 8 \| zero3 \| blocks \| 64 \| yes \| [\d.,]+ \| [\d.,]+ \| "
+        r"[+-][\d.]+% \| [\d.,]+ = fake \|"
+    )
     assert re.search(row, proc.stdout, re.M), proc.stdout
     (plan,) = json.loads(out.read_text())
     assert set(plan["verified"]["comm_bytes_rel_diff"].values()) == {0.0}
+
+
+def test_bench_plan_published_prints_every_published_run_planned_or_why_not():
+    spec = importlib.util.spec_from_file_location(
+        "published_runs", ROOT / "benchmarks" / "published_runs.py"
+    )
+    published_runs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(published_runs)
+    RUNS = published_runs.RUNS
+    proc = _run_benchmark("bench_plan.py", "--published")
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| TT")]
+    assert len(rows) == len(RUNS), proc.stdout
+    for run, row in zip(RUNS, rows, strict=True):
+        assert row.startswith(f"| {run['source']} |"), row
+        if run.get("not_expressible"):
+            assert "not expressible: " in row, row
+        else:  # planned tokens/s, published, and their ratio (no bound: a benchmark reports)
+            planned, published, ratio = (float(x.replace(",", "")) for x in row.split("|")[5:8])
+            assert published == run["tokens_per_s"] and ratio == pytest.approx(
+                planned / published, abs=0.006
+            ), row

@@ -23,7 +23,7 @@ from fsdp_lab.planning.verify import compare, fake_run
 
 TWIN = "llama3-8b-twin"
 EXACT = ("parameters", "optimizer_state")
-TWIN_TOTAL, REAL_TOTAL = 0.10, 0.05  # the peak's total: twins (seq 64), real sizes
+TWIN_TOTAL, REAL_TOTAL = 0.10, 0.02  # the peak's total: twins (seq 64), real sizes
 
 
 def _bytes_agree_exactly(plan: dict) -> None:
@@ -66,15 +66,26 @@ def test_a_fake_rank_sends_exactly_the_planned_bytes_and_holds_the_planned_model
     assert acts[0] < acts[1]
 
 
-def test_at_real_size_llama3_8b_bytes_are_exact_and_the_peak_within_five_percent():
-    # (70B and 405B, every strategy: benchmarks/bench_plan.py; here the smallest real size.)
-    (plan,) = _verified(fsdp_lab.plan("llama3-8b", gpus=16, strategy="hsdp", seq=1024))
-    _bytes_agree_exactly(plan)
-    diff = plan["verified"]["per_rank_bytes_rel_diff"]
-    assert diff["parameters"] == diff["optimizer_state"] == 0.0, diff
-    assert abs(diff["total"]) < REAL_TOTAL, diff
+def test_at_real_size_the_peak_is_within_two_percent_at_the_cheap_corners():
+    """Issue 36, point 3: Llama-3-8B on 64 GPUs, ZeRO-3 with every block recomputed, was
+    planned at 7.33 GiB and measured at 10.19 (-28 %): the root unit's whole gradient and its
+    fp32 copy, reduced last, were missing. The cheap corners of the grid (the whole grid:
+    `benchmarks/bench_plan.py --grid`): that case, per-op checkpointing with accumulation
+    under HSDP, and DDP at sequence 1, where Adam's temporaries make the peak."""
+    plans = _verified(
+        fsdp_lab.plan("llama3-8b", gpus=64, checkpoint="blocks"),
+        fsdp_lab.plan("llama3-8b", gpus=64, strategy="hsdp", checkpoint="selective-op", seq=1,
+                      grad_accumulation=2),
+        fsdp_lab.plan("llama3-8b", gpus=64, strategy="ddp", seq=1),
+    )  # fmt: skip
+    for plan in plans:
+        _bytes_agree_exactly(plan)
+        diff = plan["verified"]["per_rank_bytes_rel_diff"]
+        assert diff["parameters"] == 0.0, diff
+        assert abs(diff["total"]) < REAL_TOTAL, (plan["strategy"], plan["peak_moment"], diff)
+    assert plans[0]["peak_moment"] == "root_reduce"
     # A simulated 8B rank costs this process's own objects, not the model's 32 GB.
-    assert plan["verified"]["peak_rss_bytes"] < 2 * 2**30
+    assert max(p["verified"]["peak_rss_bytes"] for p in plans) < 3 * 2**30
 
 
 def test_a_fake_rank_measures_exactly_what_a_real_rank_measures_and_fully_shard_alike(cluster_of):
@@ -153,14 +164,18 @@ def test_fsdp_lab_plan_json_has_the_promised_keys():
         (["--strategy", "zero3", "--mesh", "2,4"], "is for HSDP only"),
         (["--mesh", "2x4", "--strategy", "hsdp"], "--mesh '2x4': expected R,S"),
         (["--model", "llama3-70"], "did you mean 'llama3-70b'?"),
-        (["--model", "7.5e9", "--verify", "fake"], "is a parameter count"),
+        (["--model", "1e3"], "a parameter count must be a number from 1e+08 to"),
         (["--model", "no_such_module:factory"], "no_such_module"),
         (["--gpu", "h1000"], "invalid choice: 'h1000'"),
         # issue 36, hostile input: each one line, exit 2, no traceback
-        (["--model", "inf"], "a parameter count must be a number from 1 to"),
-        (["--model", "1e400"], "a parameter count must be a number from 1 to"),
-        (["--model", "nan"], "a parameter count must be a number from 1 to"),
+        (["--model", "inf"], "a parameter count must be a number from 1e+08 to"),
+        (["--model", "1e400"], "a parameter count must be a number from 1e+08 to"),
+        (["--model", "nan"], "a parameter count must be a number from 1e+08 to"),
         (["--gpus", str(10**12)], "expected at most 1,048,576"),
+        (["--mfu", "0"], "mfu=0.0: expected the share of peak FLOPS"),
+        (["--mfu", "nan"], "mfu=nan: expected the share of peak FLOPS"),
+        (["--grad-accumulation", "0"], "grad_accumulation=0: expected an int >= 1"),
+        (["--model", "plan_models:exits"], "ended the process (exit code 0) without an answer"),
         (["--model", "plan_models:no_vocab", "--verify", "fake"], "says no vocabulary"),
     ],
 )
@@ -197,7 +212,8 @@ def test_every_preset_and_strategy_is_said_in_words_with_its_peak_moment():
                                      seq=8192)  # fmt: skip
                 assert MOMENTS[plan["peak_moment"]] in summary(plan)
     zero1 = fsdp_lab.plan("llama3-70b", gpus=64, strategy="zero1", checkpoint="blocks", seq=8192)
-    assert zero1["peak_moment"] == "end_of_backward"
+    # every block's whole gradient is still held when the root's is assembled (issue 36, 3)
+    assert zero1["peak_moment"] == "root_backward"
 
 
 def test_the_zero_paper_line_states_this_plans_own_bytes_at_its_peak():
@@ -207,13 +223,13 @@ def test_the_zero_paper_line_states_this_plans_own_bytes_at_its_peak():
 
     zero1 = fsdp_lab.plan("llama3-8b", gpus=64, strategy="zero1", checkpoint="blocks")
     line = zero_paper_line(zero1)
-    assert zero1["peak_moment"] == "end_of_backward"
-    # 2: the gathered bf16 model; 2 and a little: every whole gradient in bf16, and the one unit
-    # being reduced in fp32 as well
+    assert zero1["peak_moment"] == "root_backward"
+    # 2: the gathered bf16 model; under 2: every block's whole gradient in bf16 (the root's,
+    # 13 % of 8B, is being assembled in autograd's buffer: counted among activations)
     found = re.search(
         r"holds ([\d.]+) bytes per parameter of gathered parameters and ([\d.]+) of", line
     )
-    assert found and float(found[1]) == 2 and 2 <= float(found[2]) < 2.1, line
+    assert found and float(found[1]) == 2 and 1.6 < float(found[2]) < 2, line
 
 
 def test_the_fix_search_tries_changes_together_and_ranks_them_by_cost():
@@ -255,12 +271,71 @@ def test_the_cheapest_change_is_said_as_the_command_lines_option():
     assert "`--checkpoint blocks` (in Python: `checkpoint='blocks'`)" in proc.stdout
 
 
-def test_a_model_given_by_its_size_alone_is_planned_and_says_what_it_leaves_out():
+def test_a_parameter_count_is_planned_as_a_stated_transformer_shape():
+    """Issue 36, point 4: a bare count was one unit counted three times as gathered (33x the
+    ZeRO paper's ZeRO-3 row) that "peaked in the last block's backward" without blocks."""
     from fsdp_lab.planning.report import summary
 
-    small, big = fsdp_lab.plan("7.5e9", gpus=64), fsdp_lab.plan("70B", gpus=64)
-    assert small["per_rank_bytes"]["activations"] is None and small["parameters"] == 7_500_000_000
-    assert "activations not counted" in summary(small) and small["fits"]
-    # One unit of 70B gathered whole never fits a GPU, whatever changes: said, not crashed.
-    assert not big["fits"] and big["to_fit"] is None
-    assert "one unit, gathered whole" in summary(big)
+    rows = {}
+    for strategy in ("zero1", "zero2", "zero3"):
+        plan = fsdp_lab.plan("7.5e9", gpus=64, strategy=strategy)
+        assert abs(plan["parameters"] / 7.5e9 - 1) < 0.001  # the shape lands on the count
+        assert plan["per_rank_bytes"]["activations"] > 0  # counted: it has blocks now
+        assert "dim 3968, 31 blocks" in summary(plan)  # and says which shape it planned
+        held = plan["per_rank_bytes_by_moment"]
+        rows[strategy] = (plan, held)
+    paper = rows["zero3"][0]["zero_paper_bytes"]  # Table 1, for the 7.5B typed
+    state = ("parameters", "gradients", "optimizer_state")
+    # ZeRO-3: the shards at the end of forward are the paper's 16 bytes per parameter / N
+    zero3 = sum(rows["zero3"][1]["end_of_forward"][k] for k in state)
+    assert zero3 / paper["ZeRO-3"] == pytest.approx(1, abs=0.002)
+    # ZeRO-2: and the gathered bf16 model; ZeRO-1: and every whole bf16 gradient (its peak)
+    zero2 = sum(rows["zero2"][1]["end_of_forward"][k] for k in (*state, "gathered"))
+    zero1 = sum(rows["zero1"][0]["per_rank_bytes"][k] for k in (*state, "gathered"))
+    assert 0.9 < zero2 / paper["ZeRO-2"] < 1.1 and 0.9 < zero1 / paper["ZeRO-1"] < 1.1
+    # 8e9 lands on Llama-3-8B's own shape: the same plan
+    assert (
+        fsdp_lab.plan("8e9", gpus=64)["per_rank_bytes"]
+        == (fsdp_lab.plan("llama3-8b", gpus=64)["per_rank_bytes"])
+    )
+
+
+def test_a_factory_that_hangs_is_stopped_at_the_stated_limit_and_said(monkeypatch):
+    from fsdp_lab.planning import models
+
+    monkeypatch.setattr(models, "BUILD_TIME_LIMIT_S", 3)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    with pytest.raises(ValueError, match="'plan_models:hangs': building it on the meta device "
+                       "did not finish in 3 s"):  # fmt: skip
+        fsdp_lab.plan("plan_models:hangs")
+
+
+def test_accumulation_utilisation_and_presets_change_what_they_should():
+    one = fsdp_lab.plan("llama3-8b", gpus=64, checkpoint="selective")
+    four = fsdp_lab.plan("llama3-8b", gpus=64, checkpoint="selective", grad_accumulation=4)
+    # every micro-batch gathers and reduces again; four forwards and backwards per step
+    for op, sent in one["comm_bytes_per_rank"]["by_collective"].items():
+        assert four["comm_bytes_per_rank"]["by_collective"][op] == 4 * sent
+    assert four["step_time_parts"]["compute_s"] == pytest.approx(
+        4 * one["step_time_parts"]["compute_s"]
+    )
+    # the gradient shards of the micro-batch before are held where one step holds none
+    assert four["per_rank_bytes_by_moment"]["loss_backward"]["gradients"] > 0
+    assert one["per_rank_bytes_by_moment"]["loss_backward"]["gradients"] == 0
+    slow = fsdp_lab.plan("llama3-8b", gpus=64, checkpoint="selective", mfu=0.225)
+    assert slow["step_time_parts"]["compute_s"] == pytest.approx(
+        2 * one["step_time_parts"]["compute_s"]
+    )
+    # recomputing more costs more time: none < selective-op < selective < blocks
+    plans = [fsdp_lab.plan("llama3-8b", gpus=64, seq=8192, checkpoint=c)
+             for c in ("none", "selective-op", "selective", "blocks")]  # fmt: skip
+    times = [p["step_time_parts"]["compute_s"] for p in plans]
+    acts = [p["per_rank_bytes_by_moment"]["end_of_forward"]["activations"] for p in plans]
+    assert times == sorted(times)
+    # but per-op keeps less than every other block: a block's set is 11·D + 4·F + KV wide,
+    # the per-op policy keeps 4·D + F + KV of each block, every-other-block half of them whole
+    none, per_op, every_other, blocks = acts
+    assert none > every_other > per_op > blocks
+    for name in ("h100", "h100-94gb", "h100-96gb", "h200", "b200", "mi300x", "a100-80gb",
+                 "a100-40gb", "l4"):  # fmt: skip
+        assert fsdp_lab.plan("llama3-8b", gpus=8, gpu=name)["gpu"] == name

@@ -48,8 +48,10 @@ class Run:
         strategy: `shard()`'s strategy ("none", "optimizer", "grad_op", "full", "hybrid").
         mesh: (replicas, shard) for "hybrid", else None.
         precision: "fp32" or "bf16-mixed" (bf16 compute and gathers, fp32 reduction).
-        checkpoint: "none" or "blocks" (every block recomputed in backward).
-        seq, micro_batch: tokens per sequence, sequences per rank per step.
+        checkpoint: "none", "blocks" (every block recomputed in backward) or "selective"
+            (every second block: 1, 3, 5, ..., as torchtitan's layer-selective option 2).
+        seq, micro_batch: tokens per sequence, sequences per rank per forward.
+        grad_accumulation: forwards and backwards per optimizer step.
         system: "ours" or "fsdp2" (`fully_shard` and its `FSDPMemTracker`).
         steps: training steps (the peak is taken over all of them, after sharding).
     """
@@ -62,6 +64,7 @@ class Run:
     checkpoint: str = "none"
     seq: int = 2048
     micro_batch: int = 1
+    grad_accumulation: int = 1
     system: str = "ours"
     steps: int = 2
     rank: int = 0
@@ -72,18 +75,28 @@ def run_in_subprocess(*runs: Run, timeout_s: float = 900) -> Any:
     once); its result — a list for several runs — or a RuntimeError with the child's last
     lines. (The peak resident memory of a later run includes the earlier ones'.)"""
     specs = json.dumps([asdict(run) for run in runs])
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_lab.planning.fake_ranks", specs],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    if proc.returncode != 0:
+    models = ", ".join(dict.fromkeys(run.model for run in runs))
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "fsdp_lab.planning.fake_ranks", specs],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, "PYTHONUNBUFFERED": "1",
+                 "PYTHONPATH": os.pathsep.join(p or "." for p in sys.path)},
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            f"the fake-rank run of {models} did not finish in {timeout_s:.0f} s (stopped)"
+        ) from None
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines or not lines[-1].startswith("["):
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-12:])
-        models = ", ".join(dict.fromkeys(run.model for run in runs))
-        raise RuntimeError(f"the fake-rank run of {models} failed:\n{tail}")
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(
+            f"the fake-rank run of {models} failed (exit code {proc.returncode}"
+            f"{', no answer' if proc.returncode == 0 else ''}):\n{tail or 'no message'}"
+        )
+    results = json.loads(lines[-1])
     return results[0] if len(runs) == 1 else results
 
 
@@ -148,12 +161,17 @@ def _batch(run: Run) -> dict[str, Any]:
     """`reference.train_steps`' keywords: each rank gets `micro_batch` sequences of `seq`."""
     replicas = run.world  # every rank is a data-parallel rank under FSDP and HSDP alike
     return dict(
-        global_batch=run.micro_batch * replicas, seq_len=run.seq, rank=run.rank, world=run.world
+        global_batch=run.micro_batch * replicas,
+        seq_len=run.seq,
+        rank=run.rank,
+        world=run.world,
+        micro_batches=run.grad_accumulation,
     )
 
 
 def _ours(run: Run, model: Any, blocks: set[type], mesh: Any, fake: bool) -> dict[str, Any]:
     import torch
+    from torch import nn
 
     from fsdp_lab import comm, reference
     from fsdp_lab.checkpointing.recompute import checkpoint_modules
@@ -162,10 +180,33 @@ def _ours(run: Run, model: Any, blocks: set[type], mesh: Any, fake: bool) -> dic
     from fsdp_lab.trace import MemoryTracker
 
     precision = MixedPrecision(torch.bfloat16, torch.float32) if run.precision != "fp32" else None
-    if run.checkpoint == "blocks":  # as with fully_shard: checkpoint first, shard the wrappers,
+    if run.checkpoint in ("blocks", "selective"):  # as with fully_shard: checkpoint first, shard the wrappers,
         # so a unit's gather and free run outside the recomputed region
-        checkpoint_modules(model, lambda _name, m: type(m) in blocks)
+        every = 1 if run.checkpoint == "blocks" else 2
+        seen: list[nn.Module] = []
+
+        def recomputed(_name: str, module: nn.Module) -> bool:
+            if type(module) not in blocks:
+                return False
+            seen.append(module)
+            return len(seen) % every == 0  # selective: the 2nd, 4th, ... block
+
+        checkpoint_modules(model, recomputed)
         blocks = block_classes(model)
+        if every > 1:  # blocks and wrappers of blocks side by side: the units by name
+            blocks = [
+                f"{name}.{i}"
+                for name, holder in model.named_modules()
+                if isinstance(holder, nn.ModuleList)
+                for i in range(len(holder))
+            ]
+    if run.checkpoint == "selective-op":  # PyTorch's own selective checkpointing per block
+        from fsdp_lab.planning.selective import OpSelective
+
+        for holder in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
+            for i, block in enumerate(holder):
+                holder[i] = OpSelective(block)
+        blocks = {OpSelective}
     with MemoryTracker(rank=run.rank) as mem, comm.CommLog() as log:
         shard(
             model,

@@ -4,8 +4,8 @@
     llama3-8b-twin, ...                    the same architecture at dim 64, 4 blocks: small
                                            enough to train on real ranks here
     package.module:factory                 your own model (built on meta: no memory)
-    7.5e9, 70B                             a parameter count alone: model state and bytes
-                                           only (one unit, no layers: no activations)
+    7.5e9, 70B                             a parameter count: planned as the Llama-3-shaped
+                                           decoder of about that size (`count_config`), said
 
 Every model is built under ``torch.device("meta")``: shapes only, so a 405B model costs its
 Python objects and nothing else. A model's wrap units are its repeated blocks (the children
@@ -14,11 +14,17 @@ of its ``nn.ModuleList``s), the rest is the root unit — as the sharding lab wr
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 PRESETS = ("llama3-8b", "llama3-70b", "llama3-405b")
+MIN_PARAMETERS = 1e8  # a Llama-3 shape's embeddings alone are 33M at width 128
 MAX_PARAMETERS = 1e15  # a thousand times the largest model trained: beyond it, a typo
 TWIN = "-twin"
+BUILD_TIME_LIMIT_S = 120  # a model builds on meta in seconds (405B: about five); beyond, a hang
 
 
 def parameter_count(name: str) -> int | None:
@@ -29,12 +35,45 @@ def parameter_count(name: str) -> int | None:
         count = float(text[:-1] if scale != 1 else text) * scale
     except ValueError:
         return None
-    if not 1 <= count <= MAX_PARAMETERS:  # NaN, inf and 1e400 (inf) included
+    if not MIN_PARAMETERS <= count <= MAX_PARAMETERS:  # NaN, inf and 1e400 (inf) included
         raise ValueError(
-            f"--model {name!r}: a parameter count must be a number from 1 to "
-            f"{MAX_PARAMETERS:.0e}, e.g. 7.5e9 or 70B"
+            f"--model {name!r}: a parameter count must be a number from {MIN_PARAMETERS:.0e} "
+            f"to {MAX_PARAMETERS:.0e}, e.g. 7.5e9 or 70B. Fix: a smaller model as "
+            "package.module:factory (a count is planned as a Llama-3 shape, and below 100M "
+            "parameters its vocabulary would be most of it)"
         )
     return int(count)
+
+
+def count_config(count: int) -> Any:
+    """The Llama-3-shaped decoder a bare parameter count is planned as: Llama-3-8B's
+    proportions at width 128·k — k blocks, k heads of 128, about k/4 K/V heads, Llama-3's
+    vocabulary — with the k whose count is nearest `count` at SwiGLU 3.5x wide, then the SwiGLU
+    width that lands nearest it (8e9 gives 8B's own shape). Stated in the plan: the shape sets
+    the units and the activations."""
+    from dataclasses import replace
+
+    from fsdp_lab.models import LlamaConfig, llama_param_count
+
+    def config(k: int) -> Any:
+        kv_heads = max(d for d in range(1, max(1, k // 4) + 1) if k % d == 0)  # groups whole
+        return LlamaConfig(
+            vocab_size=128256, dim=128 * k, n_layers=k, n_heads=k, n_kv_heads=kv_heads,
+            ffn_dim=448 * k, seq_len=1,
+        )  # fmt: skip
+
+    k, step = 1, 1
+    while llama_param_count(config(k + step)) < count:  # gallop, then bisect: k to ~2,000
+        k, step = k + step, step * 2
+    while step > 1:
+        step //= 2
+        if llama_param_count(config(k + step)) < count:
+            k += step
+    near = config(min((k, k + 1), key=lambda j: abs(llama_param_count(config(j)) - count)))
+    # then the SwiGLU width (a multiple of 256, as Llama rounds it) that lands nearest the count
+    per_width = 3 * near.dim * near.n_layers  # parameters per unit of ffn_dim
+    width = near.ffn_dim + (count - llama_param_count(near)) / per_width
+    return replace(near, ffn_dim=max(256, round(width / 256) * 256))
 
 
 def model_names() -> list[str]:
@@ -44,13 +83,17 @@ def model_names() -> list[str]:
 
 def llama_config_of(name: str, seq: int) -> Any:
     """The `LlamaConfig` of preset `name` with a rotary cache of `seq` positions."""
+    from dataclasses import replace
+
     from fsdp_lab.models import llama3_config, twin_config
 
     base = name.removesuffix(TWIN)
     if base not in PRESETS:
         raise ValueError(_unknown(name))
     config = llama3_config(base.removeprefix("llama3-"), seq_len=seq)
-    return twin_config(config) if name.endswith(TWIN) else config
+    if name.endswith(TWIN):  # the twin at the sequence asked for (its default cache is 64)
+        return replace(twin_config(config), seq_len=seq)
+    return config
 
 
 def build_on_meta(name: str, seq: int) -> Any:
@@ -71,7 +114,13 @@ def build_on_meta(name: str, seq: int) -> Any:
                     f"--model {name!r} cannot be built on the meta device: {exc}. Fix: a "
                     "factory that only creates modules (no .item(), no data-dependent code)"
                 ) from exc
-    config = llama_config_of(name, seq)
+    count = parameter_count(name)
+    if count is not None:  # a bare count: the stated shape
+        from dataclasses import replace
+
+        config = replace(count_config(count), seq_len=seq)
+    else:
+        config = llama_config_of(name, seq)
     with torch.device("meta"):
         return Llama(config)
 
@@ -92,3 +141,48 @@ def _unknown(name: str) -> str:
         f"--model {name!r} is not a preset: {hint}expected one of {model_names()} or "
         "'package.module:factory'"
     )
+
+
+def built_elsewhere(spec: str, seq: int) -> tuple:
+    """`planner._built_units` of a ``module:factory``, run in a child Python: a factory that
+    hangs, exits the process or crashes the interpreter costs a ValueError naming it, not the
+    caller's process (the child gets `BUILD_TIME_LIMIT_S`)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or "." for p in sys.path)}
+    fail = f"--model {spec!r}: building it on the meta device"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "fsdp_lab.planning.models", spec, str(seq)],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIME_LIMIT_S,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        raise ValueError(
+            f"{fail} did not finish in {BUILD_TIME_LIMIT_S} s. Fix: a factory that only creates "
+            "modules (no waiting, downloading or loops over data)"
+        ) from None
+    lines = proc.stdout.strip().splitlines()
+    answer = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+    if answer is None:
+        last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        raise ValueError(
+            f"{fail} ended the process (exit code {proc.returncode}) without an answer: "
+            f"{last[:300]}. Fix: a factory that returns its model (no os._exit, no sys.exit)"
+        )
+    if "error" in answer:
+        raise ValueError(answer["error"])
+    shape = tuple(tuple(pair) for pair in answer["shape"]) if answer["shape"] else None
+    units = tuple(map(tuple, answer["units"]))
+    return units, tuple(answer["tensors"]), shape, answer["vocab"]
+
+
+if __name__ == "__main__":  # the child of `built_elsewhere`: one JSON line
+    from fsdp_lab.planning.planner import units_of_built
+
+    try:
+        units, tensors, shape, vocab = units_of_built(sys.argv[1], int(sys.argv[2]))
+        reply = {"units": units, "tensors": tensors, "shape": shape, "vocab": vocab}
+    except ValueError as exc:
+        reply = {"error": str(exc)}
+    print(json.dumps(reply))

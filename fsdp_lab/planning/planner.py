@@ -17,11 +17,14 @@ relative difference of each quantity.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 from fsdp_lab import netsim, theory
+from fsdp_lab.planning import fixes, models
 from fsdp_lab.planning.gpus import GPU, GPUS
+from fsdp_lab.planning.models import count_config, parameter_count
 from fsdp_lab.theory import MIXED_ADAM
 
 # Names people use for the strategies, and the lab's own (`shard(strategy=...)`).
@@ -35,12 +38,14 @@ STRATEGIES = {
 }
 LAB_NAMES = {lab: name for name, lab in STRATEGIES.items()}
 PRECISIONS = {"bf16-mixed": 2, "fp32": 4}  # bytes per element the units compute and gather in
-CHECKPOINTS = ("none", "blocks")
+CHECKPOINTS = ("none", "selective-op", "selective", "blocks")  # least recomputation first
 # A plan's settings as `plan()` takes them (mesh apart: a tuple in, a list in the JSON).
 SETTINGS = ("model", "gpus", "gpus_per_node", "gpu", "strategy", "precision", "checkpoint", "seq",
-            "micro_batch")  # fmt: skip
+            "micro_batch", "grad_accumulation", "mfu")  # fmt: skip
 RESERVE = 0.10  # of a GPU's memory: the CUDA context, the allocator's fragmentation, NCCL
-MAX_GPUS = 1 << 20  # beyond any cluster built: a typo, said as one
+FAKE_RUN_TIME_LIMIT_S = 900  # 405B on 512 fake ranks: about five minutes on 2 cores
+MAX_GPUS = 1 << 20
+SHAPE_ONLY = dict(dim=1, ffn_dim=1, n_heads=1, kv_dim=1, n_layers=1, vocab_size=1)  # the terms  # beyond any cluster built: a typo, said as one
 
 
 def plan(
@@ -55,6 +60,8 @@ def plan(
     seq: int = 2048,
     micro_batch: int = 1,
     verify: str | None = None,
+    grad_accumulation: int = 1,
+    mfu: float | None = None,
 ) -> dict[str, Any]:
     """Per-rank memory by category against the GPU, bytes per rank per step by collective and
     by link, a modelled step time, whether it fits and the cheapest change that makes it fit.
@@ -68,27 +75,23 @@ def plan(
         mesh: (replicas, shard group) for HSDP; default (gpus / gpus_per_node, gpus_per_node).
         precision: "bf16-mixed" (bf16 compute and gathers, fp32 shards, reduction, Adam) or
             "fp32".
-        checkpoint: "none" or "blocks" (every block recomputed in backward).
-        seq, micro_batch: tokens per sequence, sequences per GPU per step.
+        checkpoint: "none", "selective-op" (per operator, as torchtitan's default: attention's
+            and every other matmul's outputs kept, the rest recomputed), "selective" (every
+            second block recomputed, torchtitan's layer option 2) or "blocks" (every block).
+        seq, micro_batch: tokens per sequence, sequences per GPU per forward.
         verify: None, or "fake" to run the plan on a fake rank (`fake_ranks`) and compare.
+        grad_accumulation: forwards and backwards per optimizer step (gradients summed).
+        mfu: the share of the GPU's peak FLOPS a step reaches, in (0, 1]; default the
+            GPU's own `efficiency` (0.5) — measure yours and set it.
     """
     setup = _checked(
-        model,
-        gpus,
-        gpus_per_node,
-        gpu,
-        strategy,
-        mesh,
-        precision,
-        checkpoint,
-        seq,
-        micro_batch,
-        verify,
-    )
+        model, gpus, gpus_per_node, gpu, strategy, mesh, precision, checkpoint, seq, micro_batch,
+        verify, grad_accumulation, mfu,
+    )  # fmt: skip
     layout = model_layout(model, seq, setup["shard_ranks"])
     result = predict(setup, layout)
     if not result["fits"]:
-        result["changes_that_fit"] = changes_that_fit(setup)
+        result["changes_that_fit"] = fixes.changes_that_fit(setup)
         result["to_fit"] = (
             result["changes_that_fit"][0]["change"] if result["changes_that_fit"] else None
         )
@@ -98,18 +101,21 @@ def plan(
         from fsdp_lab.planning.fake_ranks import run_in_subprocess
         from fsdp_lab.planning.verify import compare, fake_run
 
-        if not layout["param_tensors"]:
-            raise ValueError(
-                f"--verify fake needs a model to run, and {model!r} is a parameter count. "
-                "Fix: --model llama3-8b (or -70b, -405b) or package.module:factory"
-            )
         if layout["vocab_size"] is None:  # the fake rank trains it on token ids below it
             raise ValueError(
                 f"--verify fake trains {model!r} on token ids, and it says no vocabulary (no "
                 "vocab_size, no config.vocab_size). Fix: set self.vocab_size in its __init__ "
                 "(the number of token ids its embedding takes)"
             )
-        result["verified"] = compare(result, run_in_subprocess(fake_run(result)))
+        try:
+            measured = run_in_subprocess(fake_run(result), timeout_s=FAKE_RUN_TIME_LIMIT_S)
+        except RuntimeError as exc:  # the model's own code failed, hung or exited: said so
+            first, *rest = str(exc).splitlines()
+            raise ValueError(
+                f"--verify fake: {first} {rest[-1] if rest else ''}. Fix: run the model's "
+                "forward and backward once on a small input to see where it fails"
+            ) from None
+        result["verified"] = compare(result, measured)
     return result
 
 
@@ -125,6 +131,8 @@ def _checked(
     seq: int,
     micro_batch: int,
     verify: str | None,
+    grad_accumulation: int,
+    mfu: float | None,
 ) -> dict[str, Any]:
     """The arguments checked and resolved; a ValueError naming the value and the fix."""
     for name, value in (
@@ -132,6 +140,7 @@ def _checked(
         ("gpus_per_node", gpus_per_node),
         ("seq", seq),
         ("micro_batch", micro_batch),
+        ("grad_accumulation", grad_accumulation),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: expected an int >= 1")
@@ -147,6 +156,14 @@ def _checked(
         )
     if not isinstance(gpu, GPU) and gpu not in GPUS:
         raise ValueError(f"gpu={gpu!r} is not known: expected one of {sorted(GPUS)}")
+    spec = gpu if isinstance(gpu, GPU) else GPUS[gpu]
+    if mfu is not None:
+        if isinstance(mfu, bool) or not isinstance(mfu, int | float) or not 0 < mfu <= 1:
+            raise ValueError(
+                f"mfu={mfu!r}: expected the share of peak FLOPS a step reaches, in (0, 1]. Fix: "
+                "--mfu 0.4 (published runs: 0.38-0.57 on H100, 0.58-0.74 on A100)"
+            )
+        spec = dataclasses.replace(spec, efficiency=float(mfu))
     lab = STRATEGIES.get(strategy, strategy if strategy in LAB_NAMES else None)
     if lab is None:
         raise ValueError(f"strategy={strategy!r}: expected one of {sorted(STRATEGIES)}")
@@ -181,7 +198,9 @@ def _checked(
         "checkpoint": checkpoint,
         "seq": seq,
         "micro_batch": micro_batch,
-        "gpu_spec": gpu if isinstance(gpu, GPU) else GPUS[gpu],
+        "grad_accumulation": grad_accumulation,
+        "mfu": spec.efficiency,
+        "gpu_spec": spec,
         "shard_ranks": mesh[1] if hybrid else gpus,
     }
 
@@ -189,13 +208,7 @@ def _checked(
 def model_layout(model: str, seq: int, shard_ranks: int) -> dict[str, Any]:
     """The model's units as `shard()` would cut and pad them over `shard_ranks`, its parameter
     tensors, and the shape the activation formula needs (built on meta: no memory)."""
-    from fsdp_lab.planning.models import parameter_count
-
-    count = parameter_count(model)
-    if count is not None:  # a model given by its size alone: one unit, no layers, no activations
-        units, tensors, shape, vocab = (("", count),), 0, None, None
-    else:
-        units, tensors, shape, vocab = _built_units(model, seq)
+    units, (tensors, largest_tensor), shape, vocab = _built_units(model, seq)
     return {
         "units": [
             {
@@ -207,6 +220,7 @@ def model_layout(model: str, seq: int, shard_ranks: int) -> dict[str, Any]:
             for i, (name, numel) in enumerate(units)
         ],
         "param_tensors": tensors,
+        "largest_tensor": largest_tensor,  # numel: what Adam's temporaries are the size of
         "shape": dict(shape) if shape else None,
         "vocab_size": vocab,
         "parameters": sum(numel for _, numel in units),
@@ -214,10 +228,28 @@ def model_layout(model: str, seq: int, shard_ranks: int) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=16)
-def _built_units(model: str, seq: int) -> tuple[tuple, int, tuple | None, int | None]:
-    """(unit name, numel) in wrap order, the root first; parameter tensors; the Llama's shape;
-    the vocabulary it declares (None: none).
+def _built_units(model: str, seq: int) -> tuple[tuple, tuple, tuple | None, int | None]:
+    """(unit name, numel) in wrap order, the root first; (parameter tensors, the largest one's
+    numel); the Llama's shape; the vocabulary it declares (None: none).
     Cached: building 405B's 126 blocks on meta takes seconds, and a widget asks again."""
+    count = parameter_count(model)
+    if count is not None:  # the stated shape, counted as `Llama` holds it (a 1e15 model is
+        c = count_config(count)  # 1,676 blocks: too many to build for a plan)
+        kv = c.n_kv_heads * c.head_dim
+        block = 2 * c.dim * c.dim + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim + 2 * c.dim
+        units = (("", 2 * c.vocab_size * c.dim + c.dim),) + tuple(
+            (f"layers.{i}", block) for i in range(c.n_layers)
+        )
+        tensors = 3 + 9 * c.n_layers  # embedding, final norm, head; 7 linears + 2 norms each
+        largest = max(c.vocab_size, c.ffn_dim) * c.dim
+        return units, (tensors, largest), _shape(c), c.vocab_size
+    if ":" in model:  # the user's code: built in a child process, within a time limit
+        return models.built_elsewhere(model, seq)
+    return units_of_built(model, seq)
+
+
+def units_of_built(model: str, seq: int) -> tuple[tuple, tuple, tuple | None, int | None]:
+    """`_built_units` of a model built here, on meta (a factory: in `built_elsewhere`'s child)."""
     from fsdp_lab.planning.models import block_classes, build_on_meta
     from fsdp_lab.sharding.wrap import build_plan
 
@@ -228,18 +260,22 @@ def _built_units(model: str, seq: int) -> tuple[tuple, int, tuple | None, int | 
         (name, sum(params[r.name].numel() for r in wrap.params[name])) for name in wrap.units
     )
     config = getattr(built, "config", None)
-    shape = None
-    if config is not None and hasattr(config, "ffn_dim"):  # the lab's Llama: its formula
-        shape = (
-            ("dim", config.dim),
-            ("ffn_dim", config.ffn_dim),
-            ("n_heads", config.n_heads),
-            ("kv_dim", config.n_kv_heads * config.head_dim),
-            ("n_layers", config.n_layers),
-            ("vocab_size", config.vocab_size),
-        )
+    shape = _shape(config) if hasattr(config, "ffn_dim") else None  # the lab's Llama: a formula
     vocab = getattr(built, "vocab_size", None) or getattr(config, "vocab_size", None)
-    return units, len(params), shape, vocab
+    largest = max((p.numel() for p in params.values()), default=0)
+    return units, (len(params), largest), shape, vocab
+
+
+def _shape(config: Any) -> tuple:
+    """What `theory.llama_activation_bytes` needs of a `LlamaConfig` (hashable: cached)."""
+    return (
+        ("dim", config.dim),
+        ("ffn_dim", config.ffn_dim),
+        ("n_heads", config.n_heads),
+        ("kv_dim", config.n_kv_heads * config.head_dim),
+        ("n_layers", config.n_layers),
+        ("vocab_size", config.vocab_size),
+    )
 
 
 def predict(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
@@ -250,9 +286,7 @@ def predict(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
     if layout["shape"] is not None:
         acts = theory.llama_activation_bytes(layout["shape"], tokens, setup["checkpoint"], c)
     else:  # no formula for this model's activations: --verify fake measures them
-        acts = dict.fromkeys(
-            ("per_block", "kept", "recompute", "ends", "loss_grad", "head_grad"), 0.0
-        )
+        acts = dict.fromkeys(theory.llama_activation_bytes(SHAPE_ONLY, 1), 0.0)
     moments = theory.rank_memory(
         setup["lab_strategy"],
         layout["units"],
@@ -260,6 +294,8 @@ def predict(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
         c,
         layout["param_tensors"],
         acts,
+        accumulating=setup["grad_accumulation"] > 1,
+        largest_tensor=layout["largest_tensor"],
     )
     peak_moment = max(moments, key=lambda m: sum(moments[m].values()))
     memory: dict[str, float | None] = dict(moments[peak_moment])
@@ -280,6 +316,11 @@ def predict(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
         "per_rank_bytes_by_moment": moments,  # the peak is the largest of these
         "gpu_memory_bytes": gpu.memory_gib * 2**30,
         "usable_bytes": usable,
+        # What PyTorch's caching allocator reserves (``max_memory_reserved``, what published
+        # runs print) beside what is allocated: the peak and the cached block of the loss's
+        # fp32 logits, a size nothing else reuses — a calibration on two published runs
+        # (benchmarks/published_runs.py, TT12), not a measurement.
+        "reserved_bytes": memory["total"] + acts["loss_grad"] / 2,
         "fits": memory["total"] <= usable,
         "to_fit": None,
         "comm_bytes_per_rank": comm,
@@ -287,10 +328,13 @@ def predict(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
         "step_time_parts": timing,
         "assumptions": assumptions(setup, gpu, layout),
         # ZeRO's own accounting (Rajbhandari et al. 2020, Table 1: fp16 parameters and
-        # gradients, fp32 Adam moments and master weights) for this Ψ over every GPU.
+        # gradients, fp32 Adam moments and master weights) for this Ψ (as typed, for a
+        # count) over every GPU.
         "zero_paper_bytes": {
             theory.ZERO_NAMES[k]: v
-            for k, v in theory.zero_table(layout["parameters"], setup["gpus"], MIXED_ADAM).items()
+            for k, v in theory.zero_table(
+                parameter_count(setup["model"]) or layout["parameters"], setup["gpus"], MIXED_ADAM
+            ).items()
             if k in theory.STRATEGIES
         },
     }
@@ -317,6 +361,8 @@ def comm_bytes(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
         }
         for group in reductions
     }
+    k = setup["grad_accumulation"]  # every forward and backward gathers and reduces again
+    by_group = {group: {op: b * k for op, b in ops.items()} for group, ops in by_group.items()}
     by_collective: dict[str, float] = {}
     for ops in by_group.values():
         for op, b in ops.items():
@@ -334,12 +380,17 @@ def comm_bytes(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
 def step_time(
     setup: dict[str, Any], layout: dict[str, Any], comm: dict[str, Any], gpu: GPU
 ) -> dict[str, float]:
-    """Compute at the GPU's `efficiency` of its bf16 peak (6Ψ FLOPs per token, 8Ψ when every block is
-    recomputed, plus causal attention's 6·L·s·D), communication from `netsim.comm_seconds`
-    on this GPU's links; communication hidden behind compute as far as it lasts."""
-    tokens = setup["seq"] * setup["micro_batch"]
+    """Compute at the GPU's `efficiency` of its bf16 peak (6Ψ FLOPs per token, 2Ψ more for
+    what is recomputed, plus causal attention's 6·L·s·D), communication from
+    `netsim.comm_seconds` on this GPU's links; communication hidden behind compute as far as it
+    lasts. Per optimizer step: every micro-batch of gradient accumulation counted."""
+    tokens = setup["seq"] * setup["micro_batch"] * setup["grad_accumulation"]
     shape = layout["shape"]
-    per_token = (8 if setup["checkpoint"] == "blocks" else 6) * layout["parameters"]
+    # of the forward: selective-op recomputes 3 of 7 matmuls, about 0.4 of a block's FLOPs
+    recomputed = {"none": 0, "selective-op": 0.4, "selective": 0.5, "blocks": 1}[
+        setup["checkpoint"]
+    ]
+    per_token = (6 + 2 * recomputed) * layout["parameters"]  # a recomputed forward: 2 more
     if shape is not None:
         per_token += 6 * shape["n_layers"] * setup["seq"] * shape["dim"]
     compute_s = per_token * tokens / (gpu.bf16_tflops * 1e12 * gpu.efficiency)
@@ -350,7 +401,8 @@ def step_time(
         nics_per_node=setup["gpus_per_node"],
     )
     r, s = setup["mesh"] or (1, setup["gpus"])
-    comm_s = netsim.comm_seconds(comm["by_group"], (r, s), network, len(layout["units"]))
+    rings = len(layout["units"]) * setup["grad_accumulation"]  # each unit's, every backward
+    comm_s = netsim.comm_seconds(comm["by_group"], (r, s), network, rings)
     return {"compute_s": compute_s, "comm_s": comm_s, "step_s": max(compute_s, comm_s)}
 
 
@@ -361,75 +413,25 @@ def assumptions(setup: dict[str, Any], gpu: GPU, layout: dict[str, Any]) -> list
             "activations from the lab's Llama, read off its forward (theory.llama_activation_bytes)"
         )
     else:
-        acts = (
-            "activations NOT counted (no formula for this model: --verify fake measures them)"
-            if layout["param_tensors"]
-            else "activations NOT counted (a parameter count has no layers), one unit"
-        )
-    return [
+        acts = "activations NOT counted (no formula for this model: --verify fake measures them)"
+    stated = []
+    if parameter_count(setup["model"]) is not None:
+        c = count_config(parameter_count(setup["model"]))
+        stated = [
+            f"model: the parameter count {setup['model']} planned as a Llama-3-shaped decoder "
+            f"of {layout['parameters'] / 1e9:.3g}B parameters — dim {c.dim}, {c.n_layers} "
+            f"blocks of {c.n_heads} heads ({c.n_kv_heads} K/V), SwiGLU {c.ffn_dim}, vocabulary "
+            f"{c.vocab_size} (Llama-3-8B's proportions; models.count_config)"
+        ]
+    return stated + [
         f"GPU: {gpu.name}, {gpu.memory_gib:.3g} GiB, {RESERVE:.0%} kept back (on a GPU: the "
         "CUDA context, allocator fragmentation, NCCL buffers)",
         f"compute: {gpu.bf16_tflops:.3g} {gpu.flops_kind} TFLOPS at {gpu.efficiency:.0%} utilisation; 6 FLOPs "
-        "per parameter per token (8 with every block recomputed) + causal attention",
+        "per parameter per token (+2 for each recomputed block: 8 with every block, 7 with "
+        "selective, about 6.8 per-op) + causal attention",
         f"links: {gpu.intra_gbytes_s:.3g} GB/s per GPU inside a node, {gpu.nic_gbit_s:.3g} Gbit/s "
         "per GPU between nodes; ring collectives (alpha-beta, netsim); communication fully "
         "overlapped with compute",
         "memory: fsdp_lab.shard with Adam — fp32 shards, gradients and moments; "
         f"{setup['precision']} compute; {acts}; no tensor or pipeline parallelism",
     ]
-
-
-def changes_that_fit(setup: dict[str, Any], most: int = 5) -> list[dict[str, Any]]:
-    """Every combination of recomputing blocks, a higher ZeRO stage (HSDP -> ZeRO-3), a smaller
-    micro-batch and more GPUs (up to 128x) after which the plan fits, cheapest first by the
-    planner's own cost — GPU-seconds per thousand tokens a step trains — then by headroom;
-    at most `most`, each with its words, its cost and its peak."""
-    order = ["none", "optimizer", "grad_op", "full"]
-    lab = setup["lab_strategy"]
-    strategies: list[tuple[str, dict[str, Any]]] = [("", {})]
-    if lab in order[:-1]:
-        strategies += [
-            (f"strategy='{LAB_NAMES[s]}'", {"lab_strategy": s, "strategy": LAB_NAMES[s]})
-            for s in order[order.index(lab) + 1 :]
-        ]
-    if lab.startswith("hybrid"):
-        strategies.append(
-            ("strategy='zero3'", {"lab_strategy": "full", "strategy": "zero3", "mesh": None})
-        )
-    checkpoints = [("", {})] + (
-        [("checkpoint='blocks'", {"checkpoint": "blocks"})] if setup["checkpoint"] == "none" else []
-    )
-    batches = [("", {})]
-    b = setup["micro_batch"]
-    while b > 1:
-        b //= 2
-        batches.append((f"micro_batch={b}", {"micro_batch": b}))
-    fits = []
-    for words_c, c in checkpoints:
-        for words_s, st in strategies:
-            for words_b, mb in batches:
-                for doublings in range(8):
-                    trial = {**setup, **c, **st, **mb}
-                    more = setup["gpus"] * 2**doublings
-                    trial["gpus"] = more
-                    if trial["mesh"]:
-                        trial["mesh"] = (more // trial["mesh"][1], trial["mesh"][1])
-                    trial["shard_ranks"] = trial["mesh"][1] if trial["mesh"] else more
-                    words = [w for w in (words_c, words_s, words_b) if w]
-                    words += [f"gpus={more}"] if doublings else []
-                    if not words:
-                        continue
-                    planned = predict(trial, model_layout(trial["model"], trial["seq"],
-                                                          trial["shard_ranks"]))  # fmt: skip
-                    if planned["fits"]:
-                        tokens = trial["seq"] * trial["micro_batch"]
-                        fits.append({
-                            "change": ", ".join(words),
-                            "gpu_s_per_1k_tokens": planned["step_time_s"] * 1e3 / tokens,
-                            "peak_bytes": planned["per_rank_bytes"]["total"],
-                            "headroom_bytes": planned["usable_bytes"]
-                            - planned["per_rank_bytes"]["total"],
-                        })  # fmt: skip
-                        break  # more GPUs than the fewest that fit only cost more
-    fits.sort(key=lambda f: (round(f["gpu_s_per_1k_tokens"], 9), -f["headroom_bytes"]))
-    return fits[:most]

@@ -13,8 +13,13 @@ from fsdp_lab.sizes import format_bytes
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "gathered", "activations")
 MOMENTS = {
     "end_of_forward": "at the end of forward",
+    "loss_forward": "in the loss's forward (its fp32 logits)",
+    "optimizer_step": "in the optimizer step (its temporaries)",
     "loss_backward": "in the loss's backward",
-    "in_backward": "in the last block's backward",
+    "block_backward": "as the last block's backward begins",
+    "in_backward": "as the last block's gradient is reduced",
+    "root_backward": "as the embedding's gradient joins the root unit's",
+    "root_reduce": "as the root unit's gradient is reduced, last in backward",
     "end_of_backward": "at the end of backward, where ZeRO-1 reduces every whole gradient",
 }
 
@@ -26,7 +31,8 @@ def summary(plan: dict[str, Any]) -> str:
         f"**{plan['model']}** ({_count(plan['parameters'])} parameters) on {plan['gpus']} "
         f"{plan['gpu']} ({plan['nodes']} node(s) of {plan['gpus_per_node']}), "
         f"{plan['strategy']}{mesh}, {plan['precision']}, checkpoint {plan['checkpoint']}, "
-        f"seq {plan['seq']} x micro-batch {plan['micro_batch']}",
+        f"seq {plan['seq']} x micro-batch {plan['micro_batch']}"
+        + (f" x {plan['grad_accumulation']} accumulated" if plan["grad_accumulation"] > 1 else ""),
         "",
         verdict(plan),
         "",
@@ -80,7 +86,7 @@ def verdict(plan: dict[str, Any]) -> str:
     if unknown:
         return head + (
             "**does not fit**, and no change of checkpointing, ZeRO stage, micro-batch or GPU "
-            "count makes it (a model given by its parameter count is one unit, gathered whole)."
+            "count makes it."
         )
     return head + (
         "**does not fit**, and no change of checkpointing, ZeRO stage, micro-batch or GPU count "

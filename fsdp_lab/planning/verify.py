@@ -23,6 +23,7 @@ def fake_run(planned: dict[str, Any]) -> Any:
         checkpoint=planned["checkpoint"],
         seq=planned["seq"],
         micro_batch=planned["micro_batch"],
+        grad_accumulation=planned["grad_accumulation"],
     )
 
 
