@@ -180,8 +180,8 @@ def _ours(run: Run, model: Any, blocks: set[type], mesh: Any, fake: bool) -> dic
     from fsdp_lab.trace import MemoryTracker
 
     precision = MixedPrecision(torch.bfloat16, torch.float32) if run.precision != "fp32" else None
-    if run.checkpoint in ("blocks", "selective"):  # as with fully_shard: checkpoint first, shard the wrappers,
-        # so a unit's gather and free run outside the recomputed region
+    if run.checkpoint in ("blocks", "selective"):  # as with fully_shard: checkpoint first,
+        # shard the wrappers, so a unit's gather and free run outside the recomputed region
         every = 1 if run.checkpoint == "blocks" else 2
         seen: list[nn.Module] = []
 

@@ -48,8 +48,14 @@ class GPU:
 GPUS = {
     "h100": GPU("H100 SXM 80GB", 80, 989, 450, 400, efficiency=0.45),
     "h100-94gb": GPU("H100 NVL 94GB (PCIe, NVLink bridge)", 94, 835, 300, 400, efficiency=0.45),
-    "h100-96gb": GPU("H100 96GB HBM2e at 500 W (torchtitan's Grand Teton hosts)", 96, 989, 450,
-                     400, efficiency=0.35),  # fmt: skip
+    "h100-96gb": GPU(
+        "H100 96GB HBM2e at 500 W (torchtitan's Grand Teton hosts)",
+        96,
+        989,
+        450,
+        400,
+        efficiency=0.35,
+    ),  # fmt: skip
     "h200": GPU("H200 SXM 141GB", 141, 989, 450, 400, efficiency=0.45),
     "b200": GPU("B200 SXM 180GB", 180, 2250, 900, 400),
     "mi300x": GPU("MI300X OAM 192GB", 192, 1307, 448, 400),

@@ -44,8 +44,9 @@ SETTINGS = ("model", "gpus", "gpus_per_node", "gpu", "strategy", "precision", "c
             "micro_batch", "grad_accumulation", "mfu")  # fmt: skip
 RESERVE = 0.10  # of a GPU's memory: the CUDA context, the allocator's fragmentation, NCCL
 FAKE_RUN_TIME_LIMIT_S = 900  # 405B on 512 fake ranks: about five minutes on 2 cores
-MAX_GPUS = 1 << 20
-SHAPE_ONLY = dict(dim=1, ffn_dim=1, n_heads=1, kv_dim=1, n_layers=1, vocab_size=1)  # the terms  # beyond any cluster built: a typo, said as one
+MAX_GPUS = 1 << 20  # beyond any cluster built: a typo, said as one
+# a shape whose only use is to name the activation formula's terms (all 0 for a factory)
+SHAPE_ONLY = dict(dim=1, ffn_dim=1, n_heads=1, kv_dim=1, n_layers=1, vocab_size=1)
 
 
 def plan(
