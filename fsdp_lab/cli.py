@@ -218,7 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _plan_arguments(p: argparse.ArgumentParser) -> None:
     from fsdp_lab.planning.planner import CHECKPOINTS, GPUS, PRECISIONS, STRATEGIES  # torch-free
 
-    p.add_argument("--model", default="llama3-8b", help="llama3-8b|70b|405b[-twin] or mod:factory")
+    p.add_argument(
+        "--model",
+        default="llama3-8b",
+        help="llama3-8b|70b|405b[-twin], mod:factory, or a parameter count (7.5e9, 70B)",
+    )
     p.add_argument("--gpus", type=int, default=8, help="GPUs in all (default 8)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--gpu", default="h100", choices=sorted(GPUS))
@@ -232,7 +236,10 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
         "--grad-accumulation", type=int, default=1, help="micro-batches per step (default 1)"
     )
     p.add_argument(
-        "--mfu", type=float, default=None, help="share of peak FLOPS reached (default 0.5)"
+        "--mfu",
+        type=float,
+        default=None,
+        help="share of peak FLOPS reached (default: the GPU preset's, 0.35-0.6)",
     )
     p.add_argument(
         "--verify", choices=("fake",), default=None, help="run one rank on fake ranks, compare"
@@ -487,7 +494,9 @@ def plan_command(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError:
             mesh = ()
         if len(mesh) != 2:
-            raise UsageError(f"--mesh {args.mesh!r}: expected R,S", "e.g. --mesh 8,8", where)
+            nodes = max(1, args.gpus // args.gpus_per_node)
+            example = f"e.g. --mesh {nodes},{args.gpus // nodes}"
+            raise UsageError(f"--mesh {args.mesh!r}: expected R,S", example, where)
     if args.verify:
         print(
             f"{where}: running rank 0 of {args.gpus} on fake ranks ({args.model}, "

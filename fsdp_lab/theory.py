@@ -572,6 +572,11 @@ def rank_memory(
         else:  # optimizer, grad_op, hybrid_zero2: gathered once, kept all step
             forward_end = backward = float(c * padded)
     held = state["gradients"] if accumulating else 0.0  # shards kept from the micro-batch before
+    # after backward the blocks are resharded: ZeRO-2/3 and HSDP keep the root unit gathered,
+    # ZeRO-1 every unit, DDP its compute copy
+    after_backward = (
+        forward_end if strategy in ("none", "optimizer") else c * units[0]["padded_numel"]
+    )
     block_set = a["per_block"] if not a["recompute"] else 0.0
     moments = {
         "end_of_forward": {**state, "gathered": forward_end, "activations": a["kept"] + a["ends"]},
@@ -585,7 +590,7 @@ def rank_memory(
             # single-tensor Adam (PyTorch's default off CUDA): two temporaries of one tensor
             "optimizer_state": state["optimizer_state"]
             + 8.0 * (largest_tensor if strategy == "none" else max_shard),
-            "gathered": forward_end,
+            "gathered": float(after_backward),
             "activations": a["logits"],
         },
         "loss_backward": {
@@ -613,18 +618,17 @@ def rank_memory(
         in_backward["gradients"] += fp32_copy * largest + 4.0 * largest / s
     root_numel = root["padded_numel"]
     blocks_done = 4.0 * (padded - root_numel) / s + (4.0 * root_numel / s if accumulating else 0)
-    root_gathered = forward_end if strategy == "optimizer" else float(c * root_numel)
     moments["root_backward"] = {
         **state,
         # ZeRO-1: the blocks' whole gradients, not reduced until backward is over
         "gradients": held + c * (padded - root_numel) if strategy == "optimizer" else blocks_done,
-        "gathered": root_gathered,
+        "gathered": float(after_backward),
         "activations": a["logits"] + 2.0 * c * root_numel,
     }
     moments["root_reduce"] = {
         **state,
         "gradients": blocks_done + fp32_copy * root_numel + 4.0 * root_numel / s,
-        "gathered": root_gathered,
+        "gathered": float(after_backward),
         "activations": a["logits"] + c * root_numel,
     }
     if strategy == "optimizer":  # ZeRO-1 reduces once backward is over: every unit's whole

@@ -3,8 +3,10 @@
 The fake rank runs our `shard()` on the real-size model under PyTorch's fake process group and
 FakeTensorMode; the planner only computes. Bytes per collective must agree exactly (the same
 units, padded the same way); the model state (shards, optimizer state, gathered units)
-exactly; the peak's total within a stated tolerance — gradients and activations at the peak
-are a snapshot of one moment, which the planner picks between two (see `theory.rank_memory`).
+exactly; the peak's total within 2 % at real size (10 % on a twin of a few MiB) — the planner
+picks the largest of the step's moments (`theory.rank_memory`), and gradients and activations
+at that moment can be filed differently (a whole gradient born in backward is "activations"
+to the tracker) while the total agrees.
 """
 
 from __future__ import annotations

@@ -27,7 +27,10 @@ def changes_that_fit(setup: dict[str, Any], most: int = 5) -> list[dict[str, Any
         ]
     if lab.startswith("hybrid"):
         strategies.append(
-            ("strategy='zero3'", {"lab_strategy": "full", "strategy": "zero3", "mesh": None})
+            (
+                "strategy='zero3', mesh=None",  # a mesh is HSDP's only: the change drops it
+                {"lab_strategy": "full", "strategy": "zero3", "mesh": None},
+            )  # fmt: skip
         )
     checkpoints = [("", {})] + [
         (f"checkpoint='{other}'", {"checkpoint": other})
@@ -46,6 +49,8 @@ def changes_that_fit(setup: dict[str, Any], most: int = 5) -> list[dict[str, Any
                 for doublings in range(8):
                     trial = {**setup, **c, **st, **mb}
                     more = setup["gpus"] * 2**doublings
+                    if more > planner.MAX_GPUS:
+                        break
                     trial["gpus"] = more
                     if trial["mesh"]:
                         trial["mesh"] = (more // trial["mesh"][1], trial["mesh"][1])

@@ -36,18 +36,24 @@ def parameter_count(name: str) -> int | None:
     except ValueError:
         return None
     if not MIN_PARAMETERS <= count <= MAX_PARAMETERS:  # NaN, inf and 1e400 (inf) included
+        fix = (
+            "a smaller model as package.module:factory (a count is planned as a Llama-3 shape, "
+            "and below 100M parameters its vocabulary would be most of it)"
+            if count < MIN_PARAMETERS
+            else "a count of a model that can be built: 1e15 is a thousand times the largest "
+            "trained"
+        )
         raise ValueError(
             f"--model {name!r}: a parameter count must be a number from {MIN_PARAMETERS:.0e} "
-            f"to {MAX_PARAMETERS:.0e}, e.g. 7.5e9 or 70B. Fix: a smaller model as "
-            "package.module:factory (a count is planned as a Llama-3 shape, and below 100M "
-            "parameters its vocabulary would be most of it)"
+            f"to {MAX_PARAMETERS:.0e}, e.g. 7.5e9 or 70B. Fix: {fix}"
         )
     return int(count)
 
 
 def count_config(count: int) -> Any:
-    """The Llama-3-shaped decoder a bare parameter count is planned as: Llama-3-8B's
-    proportions at width 128·k — k blocks, k heads of 128, about k/4 K/V heads, Llama-3's
+    """The Llama-3-shaped decoder a bare parameter count is planned as, after Llama-3-8B's
+    proportions: width 128·k — k blocks, k heads of 128, K/V heads the largest divisor of k up
+    to k/4 (8B: 8 of 32), Llama-3's
     vocabulary — with the k whose count is nearest `count` at SwiGLU 3.5x wide, then the SwiGLU
     width that lands nearest it (8e9 gives 8B's own shape). Stated in the plan: the shape sets
     the units and the activations."""

@@ -45,6 +45,7 @@ SETTINGS = ("model", "gpus", "gpus_per_node", "gpu", "strategy", "precision", "c
 RESERVE = 0.10  # of a GPU's memory: the CUDA context, the allocator's fragmentation, NCCL
 FAKE_RUN_TIME_LIMIT_S = 900  # 405B on 512 fake ranks: about five minutes on 2 cores
 MAX_GPUS = 1 << 20  # beyond any cluster built: a typo, said as one
+MAX_ACCUMULATION = 1 << 16  # micro-batches per step: beyond, a typo
 # a shape whose only use is to name the activation formula's terms (all 0 for a factory)
 SHAPE_ONLY = dict(dim=1, ffn_dim=1, n_heads=1, kv_dim=1, n_layers=1, vocab_size=1)
 
@@ -98,6 +99,13 @@ def plan(
         )
         one = predict({**setup, "micro_batch": 1}, layout)["per_rank_bytes"]["activations"]
         result["activations_one_sequence"] = one
+        if not result["changes_that_fit"]:  # the least any change reaches: said, with its parts
+            most = min(setup["gpus"] * 128, MAX_GPUS)
+            least = {**setup, "micro_batch": 1, "checkpoint": "blocks", "lab_strategy": "full",
+                     "strategy": "zero3", "mesh": None, "gpus": most, "shard_ranks": most}  # fmt: skip
+            result["least_per_rank_bytes"] = predict(least, model_layout(model, seq, most))[
+                "per_rank_bytes"
+            ] | {"gpus": most}
     if verify == "fake":
         from fsdp_lab.planning.fake_ranks import run_in_subprocess
         from fsdp_lab.planning.verify import compare, fake_run
@@ -136,15 +144,25 @@ def _checked(
     mfu: float | None,
 ) -> dict[str, Any]:
     """The arguments checked and resolved; a ValueError naming the value and the fix."""
+    if isinstance(model, int | float) and not isinstance(model, bool):
+        model = repr(model)  # plan(7.5e9): a parameter count, as the command line takes it
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError(
+            f"model={model!r}: expected a preset name (e.g. 'llama3-70b'), 'module:factory' or "
+            "a parameter count (e.g. 7.5e9)"
+        )
     for name, value in (
         ("gpus", gpus),
         ("gpus_per_node", gpus_per_node),
         ("seq", seq),
         ("micro_batch", micro_batch),
         ("grad_accumulation", grad_accumulation),
+        *(("mesh", size) for size in (mesh or ())),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: expected an int >= 1")
+        if name == "grad_accumulation" and value > MAX_ACCUMULATION:
+            raise ValueError(f"grad_accumulation={value}: expected at most {MAX_ACCUMULATION:,}")
         if name.startswith("gpus") and value > MAX_GPUS:
             raise ValueError(
                 f"{name}={value}: expected at most {MAX_GPUS:,} (more than any cluster)"
@@ -159,10 +177,10 @@ def _checked(
         raise ValueError(f"gpu={gpu!r} is not known: expected one of {sorted(GPUS)}")
     spec = gpu if isinstance(gpu, GPU) else GPUS[gpu]
     if mfu is not None:
-        if isinstance(mfu, bool) or not isinstance(mfu, int | float) or not 0 < mfu <= 1:
+        if isinstance(mfu, bool) or not isinstance(mfu, int | float) or not 0.01 <= mfu <= 1:
             raise ValueError(
-                f"mfu={mfu!r}: expected the share of peak FLOPS a step reaches, in (0, 1]. Fix: "
-                "--mfu 0.4 (published runs: 0.38-0.57 on H100, 0.58-0.74 on A100)"
+                f"mfu={mfu!r}: expected the share of peak FLOPS a step reaches, from 0.01 to 1. "
+                "Fix: mfu=0.4 (--mfu 0.4; published runs: 0.38-0.57 on H100, 0.58-0.74 on A100)"
             )
         spec = dataclasses.replace(spec, efficiency=float(mfu))
     lab = STRATEGIES.get(strategy, strategy if strategy in LAB_NAMES else None)
@@ -251,10 +269,19 @@ def _built_units(model: str, seq: int) -> tuple[tuple, tuple, tuple | None, int 
 
 def units_of_built(model: str, seq: int) -> tuple[tuple, tuple, tuple | None, int | None]:
     """`_built_units` of a model built here, on meta (a factory: in `built_elsewhere`'s child)."""
+    from torch import nn
+
     from fsdp_lab.planning.models import block_classes, build_on_meta
     from fsdp_lab.sharding.wrap import build_plan
 
     built = build_on_meta(model, seq)
+    if not isinstance(built, nn.Module):
+        raise ValueError(
+            f"--model {model!r}: the factory returned {type(built).__name__}, not a "
+            "torch.nn.Module. Fix: return the model it builds"
+        )
+    if next(built.parameters(), None) is None:
+        raise ValueError(f"--model {model!r}: the model has no parameters: nothing to plan")
     wrap = build_plan(built, block_classes(built) or None)
     params = dict(built.named_parameters(remove_duplicate=True))
     units = tuple(
@@ -419,15 +446,15 @@ def assumptions(setup: dict[str, Any], gpu: GPU, layout: dict[str, Any]) -> list
     if parameter_count(setup["model"]) is not None:
         c = count_config(parameter_count(setup["model"]))
         stated = [
-            f"model: the parameter count {setup['model']} planned as a Llama-3-shaped decoder "
+            f"model: the parameter count {setup['model']} planned as a Llama-3-like decoder "
             f"of {layout['parameters'] / 1e9:.3g}B parameters — dim {c.dim}, {c.n_layers} "
             f"blocks of {c.n_heads} heads ({c.n_kv_heads} K/V), SwiGLU {c.ffn_dim}, vocabulary "
-            f"{c.vocab_size} (Llama-3-8B's proportions; models.count_config)"
+            f"{c.vocab_size} (after Llama-3-8B's proportions; models.count_config)"
         ]
     return stated + [
         f"GPU: {gpu.name}, {gpu.memory_gib:.3g} GiB, {RESERVE:.0%} kept back (on a GPU: the "
         "CUDA context, allocator fragmentation, NCCL buffers)",
-        f"compute: {gpu.bf16_tflops:.3g} {gpu.flops_kind} TFLOPS at {gpu.efficiency:.0%} utilisation; 6 FLOPs "
+        f"compute: {gpu.bf16_tflops:,.4g} {gpu.flops_kind} TFLOPS at {gpu.efficiency:.0%} utilisation; 6 FLOPs "
         "per parameter per token (+2 for each recomputed block: 8 with every block, 7 with "
         "selective, about 6.8 per-op) + causal attention",
         f"links: {gpu.intra_gbytes_s:.3g} GB/s per GPU inside a node, {gpu.nic_gbit_s:.3g} Gbit/s "

@@ -66,7 +66,14 @@ def verdict(plan: dict[str, Any]) -> str:
         f"{format_bytes(usable)} usable: "
     )
     if plan["fits"]:
-        return head + "**fits**."
+        reserved = plan.get("reserved_bytes", total)
+        tight = (
+            f" Tight: PyTorch's allocator would reserve about {format_bytes(reserved)} (an "
+            "estimate: the peak and the loss's cached fp32 logits), more than is usable."
+            if reserved > usable
+            else ""
+        )
+        return head + "**fits**." + tight
     if plan["to_fit"]:
         best, *others = plan.get("changes_that_fit") or [{"change": plan["to_fit"]}]
         cost = (
@@ -88,12 +95,16 @@ def verdict(plan: dict[str, Any]) -> str:
             "**does not fit**, and no change of checkpointing, ZeRO stage, micro-batch or GPU "
             "count makes it."
         )
+    least = plan.get("least_per_rank_bytes") or {**plan["per_rank_bytes"], "gpus": plan["gpus"]}
+    parts = ", ".join(
+        f"{name} {format_bytes(least[name])}"
+        for name in sorted(CATEGORIES, key=lambda n: -(least.get(n) or 0))[:2]
+    )
     return head + (
         "**does not fit**, and no change of checkpointing, ZeRO stage, micro-batch or GPU count "
-        "makes it: the activations of one sequence alone need "
-        f"{format_bytes(plan.get('activations_one_sequence') or plan['per_rank_bytes']['activations'])}"
-        " per GPU — tensor or context "
-        "parallelism (not modelled here) would split them."
+        f"makes it: even at micro-batch 1, every block recomputed, ZeRO-3 on {least['gpus']:,} "
+        f"GPUs, a GPU needs {format_bytes(least['total'])} (most of it {parts}) — tensor or "
+        "context parallelism (not modelled here) would split the layers' weights and activations."
     )
 
 
@@ -103,7 +114,8 @@ def as_flags(change: str) -> str:
     flags = []
     for part in change.split(", "):
         name, _, value = part.partition("=")
-        flags.append(f"--{name.replace('_', '-')} {value.strip(chr(39))}")
+        option = f"--{name.replace('_', '-')}"
+        flags.append(f"(no {option})" if value == "None" else f"{option} {value.strip(chr(39))}")
     return " ".join(flags)
 
 
