@@ -102,8 +102,10 @@ def main() -> None:
 
 def published() -> None:
     """Each published run planned as it was configured: throughput and memory, the ratio."""
-    from published_runs import RUNS
+    from published_runs import RUNS, SOURCES
 
+    for code, source in SOURCES.items():
+        print(f"{code}: {source} (configurations: benchmarks/published_runs.py)")
     print(
         "| source | model | GPUs | checkpoint | tokens/s/GPU planned | published | ratio | "
         "GiB/GPU reserved planned | published | ratio |"

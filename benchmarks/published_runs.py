@@ -42,6 +42,11 @@ def llama2_70b() -> Any:
                              n_kv_heads=8, ffn_dim=28672, seq_len=4096))  # fmt: skip
 
 
+SOURCES = {
+    "TT24": "pytorch/torchtitan docs/performance.md at 157a12c56 (2024-04): 64 A100 80GB, FSDP2",
+    "TT12": "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (2024-12): H100 "
+    "96GB at 500 W, FSDP",
+}
 A100_64 = {"gpus": 64, "gpus_per_node": 8, "gpu": "a100-80gb", "strategy": "zero3"}
 H100_TT = {"gpu": "h100-96gb", "gpus_per_node": 8, "strategy": "zero3", "seq": 8192}
 

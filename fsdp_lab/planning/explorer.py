@@ -45,6 +45,8 @@ class PlanExplorer:
             "checkpoint": "blocks",
             "seq": 8192,
             "micro_batch": 1,
+            "grad_accumulation": 1,
+            "mfu": None,
             **defaults,
         }
 
@@ -63,6 +65,9 @@ class PlanExplorer:
         self.checkpoint = drop(list(CHECKPOINTS), "checkpoint", "checkpoint")
         self.seq = drop([1024, 2048, 4096, 8192, 16384, 32768, 131072], "seq", "sequence")
         self.micro_batch = drop([1, 2, 4, 8, 16], "micro_batch", "micro-batch")
+        self.grad_accumulation = drop([1, 2, 4, 8, 16], "grad_accumulation", "accumulation")
+        mfus = [("the GPU's", None)] + [(f"{m:.0%}", m) for m in (0.3, 0.4, 0.5, 0.6, 0.7)]
+        self.mfu = drop(mfus, "mfu", "MFU")
         self.controls = [
             self.model,
             self.gpus,
@@ -74,12 +79,15 @@ class PlanExplorer:
             self.checkpoint,
             self.seq,
             self.micro_batch,
+            self.grad_accumulation,
+            self.mfu,
         ]
         for control in self.controls:
             control.observe(lambda _: self.show(), names="value")
         self.button = W.Button(description="Verify on a fake rank", icon="check")
         self.button.on_click(lambda _: self.verify())
-        self.widget = W.VBox([W.HBox(self.controls[:5]), W.HBox(self.controls[5:]), self.button])
+        rows = [W.HBox(self.controls[:5]), W.HBox(self.controls[5:10]), W.HBox(self.controls[10:])]
+        self.widget = W.VBox([*rows, self.button])
         self.slots = Slots(self.widget, 3, lambda: settings_text(self))
         self.plan: dict[str, Any] | None = None
         self.show()

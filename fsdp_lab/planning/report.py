@@ -13,8 +13,8 @@ from fsdp_lab.sizes import format_bytes
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "gathered", "activations")
 MOMENTS = {
     "end_of_forward": "at the end of forward",
-    "loss_forward": "in the loss's forward (its fp32 logits)",
-    "optimizer_step": "in the optimizer step (its temporaries)",
+    "loss_forward": "in the loss's forward, its fp32 logits alive",
+    "optimizer_step": "in the optimizer step, Adam's temporaries alive",
     "loss_backward": "in the loss's backward",
     "block_backward": "as the last block's backward begins",
     "in_backward": "as the last block's gradient is reduced",
