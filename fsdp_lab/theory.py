@@ -574,9 +574,7 @@ def rank_memory(
     held = state["gradients"] if accumulating else 0.0  # shards kept from the micro-batch before
     # after backward the blocks are resharded: ZeRO-2/3 and HSDP keep the root unit gathered,
     # ZeRO-1 every unit, DDP its compute copy
-    after_backward = (
-        forward_end if strategy in ("none", "optimizer") else c * units[0]["padded_numel"]
-    )
+    after_backward = forward_end if strategy in ("none", "optimizer") else c * root["padded_numel"]
     block_set = a["per_block"] if not a["recompute"] else 0.0
     moments = {
         "end_of_forward": {**state, "gathered": forward_end, "activations": a["kept"] + a["ends"]},

@@ -14,6 +14,7 @@ of its ``nn.ModuleList``s), the rest is the root unit — as the sharding lab wr
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -149,8 +150,67 @@ def _unknown(name: str) -> str:
     )
 
 
+@functools.lru_cache(maxsize=16)
+def built_units(model: str, seq: int) -> tuple[tuple, tuple, tuple | None, int | None]:
+    """(unit name, numel) in wrap order, the root first; (parameter tensors, the largest one's
+    numel); the Llama's shape; the vocabulary it declares (None: none).
+    Cached: building 405B's 126 blocks on meta takes seconds, and a widget asks again."""
+    count = parameter_count(model)
+    if count is not None:  # the stated shape, counted as `Llama` holds it (a 1e15 model is
+        c = count_config(count)  # 1,676 blocks: too many to build for a plan)
+        kv = c.n_kv_heads * c.head_dim
+        block = 2 * c.dim * c.dim + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim + 2 * c.dim
+        units = (("", 2 * c.vocab_size * c.dim + c.dim),) + tuple(
+            (f"layers.{i}", block) for i in range(c.n_layers)
+        )
+        tensors = 3 + 9 * c.n_layers  # embedding, final norm, head; 7 linears + 2 norms each
+        largest = max(c.vocab_size, c.ffn_dim) * c.dim
+        return units, (tensors, largest), _shape(c), c.vocab_size
+    if ":" in model:  # the user's code: built in a child process, within a time limit
+        return built_elsewhere(model, seq)
+    return units_of_built(model, seq)
+
+
+def units_of_built(model: str, seq: int) -> tuple[tuple, tuple, tuple | None, int | None]:
+    """`built_units` of a model built here, on meta (a factory: in `built_elsewhere`'s child)."""
+    from torch import nn
+
+    from fsdp_lab.sharding.wrap import build_plan
+
+    built = build_on_meta(model, seq)
+    if not isinstance(built, nn.Module):
+        raise ValueError(
+            f"--model {model!r}: the factory returned {type(built).__name__}, not a "
+            "torch.nn.Module. Fix: return the model it builds"
+        )
+    if next(built.parameters(), None) is None:
+        raise ValueError(f"--model {model!r}: the model has no parameters: nothing to plan")
+    wrap = build_plan(built, block_classes(built) or None)
+    params = dict(built.named_parameters(remove_duplicate=True))
+    units = tuple(
+        (name, sum(params[r.name].numel() for r in wrap.params[name])) for name in wrap.units
+    )
+    config = getattr(built, "config", None)
+    shape = _shape(config) if hasattr(config, "ffn_dim") else None  # the lab's Llama: a formula
+    vocab = getattr(built, "vocab_size", None) or getattr(config, "vocab_size", None)
+    largest = max((p.numel() for p in params.values()), default=0)
+    return units, (len(params), largest), shape, vocab
+
+
+def _shape(config: Any) -> tuple:
+    """What `theory.llama_activation_bytes` needs of a `LlamaConfig` (hashable: cached)."""
+    return (
+        ("dim", config.dim),
+        ("ffn_dim", config.ffn_dim),
+        ("n_heads", config.n_heads),
+        ("kv_dim", config.n_kv_heads * config.head_dim),
+        ("n_layers", config.n_layers),
+        ("vocab_size", config.vocab_size),
+    )
+
+
 def built_elsewhere(spec: str, seq: int) -> tuple:
-    """`planner._built_units` of a ``module:factory``, run in a child Python: a factory that
+    """`built_units` of a ``module:factory``, run in a child Python: a factory that
     hangs, exits the process or crashes the interpreter costs a ValueError naming it, not the
     caller's process (the child gets `BUILD_TIME_LIMIT_S`)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or "." for p in sys.path)}
@@ -184,8 +244,6 @@ def built_elsewhere(spec: str, seq: int) -> tuple:
 
 
 if __name__ == "__main__":  # the child of `built_elsewhere`: one JSON line
-    from fsdp_lab.planning.planner import units_of_built
-
     try:
         units, tensors, shape, vocab = units_of_built(sys.argv[1], int(sys.argv[2]))
         reply = {"units": units, "tensors": tensors, "shape": shape, "vocab": vocab}

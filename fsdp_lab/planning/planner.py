@@ -18,7 +18,6 @@ relative difference of each quantity.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 from fsdp_lab import netsim, theory
@@ -227,7 +226,7 @@ def _checked(
 def model_layout(model: str, seq: int, shard_ranks: int) -> dict[str, Any]:
     """The model's units as `shard()` would cut and pad them over `shard_ranks`, its parameter
     tensors, and the shape the activation formula needs (built on meta: no memory)."""
-    units, (tensors, largest_tensor), shape, vocab = _built_units(model, seq)
+    units, (tensors, largest_tensor), shape, vocab = models.built_units(model, seq)
     return {
         "units": [
             {
@@ -244,66 +243,6 @@ def model_layout(model: str, seq: int, shard_ranks: int) -> dict[str, Any]:
         "vocab_size": vocab,
         "parameters": sum(numel for _, numel in units),
     }
-
-
-@functools.lru_cache(maxsize=16)
-def _built_units(model: str, seq: int) -> tuple[tuple, tuple, tuple | None, int | None]:
-    """(unit name, numel) in wrap order, the root first; (parameter tensors, the largest one's
-    numel); the Llama's shape; the vocabulary it declares (None: none).
-    Cached: building 405B's 126 blocks on meta takes seconds, and a widget asks again."""
-    count = parameter_count(model)
-    if count is not None:  # the stated shape, counted as `Llama` holds it (a 1e15 model is
-        c = count_config(count)  # 1,676 blocks: too many to build for a plan)
-        kv = c.n_kv_heads * c.head_dim
-        block = 2 * c.dim * c.dim + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim + 2 * c.dim
-        units = (("", 2 * c.vocab_size * c.dim + c.dim),) + tuple(
-            (f"layers.{i}", block) for i in range(c.n_layers)
-        )
-        tensors = 3 + 9 * c.n_layers  # embedding, final norm, head; 7 linears + 2 norms each
-        largest = max(c.vocab_size, c.ffn_dim) * c.dim
-        return units, (tensors, largest), _shape(c), c.vocab_size
-    if ":" in model:  # the user's code: built in a child process, within a time limit
-        return models.built_elsewhere(model, seq)
-    return units_of_built(model, seq)
-
-
-def units_of_built(model: str, seq: int) -> tuple[tuple, tuple, tuple | None, int | None]:
-    """`_built_units` of a model built here, on meta (a factory: in `built_elsewhere`'s child)."""
-    from torch import nn
-
-    from fsdp_lab.planning.models import block_classes, build_on_meta
-    from fsdp_lab.sharding.wrap import build_plan
-
-    built = build_on_meta(model, seq)
-    if not isinstance(built, nn.Module):
-        raise ValueError(
-            f"--model {model!r}: the factory returned {type(built).__name__}, not a "
-            "torch.nn.Module. Fix: return the model it builds"
-        )
-    if next(built.parameters(), None) is None:
-        raise ValueError(f"--model {model!r}: the model has no parameters: nothing to plan")
-    wrap = build_plan(built, block_classes(built) or None)
-    params = dict(built.named_parameters(remove_duplicate=True))
-    units = tuple(
-        (name, sum(params[r.name].numel() for r in wrap.params[name])) for name in wrap.units
-    )
-    config = getattr(built, "config", None)
-    shape = _shape(config) if hasattr(config, "ffn_dim") else None  # the lab's Llama: a formula
-    vocab = getattr(built, "vocab_size", None) or getattr(config, "vocab_size", None)
-    largest = max((p.numel() for p in params.values()), default=0)
-    return units, (len(params), largest), shape, vocab
-
-
-def _shape(config: Any) -> tuple:
-    """What `theory.llama_activation_bytes` needs of a `LlamaConfig` (hashable: cached)."""
-    return (
-        ("dim", config.dim),
-        ("ffn_dim", config.ffn_dim),
-        ("n_heads", config.n_heads),
-        ("kv_dim", config.n_kv_heads * config.head_dim),
-        ("n_layers", config.n_layers),
-        ("vocab_size", config.vocab_size),
-    )
 
 
 def predict(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
