@@ -21,9 +21,10 @@ import dataclasses
 from typing import Any
 
 from fsdp_lab import netsim, theory
-from fsdp_lab.planning import fixes, models
+from fsdp_lab.planning import models
+from fsdp_lab.planning.assumptions import assumptions
 from fsdp_lab.planning.gpus import GPU, GPUS
-from fsdp_lab.planning.models import count_config, parameter_count
+from fsdp_lab.planning.models import parameter_count
 from fsdp_lab.theory import MIXED_ADAM
 
 # Names people use for the strategies, and the lab's own (`shard(strategy=...)`).
@@ -92,7 +93,7 @@ def plan(
     layout = model_layout(model, seq, setup["shard_ranks"])
     result = predict(setup, layout)
     if not result["fits"]:
-        result["changes_that_fit"] = fixes.changes_that_fit(setup)
+        result["changes_that_fit"] = changes_that_fit(setup)
         result["to_fit"] = (
             result["changes_that_fit"][0]["change"] if result["changes_that_fit"] else None
         )
@@ -293,7 +294,7 @@ def predict(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
         "comm_bytes_per_rank": comm,
         "step_time_s": timing["step_s"],
         "step_time_parts": timing,
-        "assumptions": assumptions(setup, gpu, layout),
+        "assumptions": assumptions(setup, gpu, layout, RESERVE),
         # ZeRO's own accounting (Rajbhandari et al. 2020, Table 1: fp16 parameters and
         # gradients, fp32 Adam moments and master weights) for this Ψ (as typed, for a
         # count) over every GPU.
@@ -373,32 +374,67 @@ def step_time(
     return {"compute_s": compute_s, "comm_s": comm_s, "step_s": max(compute_s, comm_s)}
 
 
-def assumptions(setup: dict[str, Any], gpu: GPU, layout: dict[str, Any]) -> list[str]:
-    """What the plan takes for granted, in words."""
-    if layout["shape"] is not None:
-        acts = (
-            "activations from the lab's Llama, read off its forward (theory.llama_activation_bytes)"
-        )
-    else:
-        acts = "activations NOT counted (no formula for this model: --verify fake measures them)"
-    stated = []
-    if parameter_count(setup["model"]) is not None:
-        c = count_config(parameter_count(setup["model"]))
-        stated = [
-            f"model: the parameter count {setup['model']} planned as a Llama-3-like decoder "
-            f"of {layout['parameters'] / 1e9:.3g}B parameters — dim {c.dim}, {c.n_layers} "
-            f"blocks of {c.n_heads} heads ({c.n_kv_heads} K/V), SwiGLU {c.ffn_dim}, vocabulary "
-            f"{c.vocab_size} (after Llama-3-8B's proportions; models.count_config)"
+def changes_that_fit(setup: dict[str, Any], most: int = 5) -> list[dict[str, Any]]:
+    """Every combination of another checkpointing, a higher ZeRO stage (HSDP -> ZeRO-3), a smaller
+    micro-batch and more GPUs (up to 128x) after which the plan fits, cheapest first by the
+    planner's own cost — GPU-seconds per thousand tokens a step trains — then by headroom;
+    at most `most`, each with its words, its cost and its peak."""
+    order = ["none", "optimizer", "grad_op", "full"]
+    lab = setup["lab_strategy"]
+    strategies: list[tuple[str, dict[str, Any]]] = [("", {})]
+    if lab in order[:-1]:
+        strategies += [
+            (
+                f"strategy='{LAB_NAMES[s]}'",
+                {"lab_strategy": s, "strategy": LAB_NAMES[s]},
+            )
+            for s in order[order.index(lab) + 1 :]
         ]
-    return stated + [
-        f"GPU: {gpu.name}, {gpu.memory_gib:.3g} GiB, {RESERVE:.0%} kept back (on a GPU: the "
-        "CUDA context, allocator fragmentation, NCCL buffers)",
-        f"compute: {gpu.bf16_tflops:,.4g} {gpu.flops_kind} TFLOPS at {gpu.efficiency:.0%} utilisation; 6 FLOPs "
-        "per parameter per token (+2 for each recomputed block: 8 with every block, 7 with "
-        "selective, about 6.8 per-op) + causal attention",
-        f"links: {gpu.intra_gbytes_s:.3g} GB/s per GPU inside a node, {gpu.nic_gbit_s:.3g} Gbit/s "
-        "per GPU between nodes; ring collectives (alpha-beta, netsim); communication fully "
-        "overlapped with compute",
-        "memory: fsdp_lab.shard with Adam — fp32 shards, gradients and moments; "
-        f"{setup['precision']} compute; {acts}; no tensor or pipeline parallelism",
+    if lab.startswith("hybrid"):
+        strategies.append(
+            (
+                "strategy='zero3', mesh=None",  # a mesh is HSDP's only: the change drops it
+                {"lab_strategy": "full", "strategy": "zero3", "mesh": None},
+            )  # fmt: skip
+        )
+    checkpoints = [("", {})] + [
+        (f"checkpoint='{other}'", {"checkpoint": other})
+        for other in CHECKPOINTS
+        if other != setup["checkpoint"]
     ]
+    batches = [("", {})]
+    b = setup["micro_batch"]
+    while b > 1:
+        b //= 2
+        batches.append((f"micro_batch={b}", {"micro_batch": b}))
+    fits = []
+    for words_c, c in checkpoints:
+        for words_s, st in strategies:
+            for words_b, mb in batches:
+                for doublings in range(8):
+                    trial = {**setup, **c, **st, **mb}
+                    more = setup["gpus"] * 2**doublings
+                    if more > MAX_GPUS:
+                        break
+                    trial["gpus"] = more
+                    if trial["mesh"]:
+                        trial["mesh"] = (more // trial["mesh"][1], trial["mesh"][1])
+                    trial["shard_ranks"] = trial["mesh"][1] if trial["mesh"] else more
+                    words = [w for w in (words_c, words_s, words_b) if w]
+                    words += [f"gpus={more}"] if doublings else []
+                    if not words:
+                        continue
+                    planned = predict(trial, model_layout(trial["model"], trial["seq"],
+                                                          trial["shard_ranks"]))  # fmt: skip
+                    if planned["fits"]:
+                        tokens = trial["seq"] * trial["micro_batch"] * trial["grad_accumulation"]
+                        fits.append({
+                            "change": ", ".join(words),
+                            "gpu_s_per_1k_tokens": planned["step_time_s"] * 1e3 / tokens,
+                            "peak_bytes": planned["per_rank_bytes"]["total"],
+                            "headroom_bytes": planned["usable_bytes"]
+                            - planned["per_rank_bytes"]["total"],
+                        })  # fmt: skip
+                        break  # more GPUs than the fewest that fit only cost more
+    fits.sort(key=lambda f: (round(f["gpu_s_per_1k_tokens"], 9), -f["headroom_bytes"]))
+    return fits[:most]
