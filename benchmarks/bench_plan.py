@@ -32,6 +32,7 @@ import platform
 
 import fsdp_lab
 from fsdp_lab.planning.fake_ranks import run_in_subprocess
+from fsdp_lab.planning.planner import CHECKPOINTS, STRATEGIES
 from fsdp_lab.planning.verify import compare, fake_run
 
 GB = 1e9
@@ -55,8 +56,7 @@ def main() -> None:
         return published()
     if args.grid:
         args.gpus, args.seq = [64], [1, 2048, 8192]
-        args.strategies = ["ddp", "zero1", "zero2", "zero3", "hsdp", "hsdp-zero2"]
-        args.checkpoint = ["none", "selective-op", "selective", "blocks"]
+        args.strategies, args.checkpoint = list(STRATEGIES), list(CHECKPOINTS)
     print(
         f"bench_plan: seq {args.seq} x micro-batch {args.micro_batch}, checkpoint "
         f"{args.checkpoint}, bf16-mixed, {args.gpu}; {platform.processor() or platform.machine()}"

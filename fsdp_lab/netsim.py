@@ -24,6 +24,7 @@ lab sets it beside a measured step on an emulated slow link, and says where they
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -124,7 +125,7 @@ def _links(mesh: tuple[int, int], gpus_per_node: int) -> dict[str, tuple[int, in
     return {"shard": (s, 1, s > g), "replicate": (r, s, r * s > g)}
 
 
-def inter_node_share(ranks: list[int], gpus_per_node: int) -> float:
+def inter_node_share(ranks: Sequence[int], gpus_per_node: int) -> float:
     """The share of a ring's edges over `ranks` (in ring order) that cross nodes: what one GPU
     of the group sends over the network on average, per byte it sends in the ring. A ring over
     64 GPUs on 8 nodes leaves each node once: 8 of its 64 edges cross, 1/8 per GPU; a ring across
@@ -134,6 +135,19 @@ def inter_node_share(ranks: list[int], gpus_per_node: int) -> float:
         ranks[i] // gpus_per_node != ranks[(i + 1) % n] // gpus_per_node for i in range(n)
     )
     return crossing / n if n > 1 else 0.0
+
+
+def bytes_by_link(
+    sent: Iterable[tuple[Sequence[int], float]], gpus_per_node: int
+) -> dict[str, float]:
+    """One GPU's bytes inside its node and between nodes, from (a group's ranks in ring order,
+    the bytes this GPU sends in that group's rings) pairs, as each ring routes them."""
+    by_link = {"intra_node": 0.0, "inter_node": 0.0}
+    for ranks, moved in sent:
+        share = inter_node_share(ranks, gpus_per_node)
+        by_link["inter_node"] += share * moved
+        by_link["intra_node"] += (1 - share) * moved
+    return by_link
 
 
 def node_nic_bytes(

@@ -18,9 +18,9 @@ def assumptions(
         )
     else:
         acts = "activations NOT counted (no formula for this model: --verify fake measures them)"
-    stated = []
-    if parameter_count(setup["model"]) is not None:
-        c = count_config(parameter_count(setup["model"]))
+    stated, count = [], parameter_count(setup["model"])
+    if count is not None:
+        c = count_config(count)
         stated = [
             f"model: the parameter count {setup['model']} planned as a Llama-3-like decoder "
             f"of {layout['parameters'] / 1e9:.3g}B parameters — dim {c.dim}, {c.n_layers} "

@@ -48,8 +48,9 @@ class Run:
         strategy: `shard()`'s strategy ("none", "optimizer", "grad_op", "full", "hybrid").
         mesh: (replicas, shard) for "hybrid", else None.
         precision: "fp32" or "bf16-mixed" (bf16 compute and gathers, fp32 reduction).
-        checkpoint: "none", "blocks" (every block recomputed in backward) or "selective"
-            (every second block: 1, 3, 5, ..., as torchtitan's layer-selective option 2).
+        checkpoint: "none", "blocks" (every block recomputed in backward), "selective"
+            (every second block: 1, 3, 5, ..., as torchtitan's layer-selective option 2) or
+            "selective-op" (torchtitan's per-op policy, `planning.selective`).
         seq, micro_batch: tokens per sequence, sequences per rank per forward.
         grad_accumulation: forwards and backwards per optimizer step.
         system: "ours" or "fsdp2" (`fully_shard` and its `FSDPMemTracker`).
@@ -175,38 +176,31 @@ def _ours(run: Run, model: Any, blocks: set[type], mesh: Any, fake: bool) -> dic
 
     from fsdp_lab import comm, reference
     from fsdp_lab.checkpointing.recompute import checkpoint_modules
-    from fsdp_lab.planning.models import block_classes
     from fsdp_lab.sharding import MixedPrecision, shard, sharding_state
     from fsdp_lab.trace import MemoryTracker
 
     precision = MixedPrecision(torch.bfloat16, torch.float32) if run.precision != "fp32" else None
     if run.checkpoint in ("blocks", "selective"):  # as with fully_shard: checkpoint first,
         # shard the wrappers, so a unit's gather and free run outside the recomputed region
-        every = 1 if run.checkpoint == "blocks" else 2
-        seen: list[nn.Module] = []
-
-        def recomputed(_name: str, module: nn.Module) -> bool:
-            if type(module) not in blocks:
-                return False
-            seen.append(module)
-            return len(seen) % every == 0  # selective: the 2nd, 4th, ... block
+        def recomputed(name: str, module: nn.Module) -> bool:
+            index = name.rsplit(".", 1)[-1]  # its place in its ModuleList
+            odd = index.isdigit() and int(index) % 2 == 1  # selective: blocks 1, 3, 5, ...
+            return type(module) in blocks and (run.checkpoint == "blocks" or odd)
 
         checkpoint_modules(model, recomputed)
-        blocks = block_classes(model)
-        if every > 1:  # blocks and wrappers of blocks side by side: the units by name
-            blocks = [
-                f"{name}.{i}"
-                for name, holder in model.named_modules()
-                if isinstance(holder, nn.ModuleList)
-                for i in range(len(holder))
-            ]
     if run.checkpoint == "selective-op":  # PyTorch's own selective checkpointing per block
         from fsdp_lab.planning.selective import OpSelective
 
         for holder in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
             for i, block in enumerate(holder):
                 holder[i] = OpSelective(block)
-        blocks = {OpSelective}
+    if run.checkpoint != "none":  # blocks and wrappers of blocks side by side: units by name
+        blocks = [
+            f"{name}.{i}"
+            for name, holder in model.named_modules()
+            if isinstance(holder, nn.ModuleList)
+            for i in range(len(holder))
+        ]
     with MemoryTracker(rank=run.rank) as mem, comm.CommLog() as log:
         shard(
             model,

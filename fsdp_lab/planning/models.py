@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
 PRESETS = ("llama3-8b", "llama3-70b", "llama3-405b")
@@ -58,8 +59,6 @@ def count_config(count: int) -> Any:
     vocabulary — with the k whose count is nearest `count` at SwiGLU 3.5x wide, then the SwiGLU
     width that lands nearest it (8e9 gives 8B's own shape). Stated in the plan: the shape sets
     the units and the activations."""
-    from dataclasses import replace
-
     from fsdp_lab.models import LlamaConfig, llama_param_count
 
     def config(k: int) -> Any:
@@ -90,8 +89,6 @@ def model_names() -> list[str]:
 
 def llama_config_of(name: str, seq: int) -> Any:
     """The `LlamaConfig` of preset `name` with a rotary cache of `seq` positions."""
-    from dataclasses import replace
-
     from fsdp_lab.models import llama3_config, twin_config
 
     base = name.removesuffix(TWIN)
@@ -123,8 +120,6 @@ def build_on_meta(name: str, seq: int) -> Any:
                 ) from exc
     count = parameter_count(name)
     if count is not None:  # a bare count: the stated shape
-        from dataclasses import replace
-
         config = replace(count_config(count), seq_len=seq)
     else:
         config = llama_config_of(name, seq)
@@ -157,12 +152,12 @@ def built_units(model: str, seq: int) -> tuple[tuple, tuple, tuple | None, int |
     Cached: building 405B's 126 blocks on meta takes seconds, and a widget asks again."""
     count = parameter_count(model)
     if count is not None:  # the stated shape, counted as `Llama` holds it (a 1e15 model is
-        c = count_config(count)  # 1,676 blocks: too many to build for a plan)
-        kv = c.n_kv_heads * c.head_dim
-        block = 2 * c.dim * c.dim + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim + 2 * c.dim
-        units = (("", 2 * c.vocab_size * c.dim + c.dim),) + tuple(
-            (f"layers.{i}", block) for i in range(c.n_layers)
-        )
+        from fsdp_lab.models import llama_param_count  # 1,676 blocks: too many to build)
+
+        c = count_config(count)
+        one, two = (llama_param_count(replace(c, n_layers=n)) for n in (1, 2))
+        block = two - one  # one block's parameters, by the model's own count
+        units = (("", one - block),) + tuple((f"layers.{i}", block) for i in range(c.n_layers))
         tensors = 3 + 9 * c.n_layers  # embedding, final norm, head; 7 linears + 2 norms each
         largest = max(c.vocab_size, c.ffn_dim) * c.dim
         return units, (tensors, largest), _shape(c), c.vocab_size

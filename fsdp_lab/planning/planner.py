@@ -329,19 +329,18 @@ def comm_bytes(setup: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
         }
         for group in reductions
     }
-    k = setup["grad_accumulation"]  # every forward and backward gathers and reduces again
-    by_group = {group: {op: b * k for op, b in ops.items()} for group, ops in by_group.items()}
+    times = setup["grad_accumulation"]  # every forward and backward gathers and reduces again
+    by_group = {group: {op: b * times for op, b in ops.items()} for group, ops in by_group.items()}
     by_collective: dict[str, float] = {}
     for ops in by_group.values():
         for op, b in ops.items():
             by_collective[op] = by_collective.get(op, 0.0) + b
     r, s = mesh or (1, setup["gpus"])
-    rank0_groups = {"shard": list(range(s)), "replicate": [k * s for k in range(r)]}
-    by_link = {"intra_node": 0.0, "inter_node": 0.0}
-    for group, ops in by_group.items():  # per GPU, as its ring routes it
-        share = netsim.inter_node_share(rank0_groups[group], setup["gpus_per_node"])
-        by_link["inter_node"] += share * sum(ops.values())
-        by_link["intra_node"] += (1 - share) * sum(ops.values())
+    rank0_groups = {"shard": range(s), "replicate": range(0, r * s, s)}  # rank 0's, in ring order
+    by_link = netsim.bytes_by_link(
+        ((rank0_groups[group], sum(ops.values())) for group, ops in by_group.items()),
+        setup["gpus_per_node"],
+    )
     return {"by_collective": by_collective, "by_group": by_group, "by_link": by_link}
 
 

@@ -41,12 +41,13 @@ def compare(predicted: dict[str, Any], measured: dict[str, Any]) -> dict:
     }
     got["total"] = measured["peak_bytes"]
     plan_bytes = predicted["per_rank_bytes"]
-    by_link = {"intra_node": 0.0, "inter_node": 0.0}
-    for label, ops in measured["comm_bytes_per_step_by_group"].items():  # as its ring routes it
-        ranks = [int(r) for r in label.removeprefix("ranks ").split(",")]
-        share = netsim.inter_node_share(ranks, predicted["gpus_per_node"])
-        by_link["inter_node"] += share * sum(ops.values())
-        by_link["intra_node"] += (1 - share) * sum(ops.values())
+    by_link = netsim.bytes_by_link(
+        (
+            ([int(r) for r in label.removeprefix("ranks ").split(",")], sum(ops.values()))
+            for label, ops in measured["comm_bytes_per_step_by_group"].items()
+        ),
+        predicted["gpus_per_node"],
+    )
     comm = {"by_collective": measured["comm_bytes_per_step"], "by_link": by_link}
     return {
         "per_rank_bytes": got,
