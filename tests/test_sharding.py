@@ -161,7 +161,7 @@ def test_mixed_precision_gathers_half_the_bytes_and_still_trains(cluster_of):
         assert measured["bytes"]["reduce_scatter_tensor"] == 0.5 * padded * 4  # fp32 reduce
 
     def bf16_params():
-        model = shard(tiny_gpt(), units={Block}, mixed_precision=MixedPrecision())
+        model = shard(tiny_gpt(), units={Block}, mixed_precision=MixedPrecision(torch.bfloat16))
         reference.train_steps(model, _sgd(model.parameters()), 5, rank=fsdp_lab.rank(), world=n)
         units = sharding_state(model).units
         dtypes = (units[1].flat.unsharded.dtype, units[0].flat.shard.dtype)

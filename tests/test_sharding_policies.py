@@ -99,13 +99,13 @@ def test_ignored_params_leave_the_plan_and_strangers_are_refused():
 # -- on ranks -----------------------------------------------------------------------------------
 
 
-def _train_on_rank(wrap, steps=3, lr=0.5, capture=None):
-    """TinyLM (seed 0) wrapped by `wrap`, SGD, this rank's half of each batch; its parameters
+def _train_on_rank(wrap, steps=3, lr=0.5, capture=None, build=TinyLM):
+    """`build()` (TinyLM; seed 0) wrapped by `wrap`, SGD, this rank's half of each batch; its parameters
     after `steps` steps, whole (a DTensor read whole, ours through full_state_dict)."""
     from fsdp_lab.sharding import full_state_dict, sharding_state
 
     torch.manual_seed(0)
-    model = wrap(TinyLM())
+    model = wrap(build())
     seen = {}
     if capture:  # the dtype each module computes with, read inside its forward
         for name in capture:
@@ -212,6 +212,80 @@ def test_per_unit_mixed_precision_matches_fully_shard(cluster_of):
             }
         )
         _close(ours, theirs, 1e-5, "ours vs fully_shard (bf16 compute)")
+
+
+# FSDP2's MixedPrecisionPolicy field by field, each on the lab's Llama and on PyTorch's own test
+# Transformer (`common_dtensor`, LayerNorm): (units, default policy, {class: policy}).
+BF16_OUT_FP32 = MixedPrecision(torch.bfloat16, torch.float32, output_dtype=torch.float32)
+NO_INPUT_CAST = MixedPrecision(torch.bfloat16, torch.float32, cast_forward_inputs=False)
+FP32_OUT_BF16 = MixedPrecision(torch.float32, torch.float32, output_dtype=torch.bfloat16)
+PRECISION_CASES = {
+    # The README's recipe: every Linear and Embedding in bf16, the root's norms in fp32 — each
+    # Linear's fp32 input (a norm's output) is cast to bf16 by cast_forward_inputs.
+    "fp32-root": ((nn.Linear, nn.Embedding), BF16, {"": FP32}),
+    "output_dtype": ((nn.Linear, nn.Embedding), BF16_OUT_FP32, {"": FP32}),
+    # Without the input cast the fp32 norm output meets a bf16 weight: both refuse alike.
+    "no-input-cast": ((nn.Linear, nn.Embedding), NO_INPUT_CAST, {"": FP32}),
+    # torchtitan's norms kept in fp32 as units of their own, handing bf16 on.
+    "fp32-norm-units": ("blocks+norms", BF16, {"norms": FP32_OUT_BF16}),
+}
+
+
+def _library_transformer() -> nn.Module:
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    args = ModelArgs(
+        n_layers=2, vocab_size=VOCAB, max_seq_len=16, dim=32, n_heads=4, weight_tying=False
+    )
+    return Transformer(args)
+
+
+def _precision_run(model_name: str, case: str, system: str):
+    """`model_name` under one PRECISION_CASES case, wrapped by ours or by fully_shard (one call
+    per unit, innermost first); its parameters after 3 SGD steps, or the error it raised."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fsdp_lab.models.llama import Llama, LlamaConfig, RMSNorm
+    from fsdp_lab.sharding import shard
+
+    units, default, own = PRECISION_CASES[case]
+
+    def wrap(model):
+        norms = tuple({type(m) for m in model.modules() if isinstance(m, (RMSNorm, nn.LayerNorm))})
+        policies = {cls: own["norms"] for cls in norms} if "norms" in own else own
+        classes = (*{type(b) for b in model.layers}, *norms) if units == "blocks+norms" else units
+        if system == "ours":
+            own_policy = {k: UnitPolicy(mixed_precision=mp) for k, mp in policies.items()}
+            return shard(model, units=set(classes), mixed_precision=default, policies=own_policy)
+        for module in reversed(list(model.modules())):
+            if isinstance(module, classes):
+                mp = policies.get(type(module), default)
+                fully_shard(module, mp_policy=MixedPrecisionPolicy(**vars(mp)))
+        root = policies.get("", default)
+        return fully_shard(model, mp_policy=MixedPrecisionPolicy(**vars(root)))
+
+    build = {"llama": lambda: Llama(LlamaConfig(vocab_size=VOCAB)), "common": _library_transformer}
+    try:
+        return _train_on_rank(wrap, lr=0.1, build=build[model_name])[0]
+    except RuntimeError as exc:
+        return type(exc).__name__, str(exc).strip().splitlines()[-1]
+
+
+def _precision_pair(model_name: str, case: str):
+    return _precision_run(model_name, case, "ours"), _precision_run(model_name, case, "fsdp2")
+
+
+@pytest.mark.parametrize("case", list(PRECISION_CASES))
+@pytest.mark.parametrize("model_name", ["llama", "common"])
+def test_each_mixed_precision_field_matches_fully_shard(cluster_of, model_name, case):
+    """Issue 37: the README's recipe crashed on the lab's Llama (`float != c10::BFloat16`): a
+    unit did not cast its inputs. Every field of FSDP2's policy, as fully_shard does it."""
+    for ours, theirs in cluster_of(2).run(_precision_pair, model_name, case):
+        if isinstance(theirs, tuple):  # fully_shard refuses this recipe: so must we, alike
+            assert ours == theirs
+        else:
+            assert isinstance(ours, dict), ours
+            _close(ours, theirs, 1e-5, f"{model_name} {case}: ours vs fully_shard")
 
 
 def test_cpu_offload_matches_fully_shard_and_counts_the_host_link(cluster_of):
@@ -578,3 +652,11 @@ def test_a_plan_that_differs_between_ranks_is_refused_on_every_rank_naming_it(cl
     assert "rank 0" in msg0 and "rank 1" in msg0 and "unit ''" in msg0
     assert "strategy=full" in msg0 and "strategy=replicate" in msg0
     assert cluster.run(dist.get_rank) == [0, 1]  # no rank died: the cluster is still usable
+
+
+def test_mixed_precision_has_fsdp2s_fields_and_defaults():
+    from dataclasses import asdict
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    assert asdict(MixedPrecision()) == vars(MixedPrecisionPolicy())

@@ -33,7 +33,9 @@ maps onto the code a learner meets next:
                                   prefetch=BACKWARD_PRE              group; set_modules_to_*_prefetch
     TrainingState                 TrainingState / HandleTrainingState  TrainingState
     MixedPrecision(param_dtype,   MixedPrecision(param_dtype,         MixedPrecisionPolicy(
-      reduce_dtype)                 reduce_dtype, buffer_dtype)         param_dtype, reduce_dtype)
+      reduce_dtype, output_dtype,   reduce_dtype, buffer_dtype,         param_dtype, reduce_dtype,
+      cast_forward_inputs)          cast_forward_inputs)                output_dtype,
+                                                                        cast_forward_inputs)
 
 Where they differ in substance: FSDP1 flattens like we do (one all-gather per unit, views into
 it); FSDP2 keeps each parameter a DTensor sharded on dim 0 and copies into/out of a per-group

@@ -34,13 +34,23 @@ from fsdp_lab.sharding.wrap import ROOT, WrapPlan
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """Compute in `param_dtype` (all-gathered in it); reduce gradients in `reduce_dtype`.
+    """FSDP2's `MixedPrecisionPolicy`, field for field and default for default.
 
-    The shards, their gradients and the optimizer stay in the parameters' dtype (fp32).
+    The shards, their gradients and the optimizer stay in the parameters' own dtype (fp32);
+    only what a unit gathers and computes with changes.
+
+    Args:
+        param_dtype: the unit gathers and computes in it; None: the parameters' own dtype.
+        reduce_dtype: its gradients are reduced in it; None: in `param_dtype` (FSDP2's rule).
+        output_dtype: its floating-point outputs are cast to it; None: left as computed.
+        cast_forward_inputs: its floating-point inputs are cast to `param_dtype` before its
+            forward — what lets a unit computing in fp32 sit between units computing in bf16.
     """
 
-    param_dtype: torch.dtype = torch.bfloat16
-    reduce_dtype: torch.dtype | None = torch.float32
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
 
 
 @dataclass(frozen=True)
@@ -78,7 +88,18 @@ class UnitPlan:
 
     @property
     def reduce_dtype(self) -> torch.dtype | None:
-        return self.mixed_precision.reduce_dtype if self.mixed_precision else None
+        precision = self.mixed_precision
+        return (precision.reduce_dtype or precision.param_dtype) if precision else None
+
+    @property
+    def input_dtype(self) -> torch.dtype | None:
+        """What the unit casts its floating inputs to before its forward (None: no cast)."""
+        precision = self.mixed_precision
+        return precision.param_dtype if precision and precision.cast_forward_inputs else None
+
+    @property
+    def output_dtype(self) -> torch.dtype | None:
+        return self.mixed_precision.output_dtype if self.mixed_precision else None
 
 
 Policies = Mapping[str | type[nn.Module], UnitPolicy] | None

@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from fsdp_lab import comm
 from fsdp_lab.sharding.buckets import GradBuckets
@@ -132,16 +133,15 @@ class ShardedUnit:
         if flat.unsharded.requires_grad:  # an all-frozen unit builds no gradient
             flat.unsharded.register_post_accumulate_grad_hook(post_backward)
         for module in modules:
-            module.register_forward_pre_hook(self._pre_forward)
+            module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
             module.register_forward_hook(self._post_forward)
 
     # -- unshard / reshard ----------------------------------------------------------------------
 
     def unshard(self, async_op: bool = False) -> None:
         """Start gathering the full parameters (no-op if they are already there or on the way)."""
-        if self._gather is not None or (self.flat.is_allocated and not self.stale):
-            return
-        if self.flat.padded_numel == 0:  # a root unit left with no parameters
+        there = self._gather is not None or (self.flat.is_allocated and not self.stale)
+        if there or self.flat.padded_numel == 0:  # (0: a root unit left with no parameters)
             return
         flat = self.flat
         flat.alloc_unsharded()
@@ -221,11 +221,12 @@ class ShardedUnit:
 
     # -- forward --------------------------------------------------------------------------------
 
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        args, kwargs = _cast_floats((args, kwargs), self.plan.input_dtype)
         if self.training_state is TrainingState.PRE_BACKWARD:
             # A recompute inside this unit's backward: gathered, views set; no message, no free
             self._recomputing = True
-            return
+            return args, kwargs
         self._recomputing = False  # a recompute stopped early never reached post-forward
         state = self.state
         if self is state.root:
@@ -240,11 +241,12 @@ class ShardedUnit:
             if nxt is not None:
                 nxt.unshard(async_op=True)
         self._compute_start = time.perf_counter()
+        return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self._recomputing:
             self._recomputing = False
-            return output
+            return _cast_floats(output, self.plan.output_dtype)
         self._record_compute("forward")
         if self.reshard_after_forward:
             self.reshard(after_forward=True)
@@ -257,7 +259,7 @@ class ShardedUnit:
             if self.grouped and self.reshard_after_forward:
                 self._free_after_member_backward(_tensors(args))
         self.training_state = TrainingState.IDLE
-        return output
+        return _cast_floats(output, self.plan.output_dtype)
 
     def _free_after_member_backward(self, inputs: list[torch.Tensor]) -> None:
         """Free the unit once this member call's inputs all have gradients (group units only).
@@ -389,9 +391,7 @@ class ShardedUnit:
                     flat.shard.grad = out
                 else:  # gradient accumulation over several backwards
                     flat.shard.grad += out
-        mark(
-            f"reduce-scatter {self.label}" if self.strategy.sharded else f"all-reduce {self.label}"
-        )
+        mark(f"{'reduce-scatter' if self.strategy.sharded else 'all-reduce'} {self.label}")
 
     def _hand_out(self, grad: torch.Tensor) -> None:
         """Give each parameter that got a gradient its slice of the unit's shard gradient."""
@@ -439,11 +439,11 @@ class _GotGrad:
             alive._got_grad[self.index] = True
 
 
+def _cast_floats(obj: Any, dtype: torch.dtype | None) -> Any:
+    """`obj` with every floating-point tensor in it cast to `dtype` (None: `obj` itself)."""
+    cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    return obj if dtype is None else tree_map_only(torch.Tensor, cast, obj)
+
+
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors(item)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in _tensors(item)]
-    return []
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
