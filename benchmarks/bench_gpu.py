@@ -46,7 +46,7 @@ def on_rank(system: str, cfg: dict[str, Any], profile: bool = False) -> dict[str
     import torch.distributed as dist
     from torch import nn
 
-    from fsdp_lab import MixedPrecision, reference, shard
+    from fsdp_lab import MixedPrecision, reference
     from fsdp_lab.cluster.where import device as placed_device
     from fsdp_lab.models import Block, GPTConfig, TinyGPT
 
@@ -58,22 +58,13 @@ def on_rank(system: str, cfg: dict[str, Any], profile: bool = False) -> dict[str
     if system == "plain":
         model = _Autocast(model.to(device), device.type)
     elif system == "ours":
-        model = shard(
-            model,
-            units={Block},
-            strategy="full",
-            mixed_precision=MixedPrecision(torch.bfloat16, torch.float32),
-        )
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        precision = MixedPrecision(torch.bfloat16, torch.float32)
+        model = reference.wrap(model, "ours:full", (Block,), mixed_precision=precision)
+    else:  # the same policy, FSDP2's own
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        model.to(device)
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in [m for m in model.modules() if isinstance(m, Block)]:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        model = reference.wrap(model.to(device), "fully_shard", (Block,), mp_policy=policy)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     batch = dict(
         global_batch=cfg["batch"] * dist.get_world_size(),

@@ -10,9 +10,11 @@ same data (`reference.train_steps`, the global batch split over the ranks), fp32
     ours:grad_op    ... strategy="grad_op"                                        ZeRO-2
     ours:optimizer  ... strategy="optimizer"                                      ZeRO-1
     ours:none       fsdp_lab.shard(model, strategy="none"): DDP's buckets (25 MiB), overlapped
-    fsdp2   fully_shard on every Block, then on the root    (reference.apply_fsdp2)
-    fsdp1   FullyShardedDataParallel, Block auto-wrap, use_orig_params=True
-    ddp     DistributedDataParallel
+    fully_shard     fully_shard on every Block, then on the root, at FSDP2's defaults
+    fsdp1           FullyShardedDataParallel, Block auto-wrap, use_orig_params=True
+    ddp             DistributedDataParallel at its defaults
+
+each wrapped by `fsdp_lab.reference.wrap`, the one table of systems every comparison uses.
 
 One `Cluster` per world size. Step time: `--repeats` timed runs per system, interleaved
 (ours:full, ..., ddp, ours:full, ...) so machine noise hits all alike; per step the slowest
@@ -51,7 +53,7 @@ import torch
 from fsdp_lab import Cluster
 
 OURS = ("ours:full", "ours:grad_op", "ours:optimizer", "ours:none")
-SYSTEMS = (*OURS, "fsdp2", "fsdp1", "ddp")
+SYSTEMS = (*OURS, "fully_shard", "fsdp1", "ddp")
 PROFILED_STEPS = 2  # the allocator cross-check covers the build and these first steps
 MiB = 2**20
 
@@ -61,23 +63,12 @@ MiB = 2**20
 
 def _build(system: str, s: dict[str, Any]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The same model on every rank and for every system, wrapped by `system`, with Adam."""
-    from fsdp_lab import reference, shard
+    from fsdp_lab import reference
     from fsdp_lab.models import Block, GPTConfig, TinyGPT
 
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(s["vocab"], s["seq"], s["dim"], s["layers"], s["heads"]))
-    if system == "ours:none":  # DDP's shape: one unit, its gradients in buckets
-        model = shard(model, strategy="none")
-    elif system in OURS:
-        model = shard(model, units={Block}, strategy=system.removeprefix("ours:"))
-    elif system == "fsdp2":
-        model = reference.apply_fsdp2(model, (Block,))
-    elif system == "fsdp1":
-        model = reference.apply_fsdp1(model, (Block,), use_orig_params=True)
-    elif system == "ddp":
-        model = reference.apply_ddp(model)
-    else:
-        raise ValueError(f"unknown system {system!r}; expected one of {SYSTEMS}")
+    model = reference.wrap(model, system, (Block,))
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
@@ -186,7 +177,14 @@ def memory_run(system: str, s: dict[str, Any]) -> dict[str, Any]:
 
     with _c_stderr_silenced():
         prof.start()  # first: it counts only what is allocated after it starts
-    with MemoryTracker() as lab_marks, MemoryTracker() as mem, _marking_every_resize(mem):
+    from fsdp_lab import comm
+
+    with (
+        MemoryTracker() as lab_marks,
+        MemoryTracker() as mem,
+        _marking_every_resize(mem),
+        comm.CommLog() as log,
+    ):
         model, opt = _build(system, s)
         for tracker in (lab_marks, mem):
             tracker.track(model)
@@ -194,14 +192,17 @@ def memory_run(system: str, s: dict[str, Any]) -> dict[str, Any]:
             if system in OURS:  # as the shard lab does: gathered buffers are comm buffers
                 for unit in sharding_state(model).units:
                     tracker.track(unit.flat.unsharded, "comm_buffers")
+        at_wrap = len(log.records)  # "none" broadcasts rank 0's values at wrap, as DDP does
         out = _train(model, opt, s, after_step=stop_profiler)
     trace = mem.trace()
+    sent = sum(comm.bytes_by_op(log.records[at_wrap:]).values()) / s["steps"]
     return {
         "peak_bytes": trace["peak_bytes"],
         "peak_by_category": trace["peak_by_category"],
         "lab_marks_peak_bytes": lab_marks.peak_bytes,
         "allocator_peak_bytes": _allocator_peak(prof),
         "final_loss": out["losses"][-1],
+        "comm_bytes": sent,  # ours only: PyTorch's collectives do not pass through fsdp_lab.comm
     }
 
 
@@ -232,6 +233,7 @@ def measure(n: int, s: dict[str, Any], repeats: int) -> dict[str, dict]:
                 res[key] = max(x[key] for x in ranks)
             res["peak_by_category"] = max(ranks, key=lambda x: x["peak_bytes"])["peak_by_category"]
             res["final_loss"] = statistics.fmean(x["final_loss"] for x in ranks)
+            res["comm_bytes"] = ranks[0]["comm_bytes"]
             print(
                 f"  N={n} memory {system:5} {res['peak_bytes'] / MiB:7.2f} MiB tracked", flush=True
             )
@@ -252,11 +254,11 @@ def ratio(res: dict[str, dict], system: str, ref: str) -> str:
 
 
 def print_tables(n: int, res: dict[str, dict], psi: int) -> None:
-    ref = res["fsdp2"]
+    ref = res["fully_shard"]
     print(f"\nworld size {n} (gloo)\n")
     print(
-        "| system | step time (ms, median; min-max over repeats) | ratio to fsdp2 (median; "
-        "min-max) | ratio to ddp | peak tracked memory (MiB) | ratio to fsdp2 |"
+        "| system | step time (ms, median; min-max over repeats) | ratio to fully_shard "
+        "(median; min-max) | ratio to ddp | peak tracked memory (MiB) | ratio to fully_shard |"
     )
     print("|---|---|---|---|---|---|")
     for system in SYSTEMS:
@@ -264,7 +266,7 @@ def print_tables(n: int, res: dict[str, dict], psi: int) -> None:
         ms = [t * 1e3 for t in r["step_time_s_per_repeat"]]
         print(
             f"| {system} | {r['step_time_s'] * 1e3:.1f} ({min(ms):.0f}-{max(ms):.0f}) "
-            f"| {ratio(res, system, 'fsdp2')} | {ratio(res, system, 'ddp')} "
+            f"| {ratio(res, system, 'fully_shard')} | {ratio(res, system, 'ddp')} "
             f"| {_mib(r['peak_bytes'])} | {r['peak_bytes'] / ref['peak_bytes']:.2f} |"
         )
     print("\npeak memory (MiB, highest rank) counted three ways, and what the tracker saw at it:\n")
@@ -374,20 +376,38 @@ def main() -> None:
         print_tables(n, res, psi)
     print(FOOTNOTE.rstrip())
     print(f"load average (1, 5, 15 min) at the end: {_load()}")
-    goals = {  # issue 28's goals, each a ratio of medians
-        "ours:none / ddp step time ≤ 1.00": ("ours:none", "ddp", "step_time_s"),
-        "ours:full / ddp step time ≤ 1.00": ("ours:full", "ddp", "step_time_s"),
-        "ours:full / fsdp2 step time ≤ 1.00": ("ours:full", "fsdp2", "step_time_s"),
-        "ours:full / fsdp2 peak memory ≤ 1.00": ("ours:full", "fsdp2", "peak_bytes"),
+    goals = {  # each a ratio of medians, like for like (every system at its own defaults)
+        "ours:full / fully_shard step time ≤ 0.85": (
+            "ours:full",
+            "fully_shard",
+            "step_time_s",
+            0.85,
+        ),
+        "ours:full / fully_shard peak memory ≤ 1.00": (
+            "ours:full",
+            "fully_shard",
+            "peak_bytes",
+            1.0,
+        ),
+        "ours:none / ddp step time ≤ 1.00": ("ours:none", "ddp", "step_time_s", 1.0),
     }
     print()
-    for goal, (a, b, key) in goals.items():
+    for goal, (a, b, key, limit) in goals.items():
         met = ", ".join(
             f"N={n}: {res[a][key] / res[b][key]:.2f} "
-            + ("met" if res[a][key] <= res[b][key] else "not met")
+            + ("met" if res[a][key] <= limit * res[b][key] else "not met")
             for n, res in results.items()
         )
         print(f"{goal}: {met}")
+    # ZeRO-3 sends more than DDP (a second all-gather for backward, reduce-scatter + all-gather
+    # for all-reduce): its step-time ratio beside the bytes ratio that explains it. ours:none's
+    # bytes are DDP's (the same all-reduces, bit-equal results).
+    explained = ", ".join(
+        f"N={n}: step time {res['ours:full']['step_time_s'] / res['ddp']['step_time_s']:.2f}, "
+        f"bytes {res['ours:full']['comm_bytes'] / res['ours:none']['comm_bytes']:.2f}"
+        for n, res in results.items()
+    )
+    print(f"ours:full / ddp (no goal; bytes per step from ours:full / ours:none): {explained}")
     if args.json:
         payload = {
             "machine": {

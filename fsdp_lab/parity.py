@@ -1,18 +1,8 @@
 """Parity: one model, one optimizer recipe, one data stream, trained under any system — ours or
 PyTorch's — and returned as full parameters by name, so two runs compare element by element.
 
-Systems (strings, so they travel to the ranks and print as they are):
-
-    single                     one process, the whole global batch         (the ground truth)
-    ours:<strategy>            fsdp_lab.shard(model, units, strategy)       none/optimizer/grad_op/full
-    fsdp2:reshard              fully_shard, reshard_after_forward=True      ZeRO-3
-    fsdp2:keep                 fully_shard, reshard_after_forward=False     ZeRO-2's memory shape
-    fsdp2:replicate            fully_shard on an (N, 1) replicate x shard mesh: HSDP with shard
-                               groups of one rank, i.e. plain replication (DDP's maths)
-    fsdp1:<ShardingStrategy>   FullyShardedDataParallel(use_orig_params=True), FULL_SHARD /
-                               SHARD_GRAD_OP / NO_SHARD
-    ddp                        DistributedDataParallel
-    ddp+zero                   DDP with ZeroRedundancyOptimizer (ZeRO-1: optimizer state sharded)
+Systems are `fsdp_lab.reference.SYSTEMS`, the one table every comparison wraps through: ours
+per strategy, single process, fully_shard (FSDP2), FSDP1, DDP, DDP + ZeroRedundancyOptimizer.
 
 `COUNTERPARTS` pairs each of our strategies with PyTorch's nearest configuration of each
 system (None where PyTorch has none: FSDP1 has no ZeRO-1). Every path builds the same model
@@ -22,7 +12,6 @@ optimizer recipe; CPU and gloo only.
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
@@ -31,13 +20,13 @@ import torch.nn as nn
 
 from fsdp_lab import reference
 from fsdp_lab.cluster import intra_op_threads
-from fsdp_lab.parity_models import PARITY_MODELS, TITAN_INIT_SEED, ParityModel, unit_names
+from fsdp_lab.parity_models import PARITY_MODELS, TITAN_INIT_SEED, ParityModel
 
 COUNTERPARTS: dict[str, dict[str, str | None]] = {  # our strategy -> column -> system
-    "none": {"fully_shard": "fsdp2:replicate", "FSDP1": "fsdp1:NO_SHARD", "DDP": "ddp"},
-    "optimizer": {"fully_shard": "fsdp2:keep", "FSDP1": None, "DDP": "ddp+zero"},
-    "grad_op": {"fully_shard": "fsdp2:keep", "FSDP1": "fsdp1:SHARD_GRAD_OP", "DDP": None},
-    "full": {"fully_shard": "fsdp2:reshard", "FSDP1": "fsdp1:FULL_SHARD", "DDP": None},
+    "none": {"fully_shard": "fully_shard:replicate", "FSDP1": "fsdp1:NO_SHARD", "DDP": "ddp"},
+    "optimizer": {"fully_shard": "fully_shard:keep", "FSDP1": None, "DDP": "ddp+zero"},
+    "grad_op": {"fully_shard": "fully_shard:keep", "FSDP1": "fsdp1:SHARD_GRAD_OP", "DDP": None},
+    "full": {"fully_shard": "fully_shard", "FSDP1": "fsdp1", "DDP": None},
 }
 NO_DECAY_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.BatchNorm1d)
 
@@ -74,7 +63,7 @@ def train(
         warnings.filterwarnings("ignore", message=".*NO_SHARD.*deprecated", category=FutureWarning)
         warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
         model = wrap(spec, system)
-        opt = make_optimizer(optimizer or spec.optimizer, model, zero=system == "ddp+zero")
+        opt = make_optimizer(optimizer or spec.optimizer, model, system)
         for step in range(steps):
             inputs, target = spec.batch(step)
             mine = [_local(t, spec.batch_dim, rank, world) for t in inputs]
@@ -90,72 +79,26 @@ def _local(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
 
 
 def wrap(spec: ParityModel, system: str) -> nn.Module:
-    """The model of `spec`, built and wrapped by `system` with the spec's units."""
-    kind, _, option = system.partition(":")
-    if kind == "ours":
-        return _ours(spec, option)
-    model = spec.build()
-    names = unit_names(model, spec.units)
-    if kind == "single":
-        return model
-    if kind == "fsdp2":
-        return _fully_shard(model, names, option)
-    if kind == "fsdp1":
-        return _fsdp1(model, names, option)
-    if kind in ("ddp", "ddp+zero"):
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(model, find_unused_parameters=spec.unused_parameters)
-    raise ValueError(f"system={system!r}: not one of single, ours:*, fsdp2:*, fsdp1:*, ddp")
+    """The model of `spec`, built and wrapped by `system` (`reference.SYSTEMS`) with its units."""
+    if system.startswith("ours:") and spec.meta_factory is not None:
+        return _ours_on_meta(spec, system.removeprefix("ours:"))
+    if system in ("ddp", "ddp+zero"):
+        return reference.wrap(spec.build(), system, find_unused_parameters=spec.unused_parameters)
+    return reference.wrap(spec.build(), system, spec.units)
 
 
-def _ours(spec: ParityModel, strategy: str) -> nn.Module:
+def _ours_on_meta(spec: ParityModel, strategy: str) -> nn.Module:
+    """torchtitan's pattern: shard the meta model (shards allocated, not initialised), then the
+    model's own init_weights() on the sharded model — each rank keeps its slice."""
     from fsdp_lab.sharding import full_init, shard
 
-    if spec.meta_factory is None:
-        model = spec.build()
-        return shard(model, units=unit_names(model, spec.units), strategy=strategy)
-    # torchtitan's pattern: shard the meta model (shards allocated, not initialised), then the
-    # model's own init_weights() on the sharded model — each rank keeps its slice.
     with torch.device("meta"):
         model = spec.meta_factory()
-    names = unit_names(model, spec.units)
-    shard(model, units=names, strategy=strategy, param_init_fn="empty")
+    shard(model, units=spec.units, strategy=strategy, param_init_fn="empty")
     torch.manual_seed(TITAN_INIT_SEED)
     with full_init(model):
         model.init_weights()
     return model
-
-
-def _fully_shard(model: nn.Module, names: list[str], option: str) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    world = dist.get_world_size()
-    if option == "replicate":
-        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
-    elif option in ("reshard", "keep"):
-        mesh = init_device_mesh("cpu", (world,))
-    else:
-        raise ValueError(f"fsdp2:{option}: expected reshard, keep or replicate")
-    reshard = option == "reshard"
-    for name in names:  # inner units first, as fully_shard requires
-        fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-
-
-def _fsdp1(model: nn.Module, names: list[str], option: str) -> nn.Module:
-    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
-
-    units = {model.get_submodule(n) for n in names}
-    return FullyShardedDataParallel(
-        model,
-        auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=units.__contains__),
-        sharding_strategy=ShardingStrategy[option],
-        use_orig_params=True,
-        device_id=torch.device("cpu"),
-    )
 
 
 def no_decay_parameters(model: nn.Module) -> set[int]:
@@ -169,7 +112,7 @@ def no_decay_parameters(model: nn.Module) -> set[int]:
     return found
 
 
-def make_optimizer(recipe: str, model: nn.Module, zero: bool = False) -> torch.optim.Optimizer:
+def make_optimizer(recipe: str, model: nn.Module, system: str = "single") -> torch.optim.Optimizer:
     """The recipe of the parity table, built on the wrapped model's parameters (every one of
     them, frozen ones too: an optimizer must skip a parameter whose grad is None)."""
     params = list(model.parameters())
@@ -185,9 +128,4 @@ def make_optimizer(recipe: str, model: nn.Module, zero: bool = False) -> torch.o
         cls, kwargs = torch.optim.AdamW, {"lr": 1e-2}
     else:
         raise ValueError(f"optimizer recipe {recipe!r}: expected 'sgd' or 'adamw'")
-    groups = [g for g in groups if g["params"]]
-    if zero:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kwargs)
-    return cls(groups, **kwargs)
+    return reference.make_optimizer(system, [g for g in groups if g["params"]], cls, **kwargs)

@@ -307,16 +307,3 @@ PARITY_MODELS: MappingProxyType[str, ParityModel] = MappingProxyType(
         ),
     }
 )
-
-
-def unit_names(model: nn.Module, units: tuple[str, ...] | tuple[type[nn.Module], ...]) -> list[str]:
-    """The units' module names, every unit after the units inside it (FSDP2 wraps bottom-up)."""
-    by_name = all(isinstance(u, str) for u in units)
-    found = [
-        name
-        for name, module in model.named_modules()
-        if (name in units if by_name else isinstance(module, units))
-    ]
-    if not found or (by_name and len(found) < len(units)):
-        raise ValueError(f"units {list(units)}: not all are modules of {type(model).__name__}")
-    return found[::-1]  # reversed pre-order: descendants before their ancestors

@@ -3,9 +3,10 @@
 - `train_steps`: the one training loop everyone uses — next-token cross-entropy on synthetic
   tokens; with N ranks each rank takes its contiguous slice of the same global batch, so the
   mean of the rank losses is the single-process loss on the whole batch.
-- `apply_ddp`, `apply_fsdp1`, `apply_fsdp2`: PyTorch's own data parallelism on that model
-  (`DistributedDataParallel`, `FullyShardedDataParallel`, `fully_shard`), wrapped with the same
-  units as ours.
+- `SYSTEMS`, `wrap`, `make_optimizer`: the one table of systems every comparison trains
+  through — ours per strategy and PyTorch's own (`fully_shard`, `FullyShardedDataParallel`,
+  `DistributedDataParallel`, `ZeroRedundancyOptimizer`), each at its own defaults, wrapped
+  with the same units.
 - `single_process`: the run everything is compared with — one process, the whole batch.
 - `full_parameters`: every parameter by its original name, gathered to full size, whatever
   wrapped the model — so two runs can be compared element by element (`max_abs_diff`).
@@ -13,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -135,65 +137,147 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+# [Note: one table of systems] Every comparison of ours with PyTorch's — the labs, the
+# benchmarks, the parity table, the exercises — wraps its model here, so "fully_shard" means
+# one thing everywhere: each system at its own defaults. Where a comparison needs another
+# setting it is a system of its own, named here with its reason.
+SYSTEMS: dict[str, str] = {
+    "single": "one process, the whole global batch: the ground truth",
+    "ours:none": "fsdp_lab.shard(strategy='none'): one unit, its gradients in DDP's buckets",
+    "ours:optimizer": "fsdp_lab.shard(units, strategy='optimizer'): ZeRO-1",
+    "ours:grad_op": "fsdp_lab.shard(units, strategy='grad_op'): ZeRO-2",
+    "ours:full": "fsdp_lab.shard(units, strategy='full'): ZeRO-3, the root kept gathered",
+    "ours:hybrid": "fsdp_lab.shard(units, strategy='hybrid', mesh=(R, S)): HSDP",
+    "ours:hybrid_zero2": "fsdp_lab.shard(units, strategy='hybrid_zero2', mesh=(R, S))",
+    "fully_shard": "fully_shard on every unit, then the root, at FSDP2's defaults: every unit "
+    "but the root freed after forward",
+    # FSDP2 has no ZeRO-1 or ZeRO-2 strategy; nothing freed between the passes is their shape.
+    "fully_shard:keep": "fully_shard, reshard_after_forward=False: nothing freed between passes",
+    # FSDP2 has no NO_SHARD: a (N, 1) replicate x shard mesh is HSDP with one-rank shard groups.
+    "fully_shard:replicate": "fully_shard on an (N, 1) mesh: plain replication (DDP's maths)",
+    # use_orig_params=True (FSDP1's default is False): ours keeps the original parameters by
+    # default, as FSDP2 does, so optimizer groups by name work alike.
+    "fsdp1": "FullyShardedDataParallel, FULL_SHARD, a unit per module, use_orig_params=True",
+    "fsdp1:SHARD_GRAD_OP": "FullyShardedDataParallel, SHARD_GRAD_OP (ZeRO-2)",
+    "fsdp1:NO_SHARD": "FullyShardedDataParallel, NO_SHARD (deprecated for DDP)",
+    "ddp": "DistributedDataParallel at its defaults (25 MiB buckets)",
+    "ddp+zero": "DistributedDataParallel + ZeroRedundancyOptimizer (ZeRO-1 as an optimizer)",
+}
+
+# Module classes, module names, or tuples of names (one unit of several modules).
+Units = tuple[Any, ...] | list[Any] | set[Any]
+
+
+def wrap(
+    model: nn.Module, system: str, units: Units = (), mesh: Any = None, **options: Any
+) -> nn.Module:
+    """`model` wrapped by `system` (one of `SYSTEMS`) with a unit per module of `units` (module
+    classes or names); the wrapped model, to train with `make_optimizer(system, ...)`.
+
+    `mesh`: None (every rank) or a DeviceMesh — a 2-D (replicate, shard) one makes fully_shard
+    HSDP; FSDP1's hybrid strategies ("fsdp1:HYBRID_SHARD") take it too. `options` are the
+    system's own keywords — `fsdp_lab.shard`'s (a lab's prefetch, policies, offload), each
+    `fully_shard` call's (mp_policy), `DistributedDataParallel`'s — where a lab says why.
+    """
+    kind, _, option = system.partition(":")
+    hybrid = kind == "fsdp1" and option in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+    if system not in SYSTEMS and not hybrid:
+        raise ValueError(
+            f"system={system!r}: expected one of {list(SYSTEMS)}, or fsdp1:HYBRID_SHARD / "
+            "fsdp1:_HYBRID_SHARD_ZERO2 with a 2-D mesh"
+        )
+    if kind == "single":
+        return model
+    if kind == "ours":
+        from fsdp_lab.sharding import shard
+
+        # "none" is DDP's shape: the whole model one unit, its gradients in buckets.
+        chosen = None if option == "none" or not units else units
+        return shard(model, units=chosen, strategy=option, mesh=mesh, **options)
+    modules = _unit_modules(model, units)  # innermost first, as fully_shard requires
+    if kind == "fully_shard":
+        return _fully_shard(model, modules, option, mesh, options)
+    if kind == "fsdp1":
+        return _fsdp1(model, modules, option or "FULL_SHARD", mesh)
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, **options)
+    _keep_vocab(ddp, model)
+    return ddp
+
+
+def make_optimizer(
+    system: str, params: Any, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+) -> torch.optim.Optimizer:
+    """`optimizer_class(params, **kwargs)`, or, for "ddp+zero", PyTorch's
+    ZeroRedundancyOptimizer stepping it (each parameter's state on one rank)."""
+    if system != "ddp+zero":
+        return optimizer_class(params, **kwargs)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
+
+
+def _unit_modules(model: nn.Module, units: Units) -> list[nn.Module | list[nn.Module]]:
+    """The units' modules — a tuple of names is one unit of several modules (FSDP2's
+    ``fully_shard([emb, head])``) — each unit after the units inside it (reversed pre-order)."""
+    order = {m: i for i, (_, m) in enumerate(model.named_modules())}
+    classes = tuple(u for u in units if isinstance(u, type))
+    found: list[nn.Module | list[nn.Module]] = [
+        m for m in order if m is not model and classes and isinstance(m, classes)
+    ]
+    for unit in (u for u in units if not isinstance(u, type)):
+        names = [unit] if isinstance(unit, str) else list(unit)
+        try:
+            modules = [model.get_submodule(name) for name in names]
+        except AttributeError as exc:
+            raise ValueError(f"units: {unit!r} names no module of {type(model).__name__}") from exc
+        found.append(modules[0] if isinstance(unit, str) else modules)
+    first = lambda u: order[u[0] if isinstance(u, list) else u]  # noqa: E731
+    return sorted(found, key=first, reverse=True)
+
+
+def _fully_shard(
+    model: nn.Module, modules: list[Any], option: str, mesh: Any, options: dict[str, Any]
+) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = placed_device().type
+    if option == "replicate":
+        mesh = init_device_mesh(device, (dist.get_world_size(), 1))
+    elif mesh is None:
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+    if option == "keep":
+        options = {**options, "reshard_after_forward": False}  # else FSDP2's default
+    for module in modules:
+        fully_shard(module, mesh=mesh, **options)
+    return fully_shard(model, mesh=mesh, **options)
+
+
+def _fsdp1(model: nn.Module, modules: list[Any], strategy: str, mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+    chosen = set(modules)
+    wrapped = FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=chosen.__contains__),
+        sharding_strategy=ShardingStrategy[strategy],
+        use_orig_params=True,
+        device_id=placed_device(),  # its own GPU, a shared one, or the CPU
+        **({"device_mesh": mesh} if "HYBRID" in strategy else {}),
+    )
+    _keep_vocab(wrapped, model)
+    return wrapped
+
+
 def _keep_vocab(wrapper: nn.Module, model: nn.Module) -> None:
     # The wrapper hides the model's attributes from `vocab_size_of`: copy a declared vocab
     # (a model that declares none is trained with train_steps(..., vocab_size=)).
     declared = declared_vocab(model)
     if declared is not None:
         wrapper.vocab_size = declared[0]
-
-
-def apply_ddp(model: nn.Module) -> nn.Module:
-    """PyTorch's DistributedDataParallel (gradients all-reduced in buckets)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    ddp = DistributedDataParallel(model)
-    _keep_vocab(ddp, model)
-    return ddp
-
-
-def apply_fsdp2(
-    model: nn.Module, unit_classes: tuple[type, ...], reshard: bool = True, mesh: Any = None
-) -> nn.Module:
-    """`fully_shard` on every module of `unit_classes`, then on the root (FSDP2's recipe).
-
-    `mesh`: None (a 1-D mesh of every rank) or a DeviceMesh — a 2-D (replicate, shard) one
-    makes it HSDP.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    if mesh is None:
-        mesh = init_device_mesh(placed_device().type, (dist.get_world_size(),))
-    for module in model.modules():
-        if isinstance(module, unit_classes):
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    return model
-
-
-def apply_fsdp1(
-    model: nn.Module,
-    unit_classes: tuple[type, ...],
-    use_orig_params: bool = True,
-    hybrid: str | None = None,
-    mesh: Any = None,
-) -> nn.Module:
-    """FSDP1 (`FullyShardedDataParallel`) with a module-class auto-wrap policy; `hybrid`
-    ("HYBRID_SHARD" or "_HYBRID_SHARD_ZERO2") on a 2-D (replicate, shard) DeviceMesh `mesh`."""
-    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    device = placed_device()  # its own GPU, a shared one, or the CPU
-    wrapped = FullyShardedDataParallel(
-        model,
-        auto_wrap_policy=ModuleWrapPolicy(set(unit_classes)),
-        device_id=device,
-        use_orig_params=use_orig_params,
-        **({"sharding_strategy": ShardingStrategy[hybrid], "device_mesh": mesh} if hybrid else {}),
-    )
-    _keep_vocab(wrapped, model)
-    return wrapped
 
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -18,7 +18,10 @@ from fsdp_lab.sharding.mesh import device_mesh, mesh_shape
 
 STEPS = 3
 LR = 0.1  # SGD with momentum, as test_sharding: Adam amplifies last-bit differences
-SYSTEMS = ("hybrid", "hybrid_zero2", "full", "fsdp2", "fsdp2_zero2", "fsdp1", "fsdp1_zero2")
+OURS = ("hybrid", "hybrid_zero2", "full")  # full FSDP on the same ranks, for its bytes
+# PyTorch's HSDP (`reference.SYSTEMS`): fully_shard on a 2-D mesh, FSDP1's hybrid strategies.
+TWINS = ("fully_shard", "fully_shard:keep", "fsdp1:HYBRID_SHARD", "fsdp1:_HYBRID_SHARD_ZERO2")
+SYSTEMS = (*OURS, *TWINS)
 
 
 # The workers run on one thread per rank: 4-6 ranks with torch's default thread count on a
@@ -35,18 +38,11 @@ def _sgd(params):
 def _train(system: str, mesh: tuple[int, int]) -> dict:
     """`STEPS` steps of `system` on `mesh`; the full parameters and bytes by (group, op)."""
     r, n = fsdp_lab.rank(), fsdp_lab.world_size()
-    model = tiny_gpt()
-    if system.startswith("hybrid"):
-        shard(model, units={Block}, strategy=system, mesh=mesh)
-    elif system == "full":  # full FSDP on the same ranks, for its bytes
-        shard(model, units={Block}, strategy="full")
-    elif system.startswith("fsdp2"):  # fully_shard on a 2-D mesh is HSDP
-        model = reference.apply_fsdp2(
-            model, (Block,), reshard=system == "fsdp2", mesh=device_mesh(*mesh)
-        )
+    if system in OURS:
+        on = mesh if system.startswith("hybrid") else None
+        model = reference.wrap(tiny_gpt(), f"ours:{system}", (Block,), on)
     else:
-        hybrid = "HYBRID_SHARD" if system == "fsdp1" else "_HYBRID_SHARD_ZERO2"
-        model = reference.apply_fsdp1(model, (Block,), hybrid=hybrid, mesh=device_mesh(*mesh))
+        model = reference.wrap(tiny_gpt(), system, (Block,), device_mesh(*mesh))
     with comm.CommLog() as log:
         reference.train_steps(model, _sgd(model.parameters()), STEPS, rank=r, world=n)
     moved: dict[str, float] = {}
@@ -97,7 +93,7 @@ def test_hybrid_matches_single_process_fully_shard_and_fsdp1_with_exact_bytes(
                 torch.testing.assert_close(
                     params[key], expected, rtol=1e-5, atol=1e-6, msg=f"{system} {key} rank {r}"
                 )
-        for ours, torch_twin in (("hybrid", "fsdp2"), ("hybrid_zero2", "fsdp2_zero2")):
+        for ours, torch_twin in (("hybrid", "fully_shard"), ("hybrid_zero2", "fully_shard:keep")):
             for key in single_process:  # ours against PyTorch's HSDP, directly
                 torch.testing.assert_close(
                     runs[ours][r]["params"][key],
@@ -240,9 +236,7 @@ def test_the_first_replica_writes_the_checkpoint_and_every_rank_reloads_it(clust
 
 @ONE_THREAD
 def _fsdp1_one_rank_per_node() -> torch.Tensor:
-    model = reference.apply_fsdp1(
-        tiny_gpt(), (Block,), hybrid="HYBRID_SHARD", mesh=device_mesh(2, 1)
-    )
+    model = reference.wrap(tiny_gpt(), "fsdp1:HYBRID_SHARD", (Block,), device_mesh(2, 1))
     reference.train_steps(model, _sgd(model.parameters()), 2, rank=fsdp_lab.rank(), world=2)
     return reference.full_parameters(model)["blocks.0.mlp.fc.weight"]
 

@@ -130,7 +130,7 @@ def test_default_init_error_names_the_module_and_its_own_parameters_only():
 
 def _titan(how: str, steps: int) -> dict[str, torch.Tensor]:
     if how == "fsdp2":
-        model = reference.apply_fsdp2(titan_single_process(), (TTBlock,))
+        model = reference.wrap(titan_single_process(), "fully_shard", (TTBlock,))
     else:
         model = shard(_meta(TTTransformer), units={TTBlock}, param_init_fn="empty")
         assert all(torch.isnan(p).all() for p in model.parameters())  # loudly uninitialised

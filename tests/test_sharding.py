@@ -38,7 +38,7 @@ def _train(name: str) -> dict[str, torch.Tensor]:
     """20 steps on this rank's slice with `name`: one of our strategies, or "fsdp2"."""
     r, n = fsdp_lab.rank(), fsdp_lab.world_size()
     if name == "fsdp2":
-        model = reference.apply_fsdp2(tiny_gpt(), (Block,))
+        model = reference.wrap(tiny_gpt(), "fully_shard", (Block,))
     else:
         model = shard(tiny_gpt(), units={Block}, strategy=name)
     reference.train_steps(model, _sgd(model.parameters()), STEPS, rank=r, world=n)
@@ -150,6 +150,29 @@ def test_the_root_stays_gathered_after_forward_unless_asked_and_the_theory_follo
         theory_kept = [{**u, "reshard_after_forward": i > 0} for i, u in enumerate(units)]
         assert theory.sharding_step("full", theory_kept, n)["comm_bytes"] == kept["bytes"]
         assert theory.sharding_step("full", units, n)["comm_bytes"] == freed["bytes"]
+
+
+def _held_after_forward(system: str) -> dict[str, bool]:
+    """Whether the root's and a block's parameters are whole between forward and backward."""
+    from torch.distributed.tensor import DTensor
+
+    model = reference.wrap(tiny_gpt(), system, (Block,))
+    loss = model(torch.zeros(2, 8, dtype=torch.long)).sum()
+    held = {
+        "root": not isinstance(model.ln_f.weight, DTensor),
+        "block": not isinstance(model.blocks[0].ln1.weight, DTensor),
+    }
+    loss.backward()
+    return held
+
+
+def test_every_comparison_takes_fully_shard_at_fsdp2s_defaults(cluster_of):
+    """Issue 37: the labs, benchmarks and parity runs compared ours (root kept gathered) with a
+    fully_shard told to free its root too. "fully_shard" is FSDP2's default: the root kept,
+    every block freed; "fully_shard:keep" frees nothing, the counterpart of ZeRO-1/2."""
+    cluster = cluster_of(2)
+    assert cluster.run(_held_after_forward, "fully_shard")[0] == {"root": True, "block": False}
+    assert cluster.run(_held_after_forward, "fully_shard:keep")[0] == {"root": True, "block": True}
 
 
 def test_mixed_precision_gathers_half_the_bytes_and_still_trains(cluster_of):

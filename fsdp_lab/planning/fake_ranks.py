@@ -238,7 +238,7 @@ def _ours(run: Run, model: Any, blocks: set[type], mesh: Any, fake: bool) -> dic
 def _fsdp2(run: Run, model: Any, blocks: set[type], mesh: Any, fake: bool) -> dict[str, Any]:
     import torch
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from fsdp_lab import reference
 
@@ -247,9 +247,7 @@ def _fsdp2(run: Run, model: Any, blocks: set[type], mesh: Any, fake: bool) -> di
         if run.precision != "fp32"
         else MixedPrecisionPolicy()
     )
-    for module in [m for m in model.modules() if type(m) in blocks]:
-        fully_shard(module, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    reference.wrap(model, "fully_shard", tuple(blocks), mesh, mp_policy=policy)
     model.to_empty(device="cpu")  # FSDP2's meta recipe: shard on meta, then allocate shards
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     tracker = FSDPMemTracker(model, optimizer)

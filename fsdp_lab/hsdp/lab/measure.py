@@ -26,11 +26,11 @@ from fsdp_lab.sharding.lab.measure import (
 )
 from fsdp_lab.sharding.mesh import device_mesh
 
-TWINS = {  # PyTorch's HSDP: (system, option) -> how it is built on the same 2-D mesh
+TWINS = {  # PyTorch's HSDP on the same 2-D mesh (`reference.SYSTEMS`) -> our strategy it twins
     "fully_shard": "hybrid",
-    "fully_shard_zero2": "hybrid_zero2",
-    "fsdp1_HYBRID_SHARD": "hybrid",
-    "fsdp1__HYBRID_SHARD_ZERO2": "hybrid_zero2",
+    "fully_shard:keep": "hybrid_zero2",
+    "fsdp1:HYBRID_SHARD": "hybrid",
+    "fsdp1:_HYBRID_SHARD_ZERO2": "hybrid_zero2",
 }
 
 
@@ -52,12 +52,7 @@ def ours_worker(config: HsdpConfig, system: str, vocab: int) -> dict[str, Any]:
 def twin_worker(config: HsdpConfig, twin: str, vocab: int) -> dict[str, Any]:
     """PyTorch's HSDP on the same (replicate, shard) DeviceMesh: its trained parameters."""
     model = build_model(config)
-    mesh = device_mesh(*config.mesh)
-    units = unit_classes(model)
-    if twin.startswith("fully_shard"):
-        reference.apply_fsdp2(model, units, reshard=twin == "fully_shard", mesh=mesh)
-    else:
-        model = reference.apply_fsdp1(model, units, hybrid=twin.split("_", 1)[1], mesh=mesh)
+    model = reference.wrap(model, twin, unit_classes(model), device_mesh(*config.mesh))
     losses, _ = timed_training(config, model, optimizer_recipe(config)(model.parameters()), vocab)
     return {"losses": losses, "params": reference.full_parameters(model)}
 

@@ -27,7 +27,7 @@ from fsdp_lab.cluster import (
     world_size,
 )
 from fsdp_lab.model_spec import check_on_rank0, load_factory
-from fsdp_lab.sharding import ShardedOptimizer, shard, sharding_state
+from fsdp_lab.sharding import ShardedOptimizer, sharding_state
 from fsdp_lab.sharding.flat_param import FlatParameter
 from fsdp_lab.sharding.lab.config import ShardConfig, check_batch_divides
 from fsdp_lab.sharding.policy import UnitPolicy
@@ -87,19 +87,18 @@ def sharded_model(
     `replicate_root`: the root whole on every rank, its gradient all-reduced; `offload`: every
     shard in host memory."""
     model = build_model(cfg)
-    units = set(unit_classes(model)) or None
-    every = list(build_plan(model, units).units) if free_root else None
-    shard(
+    units = unit_classes(model)
+    every = list(build_plan(model, set(units) or None).units) if free_root else None
+    return reference.wrap(
         model,
-        units=units,
-        strategy=strategy,
+        f"ours:{strategy}",
+        units,
+        mesh,
         prefetch=prefetch,
-        mesh=mesh,
         reshard_after_forward=every,
         policies={ROOT: UnitPolicy(strategy="replicate")} if replicate_root else None,
         offload=offload,
     )
-    return model
 
 
 def optimizer_recipe(cfg: ShardConfig) -> functools.partial[torch.optim.Optimizer]:
@@ -197,7 +196,7 @@ def _ours(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
 def _fsdp2(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
     """PyTorch's `fully_shard` on the same blocks."""
     model = build_model(cfg)
-    reference.apply_fsdp2(model, unit_classes(model))
+    reference.wrap(model, "fully_shard", unit_classes(model))
     losses, step_time = timed_training(cfg, model, optimizer_recipe(cfg)(model.parameters()), vocab)
     return {"losses": losses, "step_time_s": step_time, "params": reference.full_parameters(model)}
 
@@ -223,13 +222,9 @@ def _ddp_sharded_optimizer(cfg: ShardConfig, vocab: int) -> dict[str, Any]:
 @in_rank_threads  # N ranks x default threads oversubscribe the cores
 def _ddp_zero_redundancy(cfg: ShardConfig, vocab: int) -> dict[str, torch.Tensor]:
     """PyTorch's own: DistributedDataParallel + ZeroRedundancyOptimizer, same model and data."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    model = reference.apply_ddp(build_model(cfg))
+    model = reference.wrap(build_model(cfg), "ddp")
     recipe = optimizer_recipe(cfg)
-    opt = ZeroRedundancyOptimizer(
-        model.parameters(), optimizer_class=recipe.func, **recipe.keywords
-    )
+    opt = reference.make_optimizer("ddp+zero", model.parameters(), recipe.func, **recipe.keywords)
     timed_training(cfg, model, opt, vocab)
     return reference.full_parameters(model)
 

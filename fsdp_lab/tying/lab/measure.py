@@ -27,7 +27,6 @@ from fsdp_lab.meta_init.meta_device import meta_device
 from fsdp_lab.model_spec import SEQ_LEN, check_on_rank0, load_factory
 from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.sharding import shard, sharding_state
-from fsdp_lab.sharding.wrap import build_plan
 from fsdp_lab.trace import MemoryTracker, mark
 from fsdp_lab.tying.lab.audit import audit_worker
 from fsdp_lab.tying.lab.config import LAB_MODEL, SPIKE_SYSTEMS, WRAPPINGS, TyingConfig
@@ -167,20 +166,9 @@ def to_empty_worker(lr: float, workload: dict[str, Any]) -> dict[str, Any]:
 def _wrap_for_spike(model: torch.nn.Module, system: str, spec: list) -> None:
     """`spec` applied by our `shard` or by FSDP2's `fully_shard` (a unit per entry, then the
     root)."""
-    units = as_units(spec)
-    if system == "fsdp_lab":
-        plan = build_plan(model, units)
-        # Like FSDP2, the root unit is not freed after forward: its backward comes right next.
-        shard(model, units=plan, strategy="full", reshard_after_forward=plan.units[1:])
-        return
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(device().type, (world_size(),))
-    for unit in units:  # a tuple is one group: fully_shard([model.tok_emb, model.head])
-        group = [model.get_submodule(m) for m in unit] if isinstance(unit, tuple) else None
-        fully_shard(group or model.get_submodule(unit), mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    # Both at their defaults: every unit but the root freed after forward. A tuple is one
+    # group unit (FSDP2: fully_shard([model.tok_emb, model.head])).
+    reference.wrap(model, "ours:full" if system == "fsdp_lab" else "fully_shard", as_units(spec))
 
 
 def freed_after_forward(model: torch.nn.Module, system: str) -> dict[str, bool] | None:
