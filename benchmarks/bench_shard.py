@@ -404,7 +404,11 @@ def main() -> None:
     # bytes are DDP's (the same all-reduces, bit-equal results).
     explained = ", ".join(
         f"N={n}: step time {res['ours:full']['step_time_s'] / res['ddp']['step_time_s']:.2f}, "
-        f"bytes {res['ours:full']['comm_bytes'] / res['ours:none']['comm_bytes']:.2f}"
+        + (
+            f"bytes {res['ours:full']['comm_bytes'] / res['ours:none']['comm_bytes']:.2f}"
+            if res["ours:none"]["comm_bytes"]
+            else "no bytes (one rank)"
+        )
         for n, res in results.items()
     )
     print(f"ours:full / ddp (no goal; bytes per step from ours:full / ours:none): {explained}")

@@ -245,7 +245,9 @@ def _fully_shard(
 
     device = placed_device().type
     if option == "replicate":
-        mesh = init_device_mesh(device, (dist.get_world_size(), 1))
+        mesh = init_device_mesh(
+            device, (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard")
+        )
     elif mesh is None:
         mesh = init_device_mesh(device, (dist.get_world_size(),))
     if option == "keep":

@@ -14,7 +14,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"}
-SYSTEMS = ("ours:full", "ours:grad_op", "ours:optimizer", "ours:none", "fsdp2", "fsdp1", "ddp")
+SYSTEMS = (
+    "ours:full",
+    "ours:grad_op",
+    "ours:optimizer",
+    "ours:none",
+    "fully_shard",
+    "fsdp1",
+    "ddp",
+)
 
 
 def _run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -50,13 +58,17 @@ def test_bench_shard_prints_one_row_per_system_and_world_size(tmp_path):
         )
         assert rows == list(SYSTEMS), section
     assert re.search(r"ours:none / ddp step time ≤ 1.00: N=1: [\d.]+ (met|not met), N=2: ", text)
+    assert re.search(r"ours:full / fully_shard step time ≤ 0.85: N=1: [\d.]+ (met|not met)", text)
+    # ZeRO-3 against DDP, beside the bytes that explain it (ZeRO-3 sends more: ratio > 1).
+    bytes_ratio = re.search(r"ours:full / ddp .*N=2: step time [\d.]+, bytes ([\d.]+)", text)
+    assert bytes_ratio and float(bytes_ratio[1]) > 1.0, text
     assert text.count("load average") >= 2 + 2  # the start, the end, and each repeat
 
     data = json.loads(out.read_text())
     for n in ("1", "2"):
         res = data["results"][n]
         assert set(res) == set(SYSTEMS)
-        assert res["fsdp2"]["peak_bytes"] > 0 and res["ours:full"]["step_time_s"] > 0
+        assert res["fully_shard"]["peak_bytes"] > 0 and res["ours:full"]["step_time_s"] > 0
         # Same model, same data, same optimizer: every system ends at the same loss.
         losses = [res[s]["final_loss"] for s in SYSTEMS]
         assert max(losses) - min(losses) < 1e-4, losses
@@ -158,7 +170,7 @@ def test_parity_table_rows_and_every_diff_within_fp32_tolerance(tmp_path):
         *("--models", *models, "--strategies", *strategies),
     )
     runs = re.findall(
-        r"^\[parity\] N=2 \w+ ((?:ours|fsdp1|fsdp2|ddp)\S*): [\d.]+ s$", proc.stderr, re.M
+        r"^\[parity\] N=2 \w+ ((?:ours|fsdp1|fully_shard|ddp)\S*): [\d.]+ s$", proc.stderr, re.M
     )
     assert len(runs) == 4 + 8, proc.stderr  # a line per run: ours x4, PyTorch's x8
     table = re.findall(r"^\| (\w+) \| (sgd|adamw) \| 2 \| (\w+) \| (.*) \|$", proc.stdout, re.M)
