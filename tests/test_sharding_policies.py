@@ -374,6 +374,33 @@ def test_bucketed_none_matches_ddp_on_three_ranks(cluster_of):
         _close(ours, ddp, 1e-6, "ours vs DDP, 3 ranks")
 
 
+def _accumulated_pair():
+    """Two backwards before one step, no zero_grad between: ours:none and DDP (whose buckets,
+    like ours, are kept from step to step: a stale slot must not leak into a gradient)."""
+    from fsdp_lab import reference
+
+    out = []
+    for system in ("ours:none", "ddp"):
+        torch.manual_seed(0)
+        model = reference.wrap(TinyLM(), system)
+        rank = dist.get_rank()
+        for step in range(2):
+            for micro in range(2):
+                tokens = _batch(2 * step + micro)[rank * 4 : (rank + 1) * 4]
+                model(tokens[:, :-1]).float().pow(2).mean().backward()
+            grads = {n.removeprefix("module."): p.grad.clone() for n, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+        out.append(grads)
+    return out
+
+
+def test_gradients_accumulated_over_two_backwards_equal_ddps(cluster_of):
+    for ours, ddp in cluster_of(2).run(_accumulated_pair):
+        assert sorted(ours) == sorted(ddp)
+        for name in ddp:
+            assert torch.equal(ours[name], ddp[name]), name
+
+
 def _bucket_timeline():
     from fsdp_lab.sharding import shard
     from fsdp_lab.trace import Timeline

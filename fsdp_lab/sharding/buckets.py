@@ -11,11 +11,16 @@ the reverse of the parameters' order, roughly the order backward produces their 
 
 Each parameter computes with its own registered tensor (no view of a flat buffer), so autograd
 accumulates its gradient in ``p.grad`` and `register_post_accumulate_grad_hook` says when it is
-final for this backward; the hook copies it into the bucket, divided by the number of ranks as
-DDP does (multiplied by 1/N, the same rounding), and drops it. A bucket whose parameters did
-not all get a gradient (a branch not taken) is sent at the end with zeros in their place; their
-``.grad`` stays None, as the unit's other paths leave it. The wait is autograd's final callback
-(`ShardingState.finalize_backward`): before any optimizer step.
+final for this backward; the hook copies it into its slot of the bucket, divided by the number
+of ranks as DDP does (multiplied by 1/N, the same rounding), and drops it. A bucket whose
+parameters did not all get a gradient (a branch not taken) is sent at the end with zeros in
+their place; their ``.grad`` stays None, as the unit's other paths leave it. The wait is
+autograd's final callback (`ShardingState.finalize_backward`): before any optimizer step.
+
+The buckets live as long as the model, as DDP's do, and each parameter's slot is made once:
+allocating them every backward, and slicing a slot out per gradient, cost a tenth of a small
+model's step (benchmarks/bench_shard.py, "ours:none" beside "ddp"). Each ``.grad`` handed out
+is its slot (DDP's ``gradient_as_bucket_view=True``): the next backward writes it again.
 """
 
 from __future__ import annotations
@@ -37,10 +42,11 @@ FIRST_BUCKET_BYTES = 2**20  # DDP's `_DEFAULT_FIRST_BUCKET_BYTES`
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]
-    offsets: list[int]
-    numel: int
-    buffer: torch.Tensor | None = None  # allocated at its first gradient of a backward
-    ready: set[int] = field(default_factory=set)  # indices into params, this backward
+    numel: int = 0
+    buffer: torch.Tensor | None = None  # made once, when the bucket is complete
+    slots: list[torch.Tensor] = field(default_factory=list)  # per parameter: a view, its shape
+    ready: list[bool] = field(default_factory=list)  # per parameter: got its gradient
+    waiting: int = 0  # parameters still to get their gradient in this backward
     work: comm.CommWork | None = None
 
 
@@ -68,12 +74,24 @@ class GradBuckets:
             if bucket is None or (bucket.params and bucket.numel * p.element_size() + size > limit):
                 if bucket is not None:
                     limit = cap_bytes
-                bucket = _Bucket([], [], 0)
+                bucket = _Bucket([])
                 self.buckets.append(bucket)
             self._where[p] = (bucket, len(bucket.params))
             bucket.params.append(p)
-            bucket.offsets.append(bucket.numel)
             bucket.numel += p.numel()
+        for bucket in self.buckets:
+            first = bucket.params[0]
+            with category("gradients"):
+                bucket.buffer = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
+            bucket.slots = [
+                piece.view(p.shape)
+                for p, piece in zip(
+                    bucket.params,
+                    bucket.buffer.split([p.numel() for p in bucket.params]),
+                    strict=True,
+                )
+            ]
+            bucket.ready, bucket.waiting = [False] * len(bucket.params), len(bucket.params)
         self._sent = 0  # buckets sent in this backward
         hook = _Ready(self)  # on the C++ side: holds the buckets weakly, see `_Ready`
         for p in trainable:
@@ -81,20 +99,12 @@ class GradBuckets:
 
     def _on_grad(self, param: nn.Parameter) -> None:
         bucket, i = self._where[param]
-        if bucket.buffer is None:
-            with category("gradients"):
-                bucket.buffer = torch.zeros(bucket.numel, dtype=param.dtype, device=param.device)
-        with torch.no_grad():
-            torch.mul(param.grad.reshape(-1), self.scale, out=self._slot(bucket, i))
+        torch.mul(param.grad, self.scale, out=bucket.slots[i])  # a gradient wants no gradient
         param.grad = None  # its bucket holds it now; given back by finish()
-        bucket.ready.add(i)
-        if len(bucket.ready) == len(bucket.params):
+        bucket.ready[i] = True
+        bucket.waiting -= 1
+        if bucket.waiting == 0:
             self._send(bucket)
-
-    def _slot(self, bucket: _Bucket, i: int) -> torch.Tensor:
-        assert bucket.buffer is not None
-        start = bucket.offsets[i]
-        return bucket.buffer[start : start + bucket.params[i].numel()]
 
     def _send(self, bucket: _Bucket) -> None:
         with comm.tagged(self.label):
@@ -108,19 +118,23 @@ class GradBuckets:
         True if any bucket was sent in this backward."""
         sent = False
         for bucket in self.buckets:
-            if bucket.work is None and bucket.ready:  # some parameters got no gradient
-                for i in set(range(len(bucket.params))) - bucket.ready:
-                    self._slot(bucket, i).zero_()
+            if bucket.work is None and bucket.waiting < len(bucket.params):  # some got none
+                for param, slot, got in zip(bucket.params, bucket.slots, bucket.ready, strict=True):
+                    if not got:
+                        if param.grad is not None:  # kept from an earlier backward: its own copy
+                            param.grad = param.grad.clone()
+                        slot.zero_()
                 self._send(bucket)
         for bucket in self.buckets:
             if bucket.work is None:
                 continue
             bucket.work.wait()
             sent = True
-            for i in sorted(bucket.ready):
-                param = bucket.params[i]
-                param.grad = self._slot(bucket, i).view(param.shape)  # views of one buffer
-            bucket.buffer, bucket.work, bucket.ready = None, None, set()
+            for param, slot, got in zip(bucket.params, bucket.slots, bucket.ready, strict=True):
+                if got:
+                    param.grad = slot  # a view of the bucket, in the parameter's shape
+            bucket.work, bucket.ready = None, [False] * len(bucket.params)
+            bucket.waiting = len(bucket.params)
         self._sent = 0
         return sent
 

@@ -213,7 +213,7 @@ class ShardedUnit:
 
     def _use_sharded(self) -> None:
         """Per-parameter views: each attribute is its registered slice again (see the Note)."""
-        if self.params is None:
+        if self.params is None or self.buckets is not None:  # (buckets: none were set)
             return
         for owners in self.owners:
             for module, attr in owners:
