@@ -169,7 +169,12 @@ Units = tuple[Any, ...] | list[Any] | set[Any]
 
 
 def wrap(
-    model: nn.Module, system: str, units: Units = (), mesh: Any = None, **options: Any
+    model: nn.Module,
+    system: str,
+    units: Units = (),
+    mesh: Any = None,
+    root_options: dict[str, Any] | None = None,
+    **options: Any,
 ) -> nn.Module:
     """`model` wrapped by `system` (one of `SYSTEMS`) with a unit per module of `units` (module
     classes or names); the wrapped model, to train with `make_optimizer(system, ...)`.
@@ -177,7 +182,9 @@ def wrap(
     `mesh`: None (every rank) or a DeviceMesh — a 2-D (replicate, shard) one makes fully_shard
     HSDP; FSDP1's hybrid strategies ("fsdp1:HYBRID_SHARD") take it too. `options` are the
     system's own keywords — `fsdp_lab.shard`'s (a lab's prefetch, policies, offload), each
-    `fully_shard` call's (mp_policy), `DistributedDataParallel`'s — where a lab says why.
+    `fully_shard` call's (mp_policy), `DistributedDataParallel`'s — where a lab says why;
+    `root_options` replace some of them for the root's `fully_shard` call (FSDP2 takes a
+    policy per call: ours takes `policies={"": UnitPolicy(...)}`).
     """
     kind, _, option = system.partition(":")
     hybrid = kind == "fsdp1" and option in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
@@ -196,7 +203,7 @@ def wrap(
         return shard(model, units=chosen, strategy=option, mesh=mesh, **options)
     modules = _unit_modules(model, units)  # innermost first, as fully_shard requires
     if kind == "fully_shard":
-        return _fully_shard(model, modules, option, mesh, options)
+        return _fully_shard(model, modules, option, mesh, options, root_options or {})
     if kind == "fsdp1":
         return _fsdp1(model, modules, option or "FULL_SHARD", mesh)
     from torch.nn.parallel import DistributedDataParallel
@@ -238,7 +245,12 @@ def _unit_modules(model: nn.Module, units: Units) -> list[nn.Module | list[nn.Mo
 
 
 def _fully_shard(
-    model: nn.Module, modules: list[Any], option: str, mesh: Any, options: dict[str, Any]
+    model: nn.Module,
+    modules: list[Any],
+    option: str,
+    mesh: Any,
+    options: dict[str, Any],
+    root_options: dict[str, Any],
 ) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -254,7 +266,7 @@ def _fully_shard(
         options = {**options, "reshard_after_forward": False}  # else FSDP2's default
     for module in modules:
         fully_shard(module, mesh=mesh, **options)
-    return fully_shard(model, mesh=mesh, **options)
+    return fully_shard(model, mesh=mesh, **{**options, **root_options})
 
 
 def _fsdp1(model: nn.Module, modules: list[Any], strategy: str, mesh: Any) -> nn.Module:

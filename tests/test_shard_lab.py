@@ -157,3 +157,41 @@ def test_the_command_line_keeps_every_option_and_speaks_errors_in_flags():
 def test_model_factory_errors_name_the_spec():
     with pytest.raises(ValueError, match="cannot load 'nope'"):
         load_factory("fsdp_lab.models:nope")
+
+
+def test_the_contract_section_measures_what_its_sentences_say(cluster_of):
+    """Notebook 01, section 8: each claim its text makes, on the runs it prints."""
+    import torch
+
+    from fsdp_lab.sharding.lab import contract
+
+    cluster = cluster_of(2)
+    pair = ("ours:full", "fully_shard")
+    precision = {s: cluster.run(contract.precision_run, s) for s in pair}
+    ours, theirs = precision["ours:full"][0], precision["fully_shard"][0]
+    assert ours["computed_in"]["RMSNorm"] == "input bfloat16 · weight float32"
+    assert ours["computed_in"]["Linear"] == "input bfloat16 · weight bfloat16"
+    assert theirs["computed_in"]["FSDPLinear"] == ours["computed_in"]["Linear"]
+    assert ours["grad_norms"] == pytest.approx(theirs["grad_norms"], rel=1e-6)
+    sent = ours["bytes_per_step"]  # bf16 twice = fp32 once; the root only in the all-reduce
+    assert sent["all_gather_into_tensor"] == sent["reduce_scatter_tensor"] > 0
+    assert sent["all_reduce"] == ours["root_numel"] * 4 + 4  # 2(N-1)/N = 1 at N = 2
+    offload = {s: cluster.run(contract.offload_run, s) for s in pair}
+    assert "| host → device |" in contract.offload_summary(offload)
+    kept = offload["ours:full"][0]
+    shards = kept["shard_bytes"]
+    again = sum(shards[u] for u in kept["freed_after_forward"])
+    assert kept["bytes_per_step"]["host_to_device"] == sum(shards.values()) + again
+    assert kept["bytes_per_step"]["device_to_host"] == sum(shards.values())
+    buckets = {s: cluster.run(contract.bucket_run, s, 0.05) for s in ("ours:none", "ddp")}
+    for per_rank in buckets.values():
+        spans = contract.last_backward(per_rank[0]["timeline"])["spans"]
+        starts = [s["start"] for s in spans if s["kind"] == "comm"]
+        assert len(starts) > 2 and min(starts) < max(starts)  # sent one by one, during backward
+    ignored = {s: cluster.run(contract.ignored_run, s) for s in pair}
+    for rank0, rank1 in ignored.values():
+        assert any(
+            not torch.equal(rank0["ignored"][n], rank1["ignored"][n]) for n in rank0["ignored"]
+        )
+    for text in (contract.precision_summary(precision), contract.bucket_summary(buckets)):
+        assert "max \\|ours" in text
