@@ -116,14 +116,15 @@ def test_joint_unit_is_gathered_per_member_call_and_freed_in_between(cluster_of,
         between = forward[first_free:second_gather]
         assert all(f"all-gather {b}" in between for b in BLOCKS)
         # Backward: gathered for the head, freed while the blocks run, gathered for the
-        # embedding, one reduce-scatter of the summed gradient at the very end, then freed.
+        # embedding, freed (as FSDP2: the gradient is its own tensor), then one reduce-scatter
+        # of the summed gradient at the very end.
         joint = [lab for lab in backward if lab.endswith("tok_emb+head")]
         assert joint == [
             "all-gather tok_emb+head",
             "free tok_emb+head",
             "all-gather tok_emb+head",
-            "reduce-scatter tok_emb+head",
             "free tok_emb+head",
+            "reduce-scatter tok_emb+head",
         ]
         # Bytes: 4 gathers of the joint unit per step (2 forward + 2 backward), one
         # reduce-scatter; the blocks as usual (2 gathers, 1 reduce-scatter), the root gathered

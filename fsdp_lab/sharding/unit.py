@@ -8,8 +8,8 @@
     backward    pre-backward  unshard again if it was freed (a hook on the unit's output)
                               (and start gathering the unit whose backward comes next)
                 compute       autograd: gradients of the views accumulate in the buffer's .grad
-                post-backward reduce-scatter the gradient into the shard's .grad (mean over
-                              ranks), free the unsharded gradient, reshard
+                post-backward reshard (the gradient is a tensor of its own), then
+                              reduce-scatter it into the shard's .grad (mean over ranks)
 
 Four of these steps are plain functions in `steps.py` — `free_unsharded` (post-forward),
 `regather` and `unit_to_prefetch` (pre-backward), `reduce_grad_shard` (post-backward) — which
@@ -309,9 +309,9 @@ class ShardedUnit:
         if self.strategy.reduce_at_end:
             self._grad_ready = True  # ZeRO-1: reduced by finalize_backward, all at once
             return
+        if self.strategy.reshard_after_backward:  # first, as FSDP2: the gradient is its own
+            self.reshard()  # tensor, so the parameters need not wait for its reduction
         self.reduce_grad()
-        if self.strategy.reshard_after_backward:
-            self.reshard()
 
     def _record_compute(self, phase: str) -> None:
         """A compute span on the timeline, from this unit's pre-hook to now. Not the root's
