@@ -531,9 +531,12 @@ def rank_memory(
         in_backward     the last block's gradient being reduced: its set freed, the head's
                         remains and the head weight's gradient; the block's whole gradient
                         (c·B), its fp32 copy and its new shard; gathered as in block_backward
+                        less the block itself (ZeRO-2/3 free a unit before its gradient is
+                        built, as FSDP2 frees it before its reduction)
         root_backward   the embedding's gradient arrives: the head's and the embedding's
                         gradients and the root's whole gradient they are summed into (2·c·R)
-        root_reduce     the root's whole gradient (c·R) and its fp32 copy, reduced last
+        root_reduce     the root's whole gradient (c·R) and its fp32 copy, reduced last; under
+                        ZeRO-2/3 and HSDP nothing is gathered any more
         end_of_backward ZeRO-1 only: it reduces when backward is over, so every unit's whole
                         gradient is held (c·Ψ_padded), the one being reduced also in fp32
 
@@ -572,9 +575,10 @@ def rank_memory(
         else:  # optimizer, grad_op, hybrid_zero2: gathered once, kept all step
             forward_end = backward = float(c * padded)
     held = state["gradients"] if accumulating else 0.0  # shards kept from the micro-batch before
-    # after backward the blocks are resharded: ZeRO-2/3 and HSDP keep the root unit gathered,
-    # ZeRO-1 every unit, DDP its compute copy
-    after_backward = forward_end if strategy in ("none", "optimizer") else c * root["padded_numel"]
+    # ZeRO-2/3 and HSDP free each unit, the root too, once its backward has computed every
+    # gradient; ZeRO-1 keeps every unit gathered, DDP its compute copy
+    frees = strategy not in ("none", "optimizer")
+    after_backward = 0.0 if frees else forward_end
     block_set = a["per_block"] if not a["recompute"] else 0.0
     moments = {
         "end_of_forward": {**state, "gathered": forward_end, "activations": a["kept"] + a["ends"]},
@@ -600,7 +604,7 @@ def rank_memory(
         "in_backward": {
             **state,
             "gradients": state["gradients"] if strategy == "none" else held,
-            "gathered": float(backward),
+            "gathered": float(backward - (c * largest if frees else 0)),
             "activations": a["kept"] - block_set + a["recompute"] + a["head_grad"],
         },
     }
@@ -608,6 +612,7 @@ def rank_memory(
         return moments
     moments["block_backward"] = {  # the last block's backward begins (recomputed: rebuilt)
         **moments["in_backward"],
+        "gathered": float(backward),
         "activations": a["kept"] + a["recompute"] + a["head_grad"] + a["head_weight_grad"],
     }
     in_backward = moments["in_backward"]
@@ -620,7 +625,7 @@ def rank_memory(
         **state,
         # ZeRO-1: the blocks' whole gradients, not reduced until backward is over
         "gradients": held + c * (padded - root_numel) if strategy == "optimizer" else blocks_done,
-        "gathered": float(after_backward),
+        "gathered": float(c * root_numel if frees else forward_end),
         "activations": a["logits"] + 2.0 * c * root_numel,
     }
     moments["root_reduce"] = {

@@ -265,6 +265,59 @@ def test_zero3_frees_each_gathered_unit_for_real(cluster_of):
     assert at_marker[labels.index("step 1 optimizer step")] == 0  # nothing gathered is left
 
 
+def _tokens(rank: int) -> torch.Tensor:
+    return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+
+
+def _two_forwards(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x[:1]).pow(2).mean() + model(x[1:]).pow(2).mean()  # two graphs, one loss
+
+
+def _freed_before_its_gradient_is_built(strategy: str) -> tuple[dict, dict]:
+    """Per unit: whether its gathered parameters were already freed when autograd began to
+    concatenate its gradient; then one step of two forwards and one backward."""
+    model = shard(tiny_gpt(), units={Block}, strategy=strategy)
+    units = sharding_state(model).units
+    x = _tokens(fsdp_lab.rank())
+    freed = {}
+    model(x).sum().backward()  # the first step records the unit order
+    model.zero_grad(set_to_none=True)
+    loss = model(x).sum()
+    for unit in units:
+
+        def check(_, unit=unit):
+            freed[unit.label] = unit.flat.unsharded.untyped_storage().nbytes() == 0
+
+        unit.flat.split_node.register_prehook(check)  # runs after the unit's own
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    _two_forwards(model, x).backward()
+    opt.step()
+    return freed, reference.full_parameters(model)
+
+
+@pytest.mark.parametrize("strategy", ["full", "grad_op"])
+def test_a_unit_is_freed_before_autograd_builds_its_whole_gradient(cluster_of, strategy):
+    """Issue 37: ZeRO-3 held one unit more than fully_shard at its peak: a unit's gathered
+    parameters beside the whole gradient autograd concatenates from their gradients. Freed
+    first, as FSDP2 frees before its reduction; and with two forwards before one backward the
+    first graph to finish must not free what the second still needs."""
+    per_rank = cluster_of(2).run(_freed_before_its_gradient_is_built, strategy)
+    single = tiny_gpt()  # one process: both ranks' losses, halved as the ranks average
+    opt = torch.optim.SGD(single.parameters(), lr=0.01)
+    for rank in range(2):
+        (0.5 * _two_forwards(single, _tokens(rank))).backward()
+    opt.step()
+    expected = dict(single.named_parameters(remove_duplicate=False))
+    for freed, params in per_rank:
+        assert freed == dict.fromkeys(
+            ["root", "blocks.0", "blocks.1", "blocks.2", "blocks.3"], True
+        )
+        for name, value in params.items():
+            torch.testing.assert_close(value, expected[name].detach(), rtol=0, atol=1e-6)
+
+
 def _prefetch_overlaps(prefetch: bool) -> bool:
     model = shard(tiny_gpt(), units={Block}, strategy="full", prefetch=prefetch)
     opt = _sgd(model.parameters())

@@ -170,6 +170,7 @@ class FlatParameter:
             return []
         sizes = [s.numel for s in self.segments]
         parts = torch.split(self.unsharded, sizes + [self.padding] if self.padding else sizes)
+        self.split_node = parts[0].grad_fn  # builds the unit's gradient; None without autograd
         return [part.view(s.shape) for part, s in zip(parts, self.segments, strict=False)]
 
     def _fill(self, shard: torch.Tensor, values: SliceValues) -> None:

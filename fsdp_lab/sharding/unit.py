@@ -29,8 +29,8 @@ then sit on every member: each member call gathers the unit and frees it after (
 the tied matrix is not held while the blocks in between run — which it would be in the root
 unit. In backward the gradients of all members' views meet in one accumulator, so the
 reduce-scatter (post-backward) fires once, after the last member's backward; between member
-backwards the unit is freed as soon as every input of a member call has its gradient (the
-member's backward is then done) and gathered again by the next member's pre-backward.
+backwards the unit is freed as soon as a member call's gradients are computed (a pre-hook on
+that call's split) and gathered again by the next member's pre-backward.
 
 [Note: per-parameter views] By default (`use_orig_params=True`, FSDP2's behaviour) each original
 parameter stays registered under its own name as an `nn.Parameter` holding this rank's slice of
@@ -106,6 +106,7 @@ class ShardedUnit:
         self._gather: comm.CommWork | None = None  # an all-gather in flight (prefetch)
         self._gather_input: torch.Tensor | None = None  # kept alive until the gather ends
         self._grad_ready = False
+        self._graphs = 0  # forward graphs of this step whose gradient is not built yet
         self._recomputing = False
         self._compute_start = 0.0
         self.label = "root" if name == "" else name
@@ -236,6 +237,7 @@ class ShardedUnit:
         self.unshard()
         self.wait_unshard()
         self._use_views()
+        self._free_before_the_gradient_is_built()
         if state.prefetch:  # the next unit's all-gather overlaps this unit's compute
             nxt = state.next_in_forward(self)
             if nxt is not None:
@@ -253,34 +255,36 @@ class ShardedUnit:
         self._use_sharded()  # kept gathered or not: between passes, the slices show
         if torch.is_grad_enabled():
             self.state.record_post_forward(self)  # where this unit's backward prefetch starts
-            for t in _tensors(output):
-                if t.requires_grad:
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
-            if self.grouped and self.reshard_after_forward:
-                self._free_after_member_backward(_tensors(args))
         self.training_state = TrainingState.IDLE
         return _cast_floats(output, self.plan.output_dtype)
 
-    def _free_after_member_backward(self, inputs: list[torch.Tensor]) -> None:
-        """Free the unit once this member call's inputs all have gradients (group units only).
+    def _free_before_the_gradient_is_built(self) -> None:
+        """ZeRO-2/3: free the gathered parameters once this forward's backward has computed
+        every gradient of the unit, before autograd concatenates them into its whole gradient
+        (a pre-hook on this forward's split): the two are never held together. Of several
+        forwards before one backward only the last graph frees; a unit of several modules
+        frees after each member's (see the Note above)."""
+        node = getattr(self.flat, "split_node", None)
+        if node is None or not self.strategy.reshard_after_backward or self.buckets is not None:
+            return
+        self._graphs += 1
+        unit = weakref.ref(self)
 
-        The unit's post-backward fires only after the *last* member's backward, since all their
-        gradients meet in one accumulator; without this, the unit would stay gathered from the
-        first member's backward (the head) to the last (the embedding). A member whose inputs
-        need no gradient (token ids) is the last backward anyway: post-backward frees it.
-        """
-        pending = [t for t in inputs if t.requires_grad]
-        remaining = [len(pending)]
+        def before_cat(grad_outputs: Any) -> None:
+            alive = unit()
+            if alive is None or alive._graphs == 0:
+                return
+            alive._graphs -= 1
+            between = alive.grouped and alive.reshard_after_forward
+            if alive._graphs == 0 or between:
+                alive.reshard()
+            if between and alive.training_state is TrainingState.PRE_BACKWARD:
+                alive.training_state = TrainingState.IDLE  # the next member's pre-backward
 
-        def on_input_grad(grad: torch.Tensor) -> torch.Tensor:
-            remaining[0] -= 1
-            if remaining[0] == 0 and self.training_state is TrainingState.PRE_BACKWARD:
-                self.reshard()
-                self.training_state = TrainingState.IDLE  # the next member's pre-backward
-            return grad
-
-        for t in pending:
-            t.register_hook(on_input_grad)
+        node.register_prehook(before_cat)
 
     # -- backward -------------------------------------------------------------------------------
 
@@ -344,6 +348,7 @@ class ShardedUnit:
         if self.strategy.reshard_after_backward:
             self.reshard()
         self._use_sharded()  # views set by a pre-backward: the slices show again
+        self._graphs = 0  # a forward whose graph got no backward frees at the next one's end
         self.training_state = TrainingState.IDLE
 
     def reduce_grad(self) -> None:
@@ -443,7 +448,3 @@ def _cast_floats(obj: Any, dtype: torch.dtype | None) -> Any:
     """`obj` with every floating-point tensor in it cast to `dtype` (None: `obj` itself)."""
     cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
     return obj if dtype is None else tree_map_only(torch.Tensor, cast, obj)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
