@@ -681,6 +681,42 @@ def test_a_plan_that_differs_between_ranks_is_refused_on_every_rank_naming_it(cl
     assert cluster.run(dist.get_rank) == [0, 1]  # no rank died: the cluster is still usable
 
 
+def _bf16_model_fp32_reduction(strategy: str, policies):
+    from fsdp_lab import comm
+    from fsdp_lab.sharding import shard
+
+    torch.manual_seed(0)
+    model = shard(
+        TinyLM().to(torch.bfloat16),
+        units={nn.Linear, nn.Embedding} if strategy == "full" else None,
+        strategy=strategy,
+        mixed_precision=MixedPrecision(reduce_dtype=torch.float32),
+        policies=policies,
+    )
+    tokens = _batch(0)[dist.get_rank() * 4 : (dist.get_rank() + 1) * 4]
+    model(tokens[:, :-1]).float().sum().backward()  # records the order
+    with comm.CommLog() as log:
+        model(tokens[:, :-1]).float().sum().backward()
+    norms = sum(p.numel() for m in model.modules() if isinstance(m, NORMS) for p in m.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    dtypes = {p.grad.dtype for p in model.parameters() if p.grad is not None}
+    return log.bytes_by_op().get("all_reduce", 0), norms, total, dtypes
+
+
+@pytest.mark.parametrize("strategy", ["none", "full"])
+def test_a_replicated_unit_reduces_in_reduce_dtype(cluster_of, strategy):
+    """A bf16 model with reduce_dtype=fp32: FSDP2 reduces every gradient in fp32. A replicated
+    unit (DDP's buckets, or a replicated root) reduced in bf16, since its parameters needed
+    no cast to compute: 2 bytes an element where 4 were asked for."""
+    policies = {"": UnitPolicy(strategy="replicate")} if strategy == "full" else None
+    for sent, norms, total, dtypes in cluster_of(2).run(
+        _bf16_model_fp32_reduction, strategy, policies
+    ):
+        replicated = total if strategy == "none" else norms
+        assert sent == replicated * 4  # 2(N-1)/N = 1 at N = 2; fp32
+        assert dtypes == {torch.bfloat16}  # handed back in the parameters' dtype
+
+
 def test_mixed_precision_has_fsdp2s_fields_and_defaults():
     from dataclasses import asdict
 

@@ -61,6 +61,7 @@ class GradBuckets:
         cap_bytes: int,
         label: str,
         when_all_sent: Callable[[], None] = lambda: None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.group, self.label, self.when_all_sent = group, label, when_all_sent
         self.scale = 1.0 / ranks  # DDP multiplies by 1/N: the same rounding as its buckets
@@ -82,7 +83,9 @@ class GradBuckets:
         for bucket in self.buckets:
             first = bucket.params[0]
             with category("gradients"):
-                bucket.buffer = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
+                # in the reduction's dtype (`MixedPrecision.reduce_dtype`), else the parameters'
+                kind = dtype or first.dtype
+                bucket.buffer = torch.zeros(bucket.numel, dtype=kind, device=first.device)
             bucket.slots = [
                 piece.view(p.shape)
                 for p, piece in zip(
@@ -131,8 +134,8 @@ class GradBuckets:
             bucket.work.wait()
             sent = True
             for param, slot, got in zip(bucket.params, bucket.slots, bucket.ready, strict=True):
-                if got:
-                    param.grad = slot  # a view of the bucket, in the parameter's shape
+                if got:  # a view of the bucket, in the parameter's shape (and dtype)
+                    param.grad = slot if slot.dtype == param.dtype else slot.to(param.dtype)
             bucket.work, bucket.ready = None, [False] * len(bucket.params)
             bucket.waiting = len(bucket.params)
         self._sent = 0

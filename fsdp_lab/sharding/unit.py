@@ -114,16 +114,15 @@ class ShardedUnit:
         self.params = params
         self.frozen = frozen or [False] * len(flat.segments)
         self._got_grad = [False] * len(flat.segments)  # in this backward, per segment
-        # Replicated, fp32, per-parameter, over one group of 2+ ranks: DDP's buckets, sent
+        # Replicated, not cast, per-parameter, over one group of 2+ ranks: DDP's buckets, sent
         # during backward (`buckets.py`).
         self.buckets: GradBuckets | None = None
         one_group = state.groups.replicas == 1 and state.groups.shard_size > 1
         if flat.aliased and params is not None and bucket_bytes > 0 and one_group:
-            size, done = state.groups.shard_size, self._all_gradients_sent
-            self.buckets = GradBuckets(params, state.group, size, bucket_bytes, self.label, done)
-        # The tensor keeps its hooks on the C++ side, out of sight of Python's cycle collector:
-        # a bound method there (buffer -> hook -> unit -> buffer) would keep every sharded model
-        # alive for the life of the process. The hook holds the unit weakly instead.
+            each = (state.groups.shard_size, bucket_bytes, self.label, self._all_gradients_sent)
+            self.buckets = GradBuckets(params, state.group, *each, self.reduce_dtype)
+        # Hooks live on the C++ side, unseen by Python's cycle collector: a bound method there
+        # (buffer -> hook -> unit -> buffer) would keep the model alive. So: the unit, weakly.
         unit = weakref.ref(self)
 
         def post_backward(unsharded: torch.Tensor) -> None:
@@ -365,11 +364,12 @@ class ShardedUnit:
             return
         with torch.no_grad(), comm.tagged(self.label):
             if flat.aliased:  # DDP (or S = 1): all-reduce the parameter's gradient in place
+                grad = full_grad.to(self.reduce_dtype)  # itself, unless reduced in another dtype
                 if groups.shard_size > 1 or groups.replicate_group is None:  # S = 1: nothing to add
-                    comm.all_reduce(full_grad, group=self.state.group)
+                    comm.all_reduce(grad, group=self.state.group)
                 if groups.replicate_group is not None:
-                    comm.all_reduce(full_grad, group=groups.replicate_group)
-                full_grad.div_(world)
+                    comm.all_reduce(grad, group=groups.replicate_group)
+                full_grad.copy_(grad.div_(world))  # (a no-op copy when it is itself)
                 if self.params is not None:
                     flat.shard.grad = None  # handed to the parameters below
                     self._hand_out(full_grad)
