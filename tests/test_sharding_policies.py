@@ -717,6 +717,47 @@ def test_a_replicated_unit_reduces_in_reduce_dtype(cluster_of, strategy):
         assert dtypes == {torch.bfloat16}  # handed back in the parameters' dtype
 
 
+class _AsksItsDtype(nn.Module):
+    """Casts its input to its own parameters' dtype, as Hugging Face's `self.dtype` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.seen: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = next(self.parameters())
+        self.seen.append((tuple(weight.shape), weight.dtype))
+        return self.proj(x.to(weight.dtype))
+
+
+def _parameters_inside_forward(system: str):
+    from fsdp_lab import reference
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_AsksItsDtype(), _AsksItsDtype())
+    bf16 = MixedPrecision(torch.bfloat16, torch.float32)
+    if system == "ours:full":
+        wrapped = reference.wrap(model, system, (_AsksItsDtype,), mixed_precision=bf16)
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+        wrapped = reference.wrap(model, system, (_AsksItsDtype,), mp_policy=policy)
+    wrapped(torch.randn(2, 8)).float().sum().backward()
+    return [m.seen for m in model]
+
+
+def test_a_modules_parameters_inside_its_forward_are_the_gathered_ones(cluster_of):
+    """Under fully_shard, `module.parameters()` inside a unit's forward yields the gathered
+    parameters, in the compute dtype; ours yielded this rank's fp32 slice, so a model that
+    casts to its own dtype fed fp32 into a bf16 matmul (found by the review)."""
+    ours = cluster_of(2).run(_parameters_inside_forward, "ours:full")
+    theirs = cluster_of(2).run(_parameters_inside_forward, "fully_shard")
+    assert ours == theirs
+    assert ours[0][0] == [((8, 8), torch.bfloat16)]
+
+
 def test_mixed_precision_has_fsdp2s_fields_and_defaults():
     from dataclasses import asdict
 

@@ -37,8 +37,8 @@ parameter stays registered under its own name as an `nn.Parameter` holding this 
 it: a 1-D view into the flat shard (its full shape when replicated, as DDP keeps it). So
 `named_parameters()` keeps names, order and `requires_grad`, optimizer groups work, and an
 optimizer step on a slice writes the flat shard in place. While the unit runs, the module's
-attribute is the gathered view instead (put in the module's `__dict__`, which attribute lookup
-reads before `_parameters`); outside forward and backward it is the slice again.
+attribute — and what `module.parameters()` yields, as under FSDP2 — is the gathered view instead
+(put in the module's `_parameters`); outside forward and backward it is the slice again.
 Gradients: post-backward reduce-scatters the unit's whole gradient in one message, then hands
 each parameter its slice of it — except a frozen parameter (`requires_grad=False`: its view is
 detached, so autograd never computes it) and a parameter that got no gradient in this backward
@@ -206,8 +206,8 @@ class ShardedUnit:
             elif self.params is not None and view.requires_grad:
                 view.register_hook(_GotGrad(unit, i))
             for module, attr in owners:  # tied: every owner gets the very same view
-                if self.params is not None:
-                    module.__dict__[attr] = view  # read before module._parameters[attr]
+                if self.params is not None:  # what module.parameters() yields, as in FSDP2
+                    module._parameters[attr] = view  # type: ignore[assignment]
                 else:
                     setattr(module, attr, view)
 
@@ -215,9 +215,9 @@ class ShardedUnit:
         """Per-parameter views: each attribute is its registered slice again (see the Note)."""
         if self.params is None or self.buckets is not None:  # (buckets: none were set)
             return
-        for owners in self.owners:
+        for param, owners in zip(self.params, self.owners, strict=True):
             for module, attr in owners:
-                module.__dict__.pop(attr, None)
+                module._parameters[attr] = param
 
     # -- forward --------------------------------------------------------------------------------
 
