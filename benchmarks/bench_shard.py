@@ -68,7 +68,7 @@ def _build(system: str, s: dict[str, Any]) -> tuple[torch.nn.Module, torch.optim
 
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(s["vocab"], s["seq"], s["dim"], s["layers"], s["heads"]))
-    model = reference.wrap(model, system, (Block,))
+    model = reference.wrap(model, system, () if system in reference.ONE_UNIT else (Block,))
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
@@ -244,12 +244,20 @@ def _mib(b: float, sign: str = "") -> str:
     return f"{b / MiB:{sign}.2f}"
 
 
-def ratio(res: dict[str, dict], system: str, ref: str) -> str:
-    """Step-time ratio repeat by repeat: "median (min-max)"."""
+def _ratios(res: dict[str, dict], system: str, ref: str) -> list[float]:
     pairs = zip(
         res[system]["step_time_s_per_repeat"], res[ref]["step_time_s_per_repeat"], strict=True
     )
-    ratios = [a / b for a, b in pairs]
+    return [a / b for a, b in pairs]
+
+
+def _median_ratio(res: dict[str, dict], system: str, ref: str) -> float:
+    return statistics.median(_ratios(res, system, ref))
+
+
+def ratio(res: dict[str, dict], system: str, ref: str) -> str:
+    """Step-time ratio repeat by repeat: "median (min-max)"."""
+    ratios = _ratios(res, system, ref)
     return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
@@ -376,29 +384,30 @@ def main() -> None:
         print_tables(n, res, psi)
     print(FOOTNOTE.rstrip())
     print(f"load average (1, 5, 15 min) at the end: {_load()}")
-    goals = {  # each a ratio of medians, like for like (every system at its own defaults)
-        "ours:full / fully_shard step time ≤ 0.85": (
-            "ours:full",
-            "fully_shard",
-            "step_time_s",
-            0.85,
-        ),
-        "ours:full / fully_shard peak memory ≤ 1.00": (
-            "ours:full",
-            "fully_shard",
-            "peak_bytes",
-            1.0,
-        ),
-        "ours:none / ddp step time ≤ 1.00": ("ours:none", "ddp", "step_time_s", 1.0),
+    # Each goal on the table's own figures: step time as the median of the repeat-by-repeat
+    # ratios (min-max beside it), peak memory from the one tracked run per system.
+    goals = {
+        "ours:full / fully_shard step time ≤ 0.85": ("ours:full", "fully_shard", 0.85),
+        "ours:none / ddp step time ≤ 1.00": ("ours:none", "ddp", 1.0),
     }
     print()
-    for goal, (a, b, key, limit) in goals.items():
+    for goal, (a, b, limit) in goals.items():
         met = ", ".join(
-            f"N={n}: {res[a][key] / res[b][key]:.2f} "
-            + ("met" if res[a][key] <= limit * res[b][key] else "not met")
+            f"N={n}: {ratio(res, a, b)} "
+            + ("met" if _median_ratio(res, a, b) <= limit else "not met")
             for n, res in results.items()
         )
         print(f"{goal}: {met}")
+    memory = ", ".join(
+        f"N={n}: {res['ours:full']['peak_bytes'] / res['fully_shard']['peak_bytes']:.4f} "
+        + (
+            "met"
+            if res["ours:full"]["peak_bytes"] <= res["fully_shard"]["peak_bytes"]
+            else "not met"
+        )
+        for n, res in results.items()
+    )
+    print(f"ours:full / fully_shard peak memory ≤ 1.00: {memory}")
     # ZeRO-3 sends more than DDP (a second all-gather for backward, reduce-scatter + all-gather
     # for all-reduce): its step-time ratio beside the bytes ratio that explains it. ours:none's
     # bytes are DDP's (the same all-reduces, bit-equal results).

@@ -84,7 +84,8 @@ def wrap(spec: ParityModel, system: str) -> nn.Module:
         return _ours_on_meta(spec, system.removeprefix("ours:"))
     if system in ("ddp", "ddp+zero"):
         return reference.wrap(spec.build(), system, find_unused_parameters=spec.unused_parameters)
-    return reference.wrap(spec.build(), system, spec.units)
+    units = () if system in reference.ONE_UNIT + ("single",) else spec.units
+    return reference.wrap(spec.build(), system, units)
 
 
 def _ours_on_meta(spec: ParityModel, strategy: str) -> nn.Module:

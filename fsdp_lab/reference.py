@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -166,6 +167,8 @@ SYSTEMS: dict[str, str] = {
 
 # Module classes, module names, or tuples of names (one unit of several modules).
 Units = tuple[Any, ...] | list[Any] | set[Any]
+HYBRID_FSDP1 = ("fsdp1:HYBRID_SHARD", "fsdp1:_HYBRID_SHARD_ZERO2")
+ONE_UNIT = ("ours:none", "ddp", "ddp+zero")  # DDP's shape: no units to choose
 
 
 def wrap(
@@ -173,39 +176,39 @@ def wrap(
     system: str,
     units: Units = (),
     mesh: Any = None,
-    root_options: dict[str, Any] | None = None,
+    own_options: dict[Any, dict[str, Any]] | None = None,
     **options: Any,
 ) -> nn.Module:
     """`model` wrapped by `system` (one of `SYSTEMS`) with a unit per module of `units` (module
-    classes or names); the wrapped model, to train with `make_optimizer(system, ...)`.
+    classes, or module names and tuples of names: one unit of several modules); the wrapped
+    model, to train with `make_optimizer(system, ...)`.
 
-    `mesh`: None (every rank) or a DeviceMesh — a 2-D (replicate, shard) one makes fully_shard
-    HSDP; FSDP1's hybrid strategies ("fsdp1:HYBRID_SHARD") take it too. `options` are the
-    system's own keywords — `fsdp_lab.shard`'s (a lab's prefetch, policies, offload), each
-    `fully_shard` call's (mp_policy), `DistributedDataParallel`'s — where a lab says why;
-    `root_options` replace some of them for the root's `fully_shard` call (FSDP2 takes a
-    policy per call: ours takes `policies={"": UnitPolicy(...)}`).
+    `mesh`: None (every rank), a DeviceMesh, or for ours and fully_shard (R, S) — a 2-D
+    (replicate, shard) mesh makes them HSDP; FSDP1's hybrid strategies need one. `options` are
+    the system's own keywords — `fsdp_lab.shard`'s (a lab's prefetch, policies, offload),
+    every `fully_shard` call's (mp_policy), `DistributedDataParallel`'s — where a lab says why.
+    `own_options` (fully_shard only) replace some of them for the units of a class or a name
+    ("" the root): FSDP2 takes its settings per call, ours per unit (`policies=`).
     """
-    kind, _, option = system.partition(":")
-    hybrid = kind == "fsdp1" and option in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-    if system not in SYSTEMS and not hybrid:
+    kind, option = system.partition(":")[::2]
+    if system not in SYSTEMS and system not in HYBRID_FSDP1:
+        near = difflib.get_close_matches(system, [*SYSTEMS, *HYBRID_FSDP1], n=1)
         raise ValueError(
-            f"system={system!r}: expected one of {list(SYSTEMS)}, or fsdp1:HYBRID_SHARD / "
-            "fsdp1:_HYBRID_SHARD_ZERO2 with a 2-D mesh"
+            f"system={system!r}: expected one of {list(SYSTEMS)} or {list(HYBRID_FSDP1)}"
+            + (f". Fix: {near[0]!r}" if near else "")
         )
+    _check_wrap(system, units, mesh, own_options, options)
     if kind == "single":
         return model
     if kind == "ours":
         from fsdp_lab.sharding import shard
 
-        # "none" is DDP's shape: the whole model one unit, its gradients in buckets.
-        chosen = None if option == "none" or not units else units
-        return shard(model, units=chosen, strategy=option, mesh=mesh, **options)
-    modules = _unit_modules(model, units)  # innermost first, as fully_shard requires
-    if kind == "fully_shard":
-        return _fully_shard(model, modules, option, mesh, options, root_options or {})
-    if kind == "fsdp1":
-        return _fsdp1(model, modules, option or "FULL_SHARD", mesh)
+        return shard(model, units=units or None, strategy=option, mesh=mesh, **options)
+    if kind in ("fully_shard", "fsdp1"):
+        modules = _unit_modules(model, units, allow_groups=kind == "fully_shard")
+        if kind == "fsdp1":
+            return _fsdp1(model, [m for m, _ in modules], option or "FULL_SHARD", mesh)
+        return _fully_shard(model, modules, option, mesh, options, own_options or {})
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model, **options)
@@ -213,11 +216,46 @@ def wrap(
     return ddp
 
 
+def _check_wrap(
+    system: str, units: Units, mesh: Any, own: dict | None, options: dict[str, Any]
+) -> None:
+    """What `system` cannot take, refused rather than ignored."""
+    if isinstance(units, (str, type)) or not isinstance(units, (tuple, list, set)):
+        raise ValueError(
+            f"units={units!r}: expected a tuple, list or set of module classes or names. "
+            f"Fix: units=({units!r},)"
+        )
+    if units and system in ONE_UNIT + ("single",):
+        raise ValueError(
+            f"{system!r} takes no units (one process, or DDP's shape: the whole model one "
+            f"unit); got units={units!r}. Fix: leave units out"
+        )
+    one_dim = system.startswith(("ddp", "single", "fully_shard:replicate")) or system in (
+        "fsdp1", "fsdp1:SHARD_GRAD_OP", "fsdp1:NO_SHARD",
+    )  # fmt: skip
+    if mesh is not None and one_dim:
+        raise ValueError(f"{system!r} takes no mesh (it runs on every rank); got mesh={mesh!r}")
+    if mesh is None and system in HYBRID_FSDP1:
+        raise ValueError(f"{system!r} needs a 2-D (replicate, shard) DeviceMesh. Fix: mesh=...")
+    if own and not system.startswith("fully_shard"):
+        raise ValueError(
+            f"own_options are fully_shard's per-call settings; {system!r} takes none. Fix: "
+            "for ours, policies={unit or class: UnitPolicy(...)}"
+        )
+    if system == "fully_shard:keep" and "reshard_after_forward" in options:
+        raise ValueError(
+            '"fully_shard:keep" sets reshard_after_forward=False itself. Fix: "fully_shard" '
+            "with your reshard_after_forward"
+        )
+
+
 def make_optimizer(
     system: str, params: Any, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
 ) -> torch.optim.Optimizer:
     """`optimizer_class(params, **kwargs)`, or, for "ddp+zero", PyTorch's
     ZeroRedundancyOptimizer stepping it (each parameter's state on one rank)."""
+    if system not in SYSTEMS and system not in HYBRID_FSDP1:
+        raise ValueError(f"system={system!r}: expected one of {list(SYSTEMS)}")
     if system != "ddp+zero":
         return optimizer_class(params, **kwargs)
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -225,48 +263,69 @@ def make_optimizer(
     return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
 
 
-def _unit_modules(model: nn.Module, units: Units) -> list[nn.Module | list[nn.Module]]:
-    """The units' modules — a tuple of names is one unit of several modules (FSDP2's
-    ``fully_shard([emb, head])``) — each unit after the units inside it (reversed pre-order)."""
-    order = {m: i for i, (_, m) in enumerate(model.named_modules())}
+def _unit_modules(model: nn.Module, units: Units, allow_groups: bool) -> list[tuple[Any, str]]:
+    """(the unit's module — a list of them for a tuple of names —, its name or class name),
+    each unit after the units inside it (reversed pre-order), as fully_shard requires."""
+    names = {m: n for n, m in model.named_modules()}
+    order = {m: i for i, m in enumerate(names)}
     classes = tuple(u for u in units if isinstance(u, type))
-    found: list[nn.Module | list[nn.Module]] = [
-        m for m in order if m is not model and classes and isinstance(m, classes)
+    if classes and len(classes) != len(units):
+        raise ValueError(
+            f"units={units!r} mixes module classes and names. Fix: one kind — classes, or "
+            "names (and tuples of names)"
+        )
+    found: list[tuple[Any, str]] = [
+        (m, type(m).__name__) for m in order if m is not model and isinstance(m, classes)
     ]
-    for unit in (u for u in units if not isinstance(u, type)):
-        names = [unit] if isinstance(unit, str) else list(unit)
-        try:
-            modules = [model.get_submodule(name) for name in names]
-        except AttributeError as exc:
-            raise ValueError(f"units: {unit!r} names no module of {type(model).__name__}") from exc
-        found.append(modules[0] if isinstance(unit, str) else modules)
-    first = lambda u: order[u[0] if isinstance(u, list) else u]  # noqa: E731
+    missing = [c.__name__ for c in classes if not any(isinstance(m, c) for m in order)]
+    for unit in [] if classes else units:
+        group = (unit,) if isinstance(unit, str) else unit
+        if not isinstance(group, tuple) or not all(isinstance(n, str) for n in group):
+            raise ValueError(f"units: {unit!r} is neither a module class, a name nor a tuple")
+        if isinstance(unit, tuple) and not allow_groups:
+            raise ValueError(f"units: {unit!r}: FSDP1 has no unit of several modules")
+        if "" in group:
+            raise ValueError("units: '' is the root, a unit already. Fix: leave it out")
+        bad = [n for n in group if n not in {*names.values()} - {""}]
+        missing += bad
+        if not bad:
+            modules = [model.get_submodule(n) for n in group]
+            found.append((modules if isinstance(unit, tuple) else modules[0], ", ".join(group)))
+    if missing:
+        raise ValueError(f"units: {missing} — no such module in {type(model).__name__}")
+    first = lambda u: order[u[0][0] if isinstance(u[0], list) else u[0]]  # noqa: E731
     return sorted(found, key=first, reverse=True)
 
 
 def _fully_shard(
     model: nn.Module,
-    modules: list[Any],
+    modules: list[tuple[Any, str]],
     option: str,
     mesh: Any,
     options: dict[str, Any],
-    root_options: dict[str, Any],
+    own: dict[Any, dict[str, Any]],
 ) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    device = placed_device().type
-    if option == "replicate":
-        mesh = init_device_mesh(
-            device, (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard")
-        )
+    from fsdp_lab.sharding.mesh import device_mesh
+
+    if isinstance(mesh, tuple):  # (R, S), as ours takes it
+        mesh = device_mesh(*mesh)
+    elif option == "replicate":  # (N, 1): HSDP with one-rank shard groups
+        mesh = device_mesh(dist.get_world_size(), 1)
     elif mesh is None:
-        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        mesh = init_device_mesh(placed_device().type, (dist.get_world_size(),))
     if option == "keep":
         options = {**options, "reshard_after_forward": False}  # else FSDP2's default
-    for module in modules:
-        fully_shard(module, mesh=mesh, **options)
-    return fully_shard(model, mesh=mesh, **{**options, **root_options})
+    firsts = [m[0] if isinstance(m, list) else m for m, _ in modules]
+    unknown = set(own) - {"", *(label for _, label in modules), *map(type, firsts)}
+    if unknown:
+        raise ValueError(f"own_options keys {sorted(map(str, unknown))} name no unit")
+    for (module, label), first in zip(modules, firsts, strict=True):
+        mine = own.get(type(first), own.get(label, {}))
+        fully_shard(module, **{"mesh": mesh, **options, **mine})
+    return fully_shard(model, **{"mesh": mesh, **options, **own.get("", {})})
 
 
 def _fsdp1(model: nn.Module, modules: list[Any], strategy: str, mesh: Any) -> nn.Module:
@@ -302,7 +361,7 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
 
         names = _param_names(model)
         full = full_state_dict(model, rank0_only=False)
-        return {k: v.detach().cpu().clone() for k, v in full.items() if k in names}
+        return {_clean(k): v.detach().cpu().clone() for k, v in full.items() if k in names}
     if hasattr(model, "_fsdp_wrapped_module") or type(model).__name__ == "FullyShardedDataParallel":
         from torch.distributed.fsdp import FullyShardedDataParallel
 

@@ -169,13 +169,15 @@ def test_the_contract_section_measures_what_its_sentences_say(cluster_of):
     pair = ("ours:full", "fully_shard")
     precision = {s: cluster.run(contract.precision_run, s) for s in pair}
     ours, theirs = precision["ours:full"][0], precision["fully_shard"][0]
-    assert ours["computed_in"]["RMSNorm"] == "input bfloat16 · weight float32"
+    assert ours["computed_in"]["RMSNorm"] == "input float32 · weight float32"  # a unit, fp32
     assert ours["computed_in"]["Linear"] == "input bfloat16 · weight bfloat16"
     assert theirs["computed_in"]["FSDPLinear"] == ours["computed_in"]["Linear"]
+    assert theirs["computed_in"]["FSDPRMSNorm"] == ours["computed_in"]["RMSNorm"]
     assert ours["grad_norms"] == pytest.approx(theirs["grad_norms"], rel=1e-6)
     sent = ours["bytes_per_step"]  # bf16 twice = fp32 once; the root only in the all-reduce
     assert sent["all_gather_into_tensor"] == sent["reduce_scatter_tensor"] > 0
-    assert sent["all_reduce"] == ours["root_numel"] * 4 + 4  # 2(N-1)/N = 1 at N = 2
+    assert sent["all_reduce"] == ours["norm_numel"] * 4 + 4  # 2(N-1)/N = 1 at N = 2
+    assert all(g > contract.MAX_NORM for g in ours["grad_norms"])  # clipping scaled them
     offload = {s: cluster.run(contract.offload_run, s) for s in pair}
     assert "| host → device |" in contract.offload_summary(offload)
     kept = offload["ours:full"][0]
@@ -184,10 +186,13 @@ def test_the_contract_section_measures_what_its_sentences_say(cluster_of):
     assert kept["bytes_per_step"]["host_to_device"] == sum(shards.values()) + again
     assert kept["bytes_per_step"]["device_to_host"] == sum(shards.values())
     buckets = {s: cluster.run(contract.bucket_run, s, 0.05) for s in ("ours:none", "ddp")}
+    sent_per_system = []
     for per_rank in buckets.values():
         spans = contract.last_backward(per_rank[0]["timeline"])["spans"]
         starts = [s["start"] for s in spans if s["kind"] == "comm"]
         assert len(starts) > 2 and min(starts) < max(starts)  # sent one by one, during backward
+        sent_per_system.append(len(starts))
+    assert sent_per_system[0] == sent_per_system[1]  # DDP's bucket rule: as many messages
     ignored = {s: cluster.run(contract.ignored_run, s) for s in pair}
     for rank0, rank1 in ignored.values():
         assert any(

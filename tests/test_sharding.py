@@ -541,3 +541,33 @@ def test_every_message_of_a_step_is_tagged_with_its_unit(cluster_of):
         # forward: root then the blocks; backward: the blocks again, last first (root kept)
         assert gathered == ["root", *blocks, *reversed(blocks)]
         assert sorted(reduced) == sorted(["root", *blocks])
+
+
+@pytest.mark.parametrize(
+    "system, kwargs, message",
+    [
+        ("fully_shrad", {}, "Fix: 'fully_shard'"),
+        ("ddp", {"units": (Block,)}, "'ddp' takes no units"),
+        ("ours:none", {"units": (Block,)}, "'ours:none' takes no units"),
+        ("fully_shard", {"units": "blocks.0"}, "Fix: units=('blocks.0',)"),
+        ("fully_shard", {"units": Block}, "expected a tuple, list or set"),
+        ("fully_shard", {"units": (Block, "blocks.0")}, "mixes module classes and names"),
+        ("fully_shard", {"units": ("",)}, "'' is the root"),
+        ("fully_shard", {"units": ("blocks.9",)}, "['blocks.9'] — no such module"),
+        ("fully_shard", {"units": (torch.nn.Conv2d,)}, "['Conv2d'] — no such module"),
+        ("fsdp1", {"units": [("tok_emb", "head")]}, "FSDP1 has no unit of several modules"),
+        ("fsdp1:HYBRID_SHARD", {"units": (Block,)}, "needs a 2-D (replicate, shard)"),
+        ("ddp", {"mesh": (2, 1)}, "'ddp' takes no mesh"),
+        ("ours:full", {"own_options": {"": {}}}, "for ours, policies="),
+        ("fully_shard:keep", {"reshard_after_forward": True}, "sets reshard_after_forward=False"),
+    ],
+)
+def test_the_table_of_systems_refuses_what_a_system_cannot_take(system, kwargs, message):
+    """The review found settings a system ignored in silence (units for DDP, a mesh for FSDP1,
+    FSDP2's per-call options for ours) and errors from deep inside PyTorch: each is refused
+    here, before any rank is needed, naming the value and the fix."""
+    with pytest.raises(ValueError) as err:
+        reference.wrap(tiny_gpt(), system, **kwargs)
+    assert message in str(err.value)
+    with pytest.raises(ValueError, match="expected one of"):
+        reference.make_optimizer("dddp+zero", tiny_gpt().parameters(), torch.optim.SGD, lr=0.1)

@@ -103,10 +103,11 @@ def shard(
             the hybrid strategies (R, S) — R replicas of S-rank shard groups, R·S ranks — or a
             2-D (replicate, shard) DeviceMesh. See [Note: the 2-D mesh] in `sharding.mesh`.
         reshard_after_forward: "full"/"hybrid" only — which units are freed after forward and
-            gathered again for backward. None or True (default): every unit but the root, as
-            FSDP2 and FSDP1 do — the root's backward comes right after the forward, so freeing
-            it would only buy one all-gather more per step; see [Note: the root stays
-            gathered]. False: none. Or the unit names to free (the root's name, "", included).
+            gathered again for backward. None (default) or True: every unit but the root, as
+            FSDP2's default (None) and FSDP1 do — the root's backward comes right after the
+            forward, so freeing it would only buy one all-gather more per step; see [Note: the
+            root stays gathered]. (FSDP2's explicit True frees the root too: here, the list of
+            every unit.) False: none. Or the unit names to free (the root's, "", included).
         device: a meta model: where its shards go; offload: where the units compute (default:
             where this rank computes, `fsdp_lab.cluster.device()`: its own GPU, a shared GPU, or
             the CPU).

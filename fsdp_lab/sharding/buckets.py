@@ -37,6 +37,7 @@ from fsdp_lab import comm
 from fsdp_lab.trace import category
 
 FIRST_BUCKET_BYTES = 2**20  # DDP's `_DEFAULT_FIRST_BUCKET_BYTES`
+DEFAULT_CAP_BYTES = 25 * 2**20  # DDP's default `bucket_cap_mb=25`
 
 
 @dataclass
@@ -68,18 +69,19 @@ class GradBuckets:
         trainable = [p for p in dict.fromkeys(params) if p.requires_grad]  # a tied one once
         self.buckets: list[_Bucket] = []
         self._where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
-        limit = min(FIRST_BUCKET_BYTES, cap_bytes)
+        # DDP's rule: a parameter joins the open bucket, which closes once it holds `limit`
+        # bytes; the first limit is 1 MiB under the default cap, else the cap itself.
+        limit = FIRST_BUCKET_BYTES if cap_bytes == DEFAULT_CAP_BYTES else cap_bytes
+        bucket = None
         for p in reversed(trainable):
-            bucket = self.buckets[-1] if self.buckets else None
-            size = p.numel() * p.element_size()
-            if bucket is None or (bucket.params and bucket.numel * p.element_size() + size > limit):
-                if bucket is not None:
-                    limit = cap_bytes
+            if bucket is None:
                 bucket = _Bucket([])
                 self.buckets.append(bucket)
             self._where[p] = (bucket, len(bucket.params))
             bucket.params.append(p)
             bucket.numel += p.numel()
+            if bucket.numel * p.element_size() >= limit:
+                bucket, limit = None, cap_bytes
         for bucket in self.buckets:
             first = bucket.params[0]
             with category("gradients"):

@@ -52,6 +52,22 @@ class MixedPrecision:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, field)
+            if value is not None and not (
+                isinstance(value, torch.dtype) and value.is_floating_point
+            ):
+                raise ValueError(
+                    f"MixedPrecision({field}={value!r}): expected a floating torch.dtype or "
+                    f"None. Fix: {field}=torch.bfloat16"
+                )
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise ValueError(
+                f"MixedPrecision(cast_forward_inputs={self.cast_forward_inputs!r}): expected "
+                "True or False"
+            )
+
 
 @dataclass(frozen=True)
 class UnitPolicy:
@@ -119,6 +135,16 @@ def resolve_policies(
     policies = dict(policies or {})
     if not isinstance(offload, bool):
         raise ValueError(f"offload={offload!r}: expected True or False. Fix: offload=True")
+    asked = [
+        mixed_precision,
+        *(p.mixed_precision for p in policies.values() if isinstance(p, UnitPolicy)),
+    ]
+    for precision in asked:
+        if precision is not None and not isinstance(precision, MixedPrecision):
+            raise ValueError(
+                f"mixed_precision={precision!r}: expected a MixedPrecision. Fix: "
+                "mixed_precision=MixedPrecision(torch.bfloat16, torch.float32)"
+            )
     by_key = _policy_of_each_unit(model, plan, policies)
     free_after = _freed_after_forward(plan.units, reshard_after_forward)
     resolved = {}

@@ -30,10 +30,12 @@ from fsdp_lab.sharding import MixedPrecision, UnitPolicy, clip_grad_norm_
 from fsdp_lab.trace import Timeline
 
 UNITS = (nn.Linear, nn.Embedding)
-STEPS, BATCH, LR, MAX_NORM = 2, 8, 1e-2, 1.0
-# The README's recipe: every Linear and Embedding computes in bf16, the root's norms in fp32.
+STEPS, BATCH, LR, MAX_NORM = 2, 8, 1e-2, 0.5
+# The README's recipe: every Linear and Embedding computes in bf16; each norm is a unit of its
+# own, whole on every rank, computing in fp32 — its bf16 input cast up on the way in
+# (`cast_forward_inputs`), its output cast back to bf16 on the way out (`output_dtype`).
 BF16 = MixedPrecision(torch.bfloat16, torch.float32)
-FP32 = MixedPrecision(torch.float32, torch.float32)
+NORM_FP32 = MixedPrecision(torch.float32, torch.float32, output_dtype=torch.bfloat16)
 
 
 def _model() -> Llama:
@@ -80,41 +82,63 @@ def _short(dtype: torch.dtype | None) -> str:
 
 
 def precision_run(system: str) -> dict[str, Any]:
-    """bf16 units, fp32 norms: ours with the root replicated (`UnitPolicy(strategy=
-    "replicate")`), fully_shard with the same `MixedPrecisionPolicy` per module (FSDP2 shards
-    its root: on one mesh it has no per-unit replicate)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    """bf16 units and fp32 norms, the norms replicated: ours by `UnitPolicy(strategy=
+    "replicate")`, fully_shard by an (N, 1) mesh for them (HSDP with one-rank shard groups)."""
+    from fsdp_lab.sharding.mesh import device_mesh
 
-    model = _model()
+    model, units = _model(), (*UNITS, RMSNorm)
     if system == "ours:full":
-        root = UnitPolicy(strategy="replicate", mixed_precision=FP32)
-        model = reference.wrap(model, system, UNITS, mixed_precision=BF16, policies={"": root})
-    else:
+        norms = UnitPolicy(strategy="replicate", mixed_precision=NORM_FP32)
         model = reference.wrap(
-            model,
-            system,
-            UNITS,
-            mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32),
-            root_options={"mp_policy": MixedPrecisionPolicy(torch.float32, torch.float32)},
+            model, system, units, mixed_precision=BF16, policies={RMSNorm: norms}
+        )
+    else:
+        norms = {"mesh": device_mesh(dist.get_world_size(), 1), "mp_policy": _policy(NORM_FP32)}
+        model = reference.wrap(
+            model, system, units, mp_policy=_policy(BF16), own_options={RMSNorm: norms}
         )
     seen = _computed_in(model)
     with comm.CommLog() as log:
-        norms = _train(model, clip=_clip(system))
-    root = sum(p.numel() for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters())
+        norms_seen = _train(model, clip=_clip(system))
+    numel = sum(
+        p.numel() for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()
+    )
     return {
-        "root_numel": root,
+        "norm_numel": numel,
         "computed_in": seen,
         "bytes_per_step": {op: b / STEPS for op, b in log.bytes_by_op().items()},
-        "grad_norms": norms,
+        "grad_norms": norms_seen,
         "params": reference.full_parameters(model),
     }
 
 
+def _policy(precision: MixedPrecision) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(**vars(precision))  # the same four fields
+
+
 def _clip(system: str) -> Any:
-    """Clip the whole gradient to `MAX_NORM`: ours across the shards, PyTorch's on DTensors."""
+    """Clip the whole gradient to `MAX_NORM`: ours across the shards (`clip_grad_norm_`)."""
     if system.startswith("ours"):
         return lambda model: clip_grad_norm_(model, MAX_NORM)
-    return lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).full_tensor()
+    return _clip_by_mesh
+
+
+def _clip_by_mesh(model: nn.Module) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` refuses DTensors on different meshes (the norms' (N, 1)
+    one and the rest's): each mesh's norm, then the total, then every gradient scaled by the
+    same clamped coefficient as torch's."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh, []).append(g)
+    each = [torch.nn.utils.get_total_norm(gs).full_tensor() for gs in by_mesh.values()]
+    total = torch.stack(each).norm()
+    coef = float(torch.clamp(MAX_NORM / (total + 1e-6), max=1.0))
+    for g in grads:
+        g.mul_(coef)
+    return total
 
 
 def offload_run(system: str) -> dict[str, Any]:
@@ -181,7 +205,7 @@ def ignored_run(system: str) -> dict[str, Any]:
     if system == "ours:full":
         model = reference.wrap(model, system, UNITS, ignored_params=list(norms))
     else:
-        model = reference.wrap(model, system, UNITS, root_options={"ignored_params": norms})
+        model = reference.wrap(model, system, UNITS, own_options={"": {"ignored_params": norms}})
     _train(model)
     kept = {n: p.detach().clone() for n, p in model.named_parameters() if p in norms}
     return {"params": reference.full_parameters(model), "ignored": kept}
@@ -197,13 +221,13 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def precision_summary(runs: dict[str, list[dict[str, Any]]]) -> str:
     """Markdown: what each kind of module computed in, the values, the norms, ours' bytes."""
     ours, theirs = runs["ours:full"][0], runs["fully_shard"][0]
-    kinds = sorted(ours["computed_in"])
-    rows = [
-        f"| {k} | {ours['computed_in'][k]} | {theirs['computed_in'].get('FSDP' + k, theirs['computed_in'].get(k))} |"
-        for k in kinds
-    ]
+    theirs_in = {k.removeprefix("FSDP"): v for k, v in theirs["computed_in"].items()}
+    rows = [f"| {k} | {v} | {theirs_in.get(k)} |" for k, v in sorted(ours["computed_in"].items())]
     n, sent = len(runs["ours:full"]), ours["bytes_per_step"]
-    root = 2 * (n - 1) / n * ours["root_numel"] * 4
+    norms = 2 * (n - 1) / n * ours["norm_numel"] * 4
+    clipped = ", ".join(
+        f"{g:.6f} → scaled by {min(1.0, MAX_NORM / g):.4f}" for g in ours["grad_norms"]
+    )
     return "\n".join(
         [
             "| module | ours computed with | fully_shard computed with |",
@@ -212,15 +236,13 @@ def precision_summary(runs: dict[str, list[dict[str, Any]]]) -> str:
             "",
             f"- max \\|ours − fully_shard\\| over every parameter after {STEPS} AdamW steps: "
             f"{_max_diff(ours['params'], theirs['params']):.2g}",
-            "- total gradient norm before clipping to 1.0, per step: ours "
-            + ", ".join(f"{g:.6f}" for g in ours["grad_norms"])
-            + " · fully_shard "
-            + ", ".join(f"{g:.6f}" for g in theirs["grad_norms"]),
+            f"- total gradient norm before clipping to {MAX_NORM}, per step: ours {clipped} · "
+            "fully_shard " + ", ".join(f"{g:.6f}" for g in theirs["grad_norms"]),
             f"- ours' bytes per rank and step: all-gather {sent['all_gather_into_tensor']:,.0f}, "
             f"reduce-scatter {sent['reduce_scatter_tensor']:,.0f}, all-reduce "
-            f"{sent['all_reduce']:,.0f} — of which {root:,.0f} = 2(N−1)/N · "
-            f"{ours['root_numel']} norm weights · 4 B, the replicated root's fp32 gradient, and "
-            f"{sent['all_reduce'] - root:,.0f} the clipping's sum of squares",
+            f"{sent['all_reduce']:,.0f} — of which {norms:,.0f} = 2(N−1)/N · "
+            f"{ours['norm_numel']} norm weights · 4 B, the replicated norms' fp32 gradients, and "
+            f"{sent['all_reduce'] - norms:,.0f} the clipping's sums of squares",
         ]
     )
 

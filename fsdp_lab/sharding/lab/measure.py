@@ -87,7 +87,7 @@ def sharded_model(
     `replicate_root`: the root whole on every rank, its gradient all-reduced; `offload`: every
     shard in host memory."""
     model = build_model(cfg)
-    units = unit_classes(model)
+    units = unit_classes(model) if strategy != "none" else ()  # "none": DDP's one unit
     every = list(build_plan(model, set(units) or None).units) if free_root else None
     return reference.wrap(
         model,
