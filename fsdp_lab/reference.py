@@ -190,9 +190,11 @@ def wrap(
     `own_options` (fully_shard only) replace some of them for the units of a class or a name
     ("" the root): FSDP2 takes its settings per call, ours per unit (`policies=`).
     """
+    if not isinstance(system, str):
+        raise ValueError(f"system={system!r}: expected a name, one of {list(SYSTEMS)}")
     kind, option = system.partition(":")[::2]
     if system not in SYSTEMS and system not in HYBRID_FSDP1:
-        near = difflib.get_close_matches(system, [*SYSTEMS, *HYBRID_FSDP1], n=1)
+        near = difflib.get_close_matches(system.lower(), [*SYSTEMS, *HYBRID_FSDP1], n=1)
         raise ValueError(
             f"system={system!r}: expected one of {list(SYSTEMS)} or {list(HYBRID_FSDP1)}"
             + (f". Fix: {near[0]!r}" if near else "")
@@ -207,7 +209,7 @@ def wrap(
     if kind in ("fully_shard", "fsdp1"):
         modules = _unit_modules(model, units, allow_groups=kind == "fully_shard")
         if kind == "fsdp1":
-            return _fsdp1(model, [m for m, _ in modules], option or "FULL_SHARD", mesh)
+            return _fsdp1(model, [m for m, _ in modules], option or "FULL_SHARD", mesh, options)
         return _fully_shard(model, modules, option, mesh, options, own_options or {})
     from torch.nn.parallel import DistributedDataParallel
 
@@ -221,10 +223,16 @@ def _check_wrap(
 ) -> None:
     """What `system` cannot take, refused rather than ignored."""
     if isinstance(units, (str, type)) or not isinstance(units, (tuple, list, set)):
+        fix = f"units=({units!r},)" if isinstance(units, (str, type)) else "units=()"
         raise ValueError(
-            f"units={units!r}: expected a tuple, list or set of module classes or names. "
-            f"Fix: units=({units!r},)"
+            f"units={units!r}: expected a tuple, list or set of module classes or names. Fix: {fix}"
         )
+    if system == "single" and options:
+        raise ValueError(
+            f"'single' is the model itself and takes no options; got {sorted(options)}"
+        )
+    if isinstance(mesh, list):
+        raise ValueError(f"mesh={mesh!r}: expected None, a DeviceMesh or a tuple (R, S)")
     if units and system in ONE_UNIT + ("single",):
         raise ValueError(
             f"{system!r} takes no units (one process, or DDP's shape: the whole model one "
@@ -311,7 +319,7 @@ def _fully_shard(
     from fsdp_lab.sharding.mesh import device_mesh
 
     if isinstance(mesh, tuple):  # (R, S), as ours takes it
-        mesh = device_mesh(*mesh)
+        mesh = _as_mesh(mesh)
     elif option == "replicate":  # (N, 1): HSDP with one-rank shard groups
         mesh = device_mesh(dist.get_world_size(), 1)
     elif mesh is None:
@@ -328,7 +336,9 @@ def _fully_shard(
     return fully_shard(model, **{"mesh": mesh, **options, **own.get("", {})})
 
 
-def _fsdp1(model: nn.Module, modules: list[Any], strategy: str, mesh: Any) -> nn.Module:
+def _fsdp1(
+    model: nn.Module, modules: list[Any], strategy: str, mesh: Any, options: dict[str, Any]
+) -> nn.Module:
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
@@ -339,10 +349,18 @@ def _fsdp1(model: nn.Module, modules: list[Any], strategy: str, mesh: Any) -> nn
         sharding_strategy=ShardingStrategy[strategy],
         use_orig_params=True,
         device_id=placed_device(),  # its own GPU, a shared one, or the CPU
-        **({"device_mesh": mesh} if "HYBRID" in strategy else {}),
+        **({"device_mesh": _as_mesh(mesh)} if "HYBRID" in strategy else {}),
+        **options,
     )
     _keep_vocab(wrapped, model)
     return wrapped
+
+
+def _as_mesh(mesh: Any) -> Any:
+    """A DeviceMesh, from (R, S) as ours takes a mesh."""
+    from fsdp_lab.sharding.mesh import device_mesh
+
+    return device_mesh(*mesh) if isinstance(mesh, tuple) else mesh
 
 
 def _keep_vocab(wrapper: nn.Module, model: nn.Module) -> None:

@@ -560,6 +560,11 @@ def test_every_message_of_a_step_is_tagged_with_its_unit(cluster_of):
         ("ddp", {"mesh": (2, 1)}, "'ddp' takes no mesh"),
         ("ours:full", {"own_options": {"": {}}}, "for ours, policies="),
         ("fully_shard:keep", {"reshard_after_forward": True}, "sets reshard_after_forward=False"),
+        ("single", {"bucket_cap_mb": 1}, "takes no options"),
+        ("fully_shard", {"units": (Block,), "mesh": [1, 2]}, "a DeviceMesh or a tuple (R, S)"),
+        ("fully_shard", {"units": None}, "Fix: units=()"),
+        ("DDP", {}, "Fix: 'ddp'"),
+        (None, {}, "expected a name"),
     ],
 )
 def test_the_table_of_systems_refuses_what_a_system_cannot_take(system, kwargs, message):
@@ -571,3 +576,16 @@ def test_the_table_of_systems_refuses_what_a_system_cannot_take(system, kwargs, 
     assert message in str(err.value)
     with pytest.raises(ValueError, match="expected one of"):
         reference.make_optimizer("dddp+zero", tiny_gpt().parameters(), torch.optim.SGD, lr=0.1)
+
+
+def _fsdp1_takes_its_options() -> object:
+    from torch.distributed.fsdp import MixedPrecision as FSDP1MixedPrecision
+
+    precision = FSDP1MixedPrecision(param_dtype=torch.bfloat16)
+    model = reference.wrap(tiny_gpt(), "fsdp1", (Block,), mixed_precision=precision)
+    return model.mixed_precision.param_dtype
+
+
+def test_fsdp1_in_the_table_takes_its_own_keywords(cluster_of):
+    """The second review: "fsdp1" dropped every keyword it was given, in silence."""
+    assert cluster_of(2).run(_fsdp1_takes_its_options) == [torch.bfloat16] * 2
