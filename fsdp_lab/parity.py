@@ -82,10 +82,9 @@ def wrap(spec: ParityModel, system: str) -> nn.Module:
     """The model of `spec`, built and wrapped by `system` (`reference.SYSTEMS`) with its units."""
     if system.startswith("ours:") and spec.meta_factory is not None:
         return _ours_on_meta(spec, system.removeprefix("ours:"))
-    if system in ("ddp", "ddp+zero"):
-        return reference.wrap(spec.build(), system, find_unused_parameters=spec.unused_parameters)
-    units = () if system in reference.ONE_UNIT + ("single",) else spec.units
-    return reference.wrap(spec.build(), system, units)
+    units = () if system in (*reference.ONE_UNIT, "single") else spec.units
+    ddp = {"find_unused_parameters": spec.unused_parameters} if system.startswith("ddp") else {}
+    return reference.wrap(spec.build(), system, units, **ddp)
 
 
 def _ours_on_meta(spec: ParityModel, strategy: str) -> nn.Module:

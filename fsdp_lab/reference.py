@@ -316,14 +316,12 @@ def _fully_shard(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_lab.sharding.mesh import device_mesh
-
-    if isinstance(mesh, tuple):  # (R, S), as ours takes it
-        mesh = _as_mesh(mesh)
-    elif option == "replicate":  # (N, 1): HSDP with one-rank shard groups
-        mesh = device_mesh(dist.get_world_size(), 1)
+    if option == "replicate":  # (N, 1): HSDP with one-rank shard groups (no mesh given)
+        mesh = _as_mesh((dist.get_world_size(), 1))
     elif mesh is None:
         mesh = init_device_mesh(placed_device().type, (dist.get_world_size(),))
+    else:  # a DeviceMesh, or (R, S) as ours takes it
+        mesh = _as_mesh(mesh)
     if option == "keep":
         options = {**options, "reshard_after_forward": False}  # else FSDP2's default
     firsts = [m[0] if isinstance(m, list) else m for m, _ in modules]

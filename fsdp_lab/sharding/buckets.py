@@ -17,10 +17,9 @@ parameters did not all get a gradient (a branch not taken) is sent at the end wi
 their place; their ``.grad`` stays None, as the unit's other paths leave it. The wait is
 autograd's final callback (`ShardingState.finalize_backward`): before any optimizer step.
 
-The buckets live as long as the model, as DDP's do, and each parameter's slot is made once:
-allocating them every backward, and slicing a slot out per gradient, cost a tenth of a small
-model's step (benchmarks/bench_shard.py, "ours:none" beside "ddp"). Each ``.grad`` handed out
-is its slot (DDP's ``gradient_as_bucket_view=True``): the next backward writes it again.
+The buckets live as long as the model, as DDP's do, and each parameter's slot is made once
+(nothing is allocated or sliced per gradient). Each ``.grad`` handed out is its slot (DDP's
+``gradient_as_bucket_view=True``): the next backward writes it again.
 """
 
 from __future__ import annotations

@@ -124,6 +124,7 @@ class FlatParameter:
 
         # Replicated, not cast, not offloaded: the parameter itself is the unsharded buffer (DDP).
         self.aliased = shard_size == 1 and self.compute_dtype == dtype and not offload
+        self.split_node: torch.autograd.graph.Node | None = None  # set by `views()`
         if self.aliased:
             self.unsharded: torch.Tensor = self.shard
         else:
@@ -170,7 +171,7 @@ class FlatParameter:
             return []
         sizes = [s.numel for s in self.segments]
         parts = torch.split(self.unsharded, sizes + [self.padding] if self.padding else sizes)
-        self.split_node = parts[0].grad_fn  # builds the unit's gradient; None without autograd
+        self.split_node = parts[0].grad_fn  # builds the unit's gradient (None: no autograd)
         return [part.view(s.shape) for part, s in zip(parts, self.segments, strict=False)]
 
     def _fill(self, shard: torch.Tensor, values: SliceValues) -> None:

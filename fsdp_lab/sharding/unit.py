@@ -266,7 +266,7 @@ class ShardedUnit:
         (a pre-hook on this forward's split): the two are never held together. Of several
         forwards before one backward only the last graph frees; a unit of several modules
         frees after each member's (see the Note above)."""
-        node = getattr(self.flat, "split_node", None)
+        node = self.flat.split_node
         if node is None or not self.strategy.reshard_after_backward or self.buckets is not None:
             return
         self._graphs += 1

@@ -1,8 +1,9 @@
 """Notebook 01, section 8: FSDP2's contract beyond one strategy per model, on the ranks.
 
-Each function trains the lab's Llama (`fsdp_lab.models.llama`, a unit per Linear and Embedding,
-everything else — the RMSNorms — in the root unit) under one of ours and PyTorch's systems of
-`reference.SYSTEMS` with the same settings, and returns what was measured:
+Each function trains the lab's Llama (`fsdp_lab.models.llama`: a unit per Linear and Embedding,
+and for mixed precision per RMSNorm too; what no unit claims is the root unit) under one of ours
+and PyTorch's systems of `reference.SYSTEMS` with the same settings, and returns what was
+measured:
 
     precision_run   the norms kept whole and in fp32 inside a bf16 model: the dtype each module
                     computed in, the bytes by collective, the gradient norm clipping saw
