@@ -21,6 +21,7 @@ from fsdp_lab.sharding.exercises import unit_to_prefetch as sharding_prefetch
         sharding.REDUCE_SCATTER_GRAD,
         sharding_memory.FREE_UNSHARDED,
         sharding_prefetch.UNIT_TO_PREFETCH,
+        course.exercise("cast_floats"),
     ],
     ids=lambda e: e.name,
 )
@@ -105,3 +106,62 @@ def test_each_prefetch_bug_keeps_the_values_and_shows_the_waits(exercise_pool, s
 def test_a_prefetch_of_an_unknown_unit_is_a_wrong_output(exercise_pool):
     v = course.grade("unit_to_prefetch", lambda order, position: "blocks.9", exercise_pool)
     assert v.kind == "wrong output" and "'blocks.9'" in v.summary, v.to_text()
+
+
+# -- cast_floats: one model in two precisions (issue 37) -------------------------------------
+
+
+def _cast_by_hand(tree, dtype):
+    """A walk written out by hand, not with pytree: the same casts, so it passes."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.is_floating_point() else tree
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_cast_by_hand(t, dtype) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _cast_by_hand(v, dtype) for k, v in tree.items()}
+    return tree
+
+
+def test_a_walk_written_by_hand_passes(exercise_pool):
+    v = course.grade("cast_floats", _cast_by_hand, exercise_pool)
+    assert v.passed, v.to_text()
+
+
+@pytest.mark.parametrize(
+    ("slug", "summary", "row", "hint"),
+    [
+        ("every-tensor", "the forward failed", ("Embedding computed on", "int64", "float16"),
+         "the token ids were cast too"),
+        ("bare-tensor-only", "training differs", ("RMSNorm computed on", "float32", "float16"),
+         "came back as they were: a unit's inputs arrive as (args, kwargs)"),
+        ("fixed-dtype", "expected m1 and m2 to have the same dtype",
+         ("Linear computed on", "float16", "bfloat16"), "in another dtype than the one asked"),
+    ],
+)  # fmt: skip
+def test_each_cast_bug_fails_with_the_dtype_each_module_computed_on(
+    exercise_pool, slug, summary, row, hint
+):
+    from fsdp_lab.sharding.exercises.cast_floats import CAST_FLOATS
+
+    v = course.grade("cast_floats", CAST_FLOATS.bug(slug).wrong, exercise_pool)
+    assert v.kind == "wrong result" and v.score == 0, v.to_text()
+    assert v.case.startswith("2 ranks") and summary in v.summary, v.to_text()
+    assert row in [tuple(r) for r in v.rows] and hint in v.hint, v.to_text()
+
+
+def test_a_cast_that_cuts_the_graph_shows_the_gradients_it_lost(exercise_pool):
+    def detached(tree, dtype):
+        cast = lambda t: t.detach().to(dtype) if t.is_floating_point() else t  # noqa: E731
+        return torch.utils._pytree.tree_map_only(torch.Tensor, cast, tree)
+
+    v = course.grade("cast_floats", detached, exercise_pool)
+    assert v.kind == "wrong result" and "the casts are right" in v.summary, v.to_text()
+    (label, want, got), *_ = v.rows
+    assert label.startswith("gradient norms") and got.startswith("0, 0,")
+    assert not want.startswith("0, ")
+    assert "autograd's graph" in v.hint
+
+
+def test_returning_nothing_is_a_wrong_output_not_a_model_error(exercise_pool):
+    v = course.grade("cast_floats", lambda tree, dtype: None, exercise_pool)
+    assert v.kind == "wrong output" and "returned None" in v.summary, v.to_text()

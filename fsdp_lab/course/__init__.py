@@ -55,6 +55,7 @@ __all__ = [
     "check_reduce_scatter_grad",
     "check_free_unsharded",
     "check_unit_to_prefetch",
+    "check_cast_floats",
     "check_rerun_with_forward_rng",
     "check_sqrt_segment_starts",
     "check_split_ties",
@@ -102,6 +103,11 @@ def check_free_unsharded(fn: Any, pool: ClusterPool | None = None) -> None:
 def check_unit_to_prefetch(fn: Any, pool: ClusterPool | None = None) -> None:
     """Check your `unit_to_prefetch` on live ranks; raise ExerciseFailed unless it passes."""
     _check(exercise("unit_to_prefetch"), fn, pool)
+
+
+def check_cast_floats(fn: Any, pool: ClusterPool | None = None) -> None:
+    """Check your `cast_floats` on live ranks; raise ExerciseFailed unless it passes."""
+    _check(exercise("cast_floats"), fn, pool)
 
 
 def check_rerun_with_forward_rng(fn: Any, pool: ClusterPool | None = None) -> None:

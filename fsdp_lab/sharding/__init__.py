@@ -1,7 +1,7 @@
 """FSDP / ZeRO from scratch: flat parameters, gather/free per unit, reduce-scatter, prefetch.
 
 Read in this order: `apply.py` (`shard()`, the entry point: the lifecycle in five steps), `steps.py` (the
-four steps a learner writes), `flat_param.py` (the storage), `unit.py` (one unit's step, hook by
+five steps a learner writes), `flat_param.py` (the storage), `unit.py` (one unit's step, hook by
 hook), `state.py` (what the units share), `mesh.py` (the process groups), `checks.py` (what
 shard refuses, before any message), `storage.py` (each unit's shard and slices), `policy.py`
 (what one unit does differently: "replicate", its precision, CPU offload), `buckets.py` (DDP's

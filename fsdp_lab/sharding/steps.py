@@ -1,6 +1,8 @@
-"""The four steps of a unit's life that a learner writes: plain functions, and the frozen
+"""The five steps of a unit's life that a learner writes: plain functions, and the frozen
 `ShardingSteps` that carries them into the mechanism.
 
+    pre-forward    cast_floats((args, kwargs), dtype)        mixed precision: inputs cast in,
+    post-forward   cast_floats(output, dtype)                and outputs cast out
     post-forward   free_unsharded(buffer)                    ZeRO-3: the gathered bytes go
     pre-backward   regather(buffer, all_gather)              and come back for backward
                    unit_to_prefetch(forward_order, position) which unit to gather meanwhile
@@ -16,11 +18,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
 
 from fsdp_lab import comm
+
+
+def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """`tree` with each floating-point tensor in it cast to `dtype`, and nothing else changed.
+
+    Args:
+        tree: a unit's inputs as its forward receives them, `(args, kwargs)` (a tuple and a
+            dict, the tensors anywhere inside), or its output (a tensor, or tensors nested in
+            tuples, lists and dicts).
+        dtype: what the unit computes in (`param_dtype`, for the inputs) or hands on
+            (`output_dtype`, for the output); the unit calls no cast when its policy says None.
+
+    Token ids and masks are integer or bool tensors: they stay as they are. `t.to(dtype)` keeps
+    the tensor in autograd's graph, so the gradient flows back through the cast.
+    """
+    cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    return tree_map_only(torch.Tensor, cast, tree)
 
 
 def free_unsharded(buffer: torch.Tensor) -> None:
@@ -90,6 +111,7 @@ def reduce_grad_shard(
 class ShardingSteps:
     """The steps every unit of one sharded model calls; each field defaults to the reference."""
 
+    cast_floats: Callable[[Any, torch.dtype], Any] = cast_floats
     free_unsharded: Callable[[torch.Tensor], None] = free_unsharded
     regather: Callable[[torch.Tensor, Callable[[], None]], None] = regather
     unit_to_prefetch: Callable[[list[str], int], str | None] = unit_to_prefetch

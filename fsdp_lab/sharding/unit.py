@@ -11,8 +11,8 @@
                 post-backward reshard (the gradient is a tensor of its own), then
                               reduce-scatter it into the shard's .grad (mean over ranks)
 
-Four of these steps are plain functions in `steps.py` — `free_unsharded` (post-forward),
-`regather` and `unit_to_prefetch` (pre-backward), `reduce_grad_shard` (post-backward) — which
+Five steps are plain functions in `steps.py` — `cast_floats` (pre- and post-forward),
+`free_unsharded`, `regather`, `unit_to_prefetch`, `reduce_grad_shard` — which
 the units call through their state's `ShardingSteps`, so a course exercise runs a learner's
 version of one inside this very mechanism, passed to `shard(..., steps=...)`.
 
@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_leaves
 
 from fsdp_lab import comm
 from fsdp_lab.sharding.buckets import GradBuckets
@@ -222,7 +222,8 @@ class ShardedUnit:
     # -- forward --------------------------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        args, kwargs = _cast_floats((args, kwargs), self.plan.input_dtype)
+        if self.plan.input_dtype is not None:
+            args, kwargs = self.state.steps.cast_floats((args, kwargs), self.plan.input_dtype)
         if self.training_state is TrainingState.PRE_BACKWARD:
             # A recompute inside this unit's backward: gathered, views set; no message, no free
             self._recomputing = True
@@ -247,7 +248,7 @@ class ShardedUnit:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self._recomputing:
             self._recomputing = False
-            return _cast_floats(output, self.plan.output_dtype)
+            return self._cast_output(output)
         self._record_compute("forward")
         if self.reshard_after_forward:
             self.reshard(after_forward=True)
@@ -258,7 +259,11 @@ class ShardedUnit:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
         self.training_state = TrainingState.IDLE
-        return _cast_floats(output, self.plan.output_dtype)
+        return self._cast_output(output)
+
+    def _cast_output(self, output: Any) -> Any:
+        dtype = self.plan.output_dtype
+        return output if dtype is None else self.state.steps.cast_floats(output, dtype)
 
     def _free_before_the_gradient_is_built(self) -> None:
         """ZeRO-2/3: free the gathered parameters once this forward's backward has computed
@@ -442,9 +447,3 @@ class _GotGrad:
         alive = self.unit()
         if alive is not None:
             alive._got_grad[self.index] = True
-
-
-def _cast_floats(obj: Any, dtype: torch.dtype | None) -> Any:
-    """`obj` with every floating-point tensor in it cast to `dtype` (None: `obj` itself)."""
-    cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
-    return obj if dtype is None else tree_map_only(torch.Tensor, cast, obj)
