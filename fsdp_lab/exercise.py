@@ -291,6 +291,10 @@ def attempt(
     # rank_threads: the cores shared by the ranks. N ranks x torch's default thread count
     # oversubscribe a laptop's cores and made checks several times slower. Every run (the
     # learner's, the reference's, in whatever process) uses the same threads, so values compare.
+    # A learner's earlier function on these ranks may have changed torch's global modes: every
+    # trial starts from torch's defaults (a correct function failed after one that had not).
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
     with open(stack_file.format(rank=rank()), "w") as out, rank_threads():
         faulthandler.dump_traceback_later(dump_after, file=out)
         try:

@@ -3,16 +3,17 @@ precisions (`cast_floats`).
 
 The README's recipe keeps each norm of a bf16 (or fp16) Llama whole and in fp32: a unit of its
 own whose policy says `param_dtype=float32, output_dtype=bfloat16`, inside units that compute
-in bf16.
-That works only if every unit casts what crosses its edges — its floating-point inputs to its
-own `param_dtype` on the way in (FSDP2's `cast_forward_inputs`) and its output to
+in bf16. That works only if every unit casts what crosses its edges — its floating-point
+inputs to its own `param_dtype` on the way in (FSDP2's `cast_forward_inputs`) and its output to
 `output_dtype` on the way out. The learner's function is that cast (`ShardingSteps.cast_floats`),
-called by every unit of the real sharded model; the check trains it beside the reference and
-records, per kind of module, the dtype of the input it computed on. The classic bugs: casting
-every tensor (the token ids become floats and the embedding refuses them), and casting only a
-bare tensor (a unit's inputs arrive as `(args, kwargs)`, so nothing is cast on the way in: the
-norms compute in half precision and the loss drifts from the reference's); and casting to one
-fixed dtype instead of the one asked.
+called by every unit of the real sharded model, the last one called with keyword arguments, a
+list, a dict, a mask, numbers and fp32 buffers. The check trains it beside the reference,
+records per kind of module the dtype of the input it computed on, and holds each cast's result
+to its contract (the same containers and keys, every other value as it was, each floating-point
+tensor in the dtype asked and still in autograd's graph): the verdict names the first place
+where it was not. The classic bugs: casting every tensor (the token ids become floats and the
+embedding refuses them); casting only a bare tensor (a unit's inputs arrive as `(args,
+kwargs)`, so nothing is cast on the way in); casting to one fixed dtype instead of the one asked.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import (
+    keystr,
+    tree_flatten_with_path,
+    tree_leaves,
+    tree_map_only,
+    tree_structure,
+)
 
 from fsdp_lab.exercise import (
     Bug,
@@ -73,11 +80,101 @@ def _dtype_name(t: Any) -> str:
     return str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor) else "none"
 
 
+class Head(nn.Module):
+    """The model's last unit, called the way library models call their parts: keyword arguments,
+    a list, a dict, a mask, numbers and None beside the activations — all of which a cast walks
+    past, and fp32 tensors that need no gradient, which it must cast."""
+
+    def __init__(self, dim: int, vocab: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(dim))  # the unit's own: its proj is a unit too
+        self.proj = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor, extras: list, *, scale: float, keep: torch.Tensor,
+                options: dict) -> torch.Tensor:  # fmt: skip
+        h = (x + extras[0] + options["shift"][0]) * self.gain  # fp32 buffers, cast like x
+        return (self.proj(h) * scale).masked_fill(~keep.unsqueeze(-1), 0.0)
+
+
+class _Llama(Llama):
+    """The lab's Llama, its output head a `Head` called with everything a cast meets."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        del self.output
+        self.head = Head(config.dim, config.vocab_size)
+        self.register_buffer("bias", 0.1 * torch.randn(config.dim))
+        self.register_buffer("shift", 0.1 * torch.randn(config.dim))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rope(idx.shape[1])
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        options = {
+            "shift": [self.shift],
+            "ids": idx.int(),
+            "layers": len(self.layers),
+            "none": None,
+        }
+        return self.head(self.norm(x), [self.bias], scale=0.5, keep=idx >= 0, options=options)
+
+
+def _where(path: tuple, inputs: bool) -> str:
+    """A leaf's place, as the learner's code reaches it: args[0], kwargs['options']['shift'][0]."""
+    if not inputs:
+        return "the output" + keystr(path)
+    return ("args", "kwargs")[path[0].idx] + keystr(path[1:]) if path else "the inputs"
+
+
+def _a(name: str) -> str:
+    return ("an " if name.startswith(("int", "uint")) else "a ") + name
+
+
+def _breach(given: Any, back: Any, dtype: torch.dtype) -> tuple[str, str] | None:
+    """The first way `back` is not `given` with each floating-point tensor cast to `dtype`, as
+    (kind, what happened); None if it is exactly that."""
+    inputs = isinstance(given, tuple) and len(given) == 2 and isinstance(given[1], dict)
+    got, want = tree_flatten_with_path(back)[0], tree_flatten_with_path(given)[0]
+    if [p for p, _ in got] != [p for p, _ in want] or tree_structure(back) != tree_structure(given):
+        if type(back) is not type(given):
+            what = f"{type(back).__name__} for {type(given).__name__}"
+        else:
+            paths = [p for p, _ in got]
+            lost = [_where(p, inputs) for p, _ in want if p not in paths]
+            what = f"{lost[0]} is missing" if lost else "a container changed type"
+        return "structure", f"the tree came back with other containers or keys ({what})"
+    for (path, g), (_, b) in zip(want, got, strict=True):
+        where = _where(path, inputs)
+        if not isinstance(g, torch.Tensor):
+            if b is not g and not (type(b) is type(g) and b == g):
+                return "structure", f"{where}: {g!r} came back as {b!r}"
+            continue
+        if not isinstance(b, torch.Tensor):
+            return "structure", f"{where}: a tensor came back as {type(b).__name__}"
+        name, asked = _dtype_name(g), str(dtype).removeprefix("torch.")
+        if not g.is_floating_point():
+            if b.dtype != g.dtype:
+                return "not floating", f"{where}: {_a(name)} tensor came back {_dtype_name(b)}"
+        elif b.dtype != dtype:
+            kind = "not cast" if b.dtype == g.dtype else "other dtype"
+            return kind, f"{where}: {_a(name)} tensor came back {_dtype_name(b)}, {asked} asked"
+        if b.shape != g.shape or b.device != g.device:
+            return "values", f"{where}: a tensor came back shaped {tuple(b.shape)} on {b.device}"
+        if g.requires_grad and b.grad_fn is None and not b.requires_grad:
+            return "graph", f"{where}: the cast tensor is cut from autograd's graph"
+        if not torch.equal(b, g.detach().to(b.dtype)):
+            return "values", f"{where}: the values changed, not only the dtype"
+    return None
+
+
 def _train(step: Any, case: Case) -> dict:
     own_error: list[BaseException] = []  # raised by the learner's function: not the model's
-    miscast = {"left as it was": 0, "cast to another dtype": 0}  # floating tensors, all calls
+    breaches: list[tuple[str, str]] = []  # (kind, what happened): the first few, all calls
+    inputs_cast = [0]  # floating-point inputs that needed a cast and got it
 
     def watched(tree: Any, dtype: torch.dtype) -> Any:
+        given = [(t, t.dtype) for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
         try:
             out = step(tree, dtype)
         except BaseException as exc:
@@ -90,25 +187,29 @@ def _train(step: Any, case: Case) -> dict:
             )
             own_error.append(exc)
             raise exc
-        for given, back in zip(tree_leaves(tree), tree_leaves(out), strict=False):
-            if isinstance(back, torch.Tensor) and back.is_floating_point() and back.dtype != dtype:
-                same = isinstance(given, torch.Tensor) and back.dtype == given.dtype
-                miscast["left as it was" if same else "cast to another dtype"] += 1
+        if any(t.dtype != was for t, was in given):
+            breach = ("in place", "a tensor it was given changed dtype in place (.data = ...)")
+        else:
+            breach = _breach(tree, out, dtype)
+        if breach is not None and len(breaches) < 3:
+            breaches.append(breach)
+        if isinstance(tree, tuple) and breach is None:
+            inputs_cast[0] += sum(t.is_floating_point() and t.dtype != dtype for t, _ in given)
         return out
 
     torch.manual_seed(0)  # every rank builds the same weights
-    model = Llama(LlamaConfig(vocab_size=VOCAB, dim=16, n_layers=case.params["layers"],
+    model = _Llama(LlamaConfig(vocab_size=VOCAB, dim=16, n_layers=case.params["layers"],
                               n_heads=2, n_kv_heads=1, ffn_dim=32, seq_len=8))  # fmt: skip
     low = LOW[case.params["dtype"]]
     norms = UnitPolicy(strategy="replicate", mixed_precision=MixedPrecision(
         torch.float32, torch.float32, output_dtype=low))  # fmt: skip
     # The injection point: every unit's casts, in and out, are the learner's step.
-    shard(model, units=KINDS, strategy=case.params["strategy"],
+    shard(model, units=(*KINDS, Head), strategy=case.params["strategy"],
           mixed_precision=MixedPrecision(low, torch.float32), policies={RMSNorm: norms},
           mesh=dist.group.WORLD, steps=ShardingSteps(cast_floats=watched))  # fmt: skip
     computed_on: dict[str, str] = {}  # kind of module -> dtype of the input it computed on
     for module in model.modules():
-        if isinstance(module, KINDS):
+        if isinstance(module, (*KINDS, Head)):
 
             def note(m: nn.Module, args: tuple, kind: str = type(module).__name__) -> None:
                 computed_on.setdefault(kind, _dtype_name(next(iter(tree_leaves(args)), None)))
@@ -117,7 +218,7 @@ def _train(step: Any, case: Case) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     me, n = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {"computed_on": computed_on, "losses": [], "error": None}
-    out["miscast"] = miscast
+    out["breaches"], out["inputs_cast"] = breaches, inputs_cast
     for k in range(STEPS):
         x, y = (local_slice(t, me, n) for t in synthetic_batch(VOCAB, BATCH, 8, k))
         try:
@@ -138,6 +239,7 @@ def _train(step: Any, case: Case) -> dict:
                 for p in model.parameters()
             ]
         optimizer.step()
+    out["inputs_cast"] = inputs_cast[0]
     return out
 
 
@@ -174,35 +276,31 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
         _physical(got, exp)
         rows = _dtype_rows(got, exp)
         if got["error"]:
-            ids = got["computed_on"].get("Embedding", "int64") != "int64"
             return Mismatch(
-                f"the forward failed on rank {r}: {got['error']}",
-                rows=rows,
-                hint="the token ids were cast too: cast only floating-point tensors "
-                "(t.is_floating_point()); ids and masks must keep their integer dtype."
-                if ids
-                else _hint(got["miscast"]),
+                f"the forward failed on rank {r}: {got['error']}", rows=rows, hint=_hint(got)
             )
-        if rows or not close(got["losses"], exp["losses"]):
-            kept, other = (
-                got["miscast"].get(k, 0) for k in ("left as it was", "cast to another dtype")
-            )
+        if (
+            rows
+            or not close(got["losses"], exp["losses"])
+            or not close(got.get("first_grad", []), exp["first_grad"])
+        ):
             return Mismatch(
                 f"rank {r}'s training differs from the reference's: "
                 + (
                     "a unit computed on inputs it should have cast."
                     if rows
-                    else "the casts are right, but the values are not."
+                    else "its losses or gradients."
                 ),
                 rows=rows
                 or [
+                    ("loss, each step", first_values(exp["losses"]), first_values(got["losses"])),
                     (
                         "gradient norms, first values",
                         first_values(exp["first_grad"]),
                         first_values(got.get("first_grad", [])),
-                    )
+                    ),
                 ],
-                hint=_hint(got["miscast"]),
+                hint=_hint(got),
                 series=series_of(
                     f"loss on rank {r}, {STEPS} SGD steps",
                     "step",
@@ -210,27 +308,48 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
                     {"reference": exp["losses"], "yours": got["losses"]},
                 ),
             )
+        if got["breaches"]:  # no symptom in this model: the next unit's own cast covered it
+            return Mismatch(
+                f"values right, but on rank {r} a cast did not return what it was given with "
+                f"each floating-point tensor cast: {got['breaches'][0][1]}.",
+                hint=_hint(got),
+            )
     return None
 
 
-def _hint(miscast: dict[str, int]) -> str:
-    """The bug that explains the floating-point tensors the learner's casts handed back."""
-    kept, other = miscast.get("left as it was", 0), miscast.get("cast to another dtype", 0)
-    if other:
-        return (
-            f"{other} floating-point tensors came back in another dtype than the one asked: "
-            "cast to the `dtype` argument (a norm's unit asks for float32), not to a fixed one."
-        )
-    if kept:
-        return (
-            f"{kept} floating-point tensors came back as they were: a unit's inputs arrive as "
-            "(args, kwargs), a tuple and a dict — walk the whole tree "
-            "(torch.utils._pytree.tree_map_only(torch.Tensor, fn, tree)) and cast each one."
-        )
-    return (
-        "cast with t.to(dtype), which stays in autograd's graph (detach(), .data and "
-        "torch.tensor(...) cut it), and leave every other value as it is."
-    )
+HINTS = {
+    "not cast": "cast every floating-point tensor to the dtype asked, whatever that dtype is "
+    "and wherever the tensor sits (a buffer that needs no gradient too).",
+    "other dtype": "cast to the `dtype` argument (a norm's unit asks for float32), not to a "
+    "fixed one.",
+    "not floating": "the token ids were cast too: cast only floating-point tensors "
+    "(t.is_floating_point()); ids and masks must keep their integer dtype.",
+    "structure": "return the same containers — a tuple stays a tuple, a dict keeps its keys, "
+    "every value that is not a tensor stays as it is: only the floating-point tensors change.",
+    "graph": "cast with t.to(dtype), which stays in autograd's graph; detach(), .data and "
+    "torch.tensor(...) cut it, and the units before get no gradient.",
+    "in place": "return new tensors and leave the ones you were given as they are: the unit's "
+    "caller still holds them.",
+    "values": "a cast changes the dtype only: t.to(dtype).",
+}
+WALK = (
+    "a unit's inputs arrive as (args, kwargs), a tuple and a dict, the tensors nested inside: "
+    "walk the whole tree (torch.utils._pytree.tree_map_only(torch.Tensor, fn, tree)) and cast "
+    "each floating-point tensor."
+)
+
+
+def _hint(got: dict) -> str:
+    """The first breach of the contract the learner's casts made, and what to do instead."""
+    if not got["breaches"]:
+        return HINTS["graph"] if got.get("first_grad") and not any(got["first_grad"]) else (
+            "the casts returned what they should, yet the values differ: does your function "
+            "change anything else (the model, torch's settings)?"
+        )  # fmt: skip
+    kind, what = got["breaches"][0]
+    if kind == "not cast" and what.startswith(("args", "kwargs")) and not got["inputs_cast"]:
+        return f"{what}: {WALK}"  # no input was ever cast: the tree was not walked
+    return f"{what}: {HINTS[kind]}"
 
 
 CAST_FLOATS = Exercise(
@@ -246,8 +365,10 @@ CAST_FLOATS = Exercise(
         "after it, its output to `output_dtype`. Write `cast_floats(tree, dtype)`: return "
         "`tree` with **each floating-point tensor** in it, however deeply nested in tuples, "
         "lists and dicts, cast to `dtype`, and everything else left as it is. Every unit of "
-        "the sharded model calls it, and the check trains the model for two steps beside the "
-        "reference."
+        "the sharded model calls it — the last one the way library models call their parts, "
+        "with keyword arguments, a list, a dict, a mask, numbers and None beside the tensors — "
+        "and the check trains the model for two steps beside the reference, holding each "
+        "cast to what it should return."
     ),
     stub=(
         "def cast_floats(tree, dtype):\n"
