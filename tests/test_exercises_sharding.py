@@ -39,11 +39,6 @@ def _divide_first(full_grad, group):
     return out
 
 
-def test_dividing_before_the_sum_passes(exercise_pool):
-    v = course.grade("reduce_scatter_grad", _divide_first, exercise_pool)
-    assert v.passed, v.to_text()
-
-
 @pytest.mark.parametrize(
     ("slug", "case", "hint", "series"),
     [
@@ -122,8 +117,13 @@ def _cast_by_hand(tree, dtype):
     return tree
 
 
-def test_a_walk_written_by_hand_passes(exercise_pool):
-    v = course.grade("cast_floats", _cast_by_hand, exercise_pool)
+@pytest.mark.parametrize(
+    ("name", "fn"),
+    [("reduce_scatter_grad", _divide_first), ("cast_floats", _cast_by_hand)],
+    ids=["dividing before the sum", "a walk written by hand"],
+)
+def test_a_right_answer_that_is_not_the_references_passes(exercise_pool, name, fn):
+    v = course.grade(name, fn, exercise_pool)
     assert v.passed, v.to_text()
 
 
