@@ -244,3 +244,21 @@ def test_the_course_engine_uses_the_topics_and_no_topic_uses_the_engine():
     assert any(
         t.startswith("fsdp_lab.sharding.exercises") for t in graph["fsdp_lab.course.catalog"]
     )
+
+
+# The layers every topic shares: collectives, traces, ranks, choices. The rest of what `shard()`
+# imports is the mechanism a reader walks.
+SHARED_LAYERS = ("comm", "trace", "cluster", "choices", "lazy", "host", "cores")
+
+
+def test_shard_reads_in_one_folder_in_at_most_eleven_files():
+    """Issue 38: reading `shard()` opened 15 package files, one in another topic's folder
+    (`tying/ties.py`); FSDP2's own core reads in 6-8."""
+    code = "import sys, fsdp_lab.sharding.apply; print(*sorted(sys.modules))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split()
+    ours = [m for m in loaded if m == "fsdp_lab" or m.startswith("fsdp_lab.")]
+    walked = [m for m in ours[1:] if m.split(".")[1] not in SHARED_LAYERS]
+    assert all(m.startswith("fsdp_lab.sharding") for m in walked), walked
+    assert len(walked) <= 11, walked

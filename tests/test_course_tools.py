@@ -206,10 +206,10 @@ def test_the_teaching_guide_tables_are_current_and_time_every_exercise():
     import importlib.util
 
     root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("tt", root / "scripts/teaching_tables.py")
+    spec = importlib.util.spec_from_file_location("tt", root / "scripts/doc_tables.py")
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)
-    assert tables.main(["--check"]) == 0, "fix: python scripts/teaching_tables.py"
+    assert tables.main(["--check"]) == 0, "fix: python scripts/doc_tables.py"
     doc = (root / "docs" / "teaching.md").read_text()
     timed = doc.split("<!-- generated: times", 1)[1].split("<!-- end generated -->", 1)[0]
     for group in LABS.values():

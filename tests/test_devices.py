@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_lab.labs.registry import LABS
-from fsdp_lab.sharding.checks import check_model
+from fsdp_lab.sharding.apply import check_model
 from fsdp_lab.sharding.materialize import concrete_device, materialize
 
 

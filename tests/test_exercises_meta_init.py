@@ -13,7 +13,7 @@ from fsdp_lab.meta_init.exercises import EXERCISES
 from fsdp_lab.meta_init.exercises import param_shard as meta_init
 from fsdp_lab.meta_init.exercises import retie as meta_retie
 from fsdp_lab.models import tiny_gpt
-from fsdp_lab.tying.ties import to_empty_tied
+from fsdp_lab.sharding.ties import to_empty_tied
 
 
 @pytest.mark.parametrize("world", [1, 3, 4])

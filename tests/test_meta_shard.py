@@ -14,8 +14,8 @@ from fsdp_lab import comm, reference
 from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.sharding import shard
 from fsdp_lab.sharding.materialize import materialize
+from fsdp_lab.sharding.ties import verify_weight_tying
 from fsdp_lab.trace import MemoryTracker
-from fsdp_lab.tying.ties import verify_weight_tying
 
 
 def _meta_gpt(**kw: int) -> nn.Module:

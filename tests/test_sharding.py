@@ -361,7 +361,7 @@ def _refused(kind: str) -> str:
                 model.blocks[0].to_empty(device="cpu")
                 shard(model)
             elif kind == "broken_tie":
-                from fsdp_lab.tying.ties import record_ties
+                from fsdp_lab.sharding.ties import record_ties
 
                 with torch.device("meta"):
                     model = tiny_gpt()

@@ -12,8 +12,8 @@ from fsdp_lab import comm, reference
 from fsdp_lab.cluster import intra_op_threads
 from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.sharding import shard
+from fsdp_lab.sharding.ties import verify_weight_tying
 from fsdp_lab.trace import MemoryTracker
-from fsdp_lab.tying.ties import verify_weight_tying
 
 BLOCKS = [f"blocks.{i}" for i in range(4)]
 JOINT = ("tok_emb", "head")

@@ -11,7 +11,7 @@ import fsdp_lab
 from fsdp_lab import reference
 from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.sharding import shard
-from fsdp_lab.tying.ties import (
+from fsdp_lab.sharding.ties import (
     Tie,
     assert_tied,
     find_ties,

@@ -9,6 +9,7 @@ import graphviz
 import torch.nn as nn
 
 from fsdp_lab.diagrams.base import Diagram
+from fsdp_lab.sharding.ties import find_ties
 from fsdp_lab.sharding.wrap import (
     ROOT,
     Ownership,
@@ -20,7 +21,6 @@ from fsdp_lab.sharding.wrap import (
     unit_name,
     unit_of_module,
 )
-from fsdp_lab.tying.ties import find_ties
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ then deletes what a stage does not own. `PipeGPT` is written so that this works:
 - The head is **untied** from the token embedding. A tie would put one Parameter on stage 0
   (embedding) and on stage S-1 (head): two ranks would each hold a copy and would have to
   all-reduce its two gradient halves every step to stay equal (Megatron-LM's "embedding
-  group"). That is a lesson of its own (see `fsdp_lab.tying.ties`); Llama does not tie either.
+  group"). That is a lesson of its own (see `fsdp_lab.sharding.ties`); Llama does not tie either.
 
 Initialisation is where pipelines go wrong (the pp-seed lab, `fsdp_lab.pipeline.rng`):
 `init_weights` walks the present modules in one fixed order, `init_order()`,

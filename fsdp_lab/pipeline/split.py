@@ -269,7 +269,7 @@ def _check_parameters(model: nn.Module, names: list[list[str]]) -> None:
             raise ValueError(
                 f"{first!r} (stage {t}) and {pname!r} (stage {s}) are one tied Parameter: a "
                 "pipeline cannot split a tie (each stage would train its own copy; Megatron-LM "
-                "all-reduces the two halves of its gradient, see fsdp_lab.tying.ties). Put both "
+                "all-reduces the two halves of its gradient, see fsdp_lab.sharding.ties). Put both "
                 "modules on one stage, or untie them"
             )
         where.setdefault(id(p), (pname, s))

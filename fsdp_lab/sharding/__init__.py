@@ -1,14 +1,14 @@
 """FSDP / ZeRO from scratch: flat parameters, gather/free per unit, reduce-scatter, prefetch.
 
-Read in this order: `apply.py` (`shard()`, the entry point: the lifecycle in five steps), `steps.py` (the
-five steps a learner writes), `flat_param.py` (the storage), `unit.py` (one unit's step, hook by
-hook), `state.py` (what the units share), `mesh.py` (the process groups), `checks.py` (what
-shard refuses, before any message), `storage.py` (each unit's shard and slices), `policy.py`
-(what one unit does differently: "replicate", its precision, CPU offload), `buckets.py` (DDP's
-gradient buckets, sent while backward runs),
-`materialize.py` (meta models, unit by unit), `whole_view.py` (a model's own init code on its
-shards), `state_dict.py` (full checkpoints,
-grad clipping), `sharded_checkpoint.py` (crash-safe sharded checkpoints);
+Read in this order — `shard()`'s lifecycle, in this folder, each file once: `apply.py`
+(`shard()`, the lifecycle in five steps, and what it refuses before any message), `mesh.py`
+(the process groups), `wrap.py` (which modules form a unit), `ties.py` (tied parameters, which
+a plan must keep in one unit), `policy.py` (what one unit does differently: "replicate" and
+DDP's gradient buckets, its precision, CPU offload), `flat_param.py` (a unit's flat storage and
+its builder), `materialize.py` (meta models, unit by unit, and the whole view a model's own
+init code sees), `unit.py` (one unit's step, hook by hook), `steps.py` (the five steps a
+learner writes), `state.py` (what the units share). Beside the lifecycle: `state_dict.py` (full
+checkpoints, grad clipping), `sharded_checkpoint.py` (crash-safe sharded checkpoints),
 `sharded_optimizer.py` (ZeRO-1 as an optimizer beside DDP, PyTorch's ZeroRedundancyOptimizer).
 
 [Note: our names in PyTorch's] The same lifecycle under three vocabularies, so that each lesson
@@ -60,7 +60,7 @@ _PUBLIC = {
     "full_state_dict": "fsdp_lab.sharding.state_dict",
     "load_full_state_dict": "fsdp_lab.sharding.state_dict",
     "ShardingSteps": "fsdp_lab.sharding.steps",
-    "full_init": "fsdp_lab.sharding.whole_view",
+    "full_init": "fsdp_lab.sharding.materialize",
 }
 __all__ = sorted(_PUBLIC)
 __getattr__, __dir__ = lazy_names(__name__, _PUBLIC, globals())

@@ -17,7 +17,7 @@ the units call through their state's `ShardingSteps`, so a course exercise runs 
 version of one inside this very mechanism, passed to `shard(..., steps=...)`.
 
 A replicated unit computes with its own parameters and sends its gradients in DDP's buckets
-while backward runs (`buckets.py`); an offloaded unit copies its shard from host memory before
+while backward runs (`policy.py`); an offloaded unit copies its shard from host memory before
 each gather and its gradient shard back after the reduction (`policy.py`).
 
 The names are FSDP2's (`unshard`, `reshard`, `TrainingState`); every collective goes through
@@ -63,9 +63,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from fsdp_lab import comm
-from fsdp_lab.sharding.buckets import GradBuckets
 from fsdp_lab.sharding.flat_param import FlatParameter
-from fsdp_lab.sharding.policy import UnitPlan
+from fsdp_lab.sharding.policy import GradBuckets, UnitPlan
 from fsdp_lab.sharding.state import ShardingState
 from fsdp_lab.trace import category, mark
 from fsdp_lab.trace.timeline import active_timeline
@@ -115,7 +114,7 @@ class ShardedUnit:
         self.frozen = frozen or [False] * len(flat.segments)
         self._got_grad = [False] * len(flat.segments)  # in this backward, per segment
         # Replicated, not cast, per-parameter, over one group of 2+ ranks: DDP's buckets, sent
-        # during backward (`buckets.py`).
+        # during backward (`policy.py`).
         self.buckets: GradBuckets | None = None
         one_group = state.groups.replicas == 1 and state.groups.shard_size > 1
         if flat.aliased and params is not None and bucket_bytes > 0 and one_group:
@@ -198,7 +197,7 @@ class ShardedUnit:
 
     def _use_views(self) -> None:
         if self.buckets is not None:
-            return  # DDP's way: each module computes with its own parameters (`buckets.py`)
+            return  # DDP's way: each module computes with its own parameters (`policy.py`)
         unit = weakref.ref(self)
         for i, (view, owners) in enumerate(zip(self.flat.views(), self.owners, strict=True)):
             if self.frozen[i]:

@@ -24,9 +24,9 @@ from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, close, series_of
 from fsdp_lab.meta_init.counter_init import DeterministicInit, build_on_meta, meta_summary
 from fsdp_lab.reference import train_steps
 from fsdp_lab.sharding import shard
+from fsdp_lab.sharding.ties import Tie, recorded_ties, retie, to_empty_tied
 from fsdp_lab.trace import MemoryTracker
 from fsdp_lab.tying.exercises import tied_models as tm
-from fsdp_lab.tying.ties import Tie, recorded_ties, retie, to_empty_tied
 
 STEPS = 2
 LR = 0.05
@@ -172,7 +172,7 @@ RETIE = Exercise(
         "A large model is built on the meta device, then made real with "
         "`model.to_empty(device=...)` and initialised. `to_empty` gives every owner of a tied "
         "Parameter a new Parameter of its own: afterwards `model.head.weight` is no longer "
-        "`model.tok_emb.weight`. The ties were recorded on meta (`fsdp_lab.tying.ties.record_ties`). "
+        "`model.tok_emb.weight`. The ties were recorded on meta (`fsdp_lab.sharding.ties.record_ties`). "
         "Write `retie(model, ties)`: for each tie, make every one of its names "
         "(`tie.names`, e.g. `('tok_emb.weight', 'head.weight')`) refer to the very same "
         "Parameter object as its first name. Return nothing: change `model` in place."

@@ -32,10 +32,10 @@ from fsdp_lab.meta_init.lab.config import APPROACHES, CONTROL, MODEL_MB, MODES, 
 from fsdp_lab.meta_init.meta_device import meta_device
 from fsdp_lab.models import Llama, LlamaConfig, lab_llama, lab_units, llama_70b_config, llama_bytes
 from fsdp_lab.sharding import shard
+from fsdp_lab.sharding.ties import record_ties, verify_weight_tying
 from fsdp_lab.sharding.wrap import build_plan, unit_sizes
 from fsdp_lab.trace import MemoryTracker, RssSampler
 from fsdp_lab.trace.rss import release_free_memory, thin_samples
-from fsdp_lab.tying.ties import record_ties, verify_weight_tying
 
 # -- 1. shapes without storage: Llama-3-70B, in a fresh process --------------------------------
 

@@ -14,7 +14,7 @@ from fsdp_lab.meta_init.counter_init import DeterministicInit
 from fsdp_lab.meta_init.meta_device import meta_device
 from fsdp_lab.models import GPTConfig, Llama, LlamaConfig, TinyGPT, lab_units
 from fsdp_lab.sharding.materialize import materialize
-from fsdp_lab.tying.ties import record_ties, retie
+from fsdp_lab.sharding.ties import record_ties, retie
 
 
 def _fork_rng(device: str) -> Any:

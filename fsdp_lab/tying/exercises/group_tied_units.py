@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from fsdp_lab.exercise import Bug, Case, Exercise, Mismatch, WrongOutput, close, series_of
+from fsdp_lab.sharding.ties import find_ties
 from fsdp_lab.sharding.wrap import (
     PlanError,
     build_plan,
@@ -26,7 +27,6 @@ from fsdp_lab.sharding.wrap import (
     unit_of_module,
 )
 from fsdp_lab.tying.exercises import tied_models as tm
-from fsdp_lab.tying.ties import find_ties
 
 Units = list[tuple[str, ...]]
 
@@ -202,7 +202,7 @@ GROUP_TIED_UNITS = Exercise(
         '    """`units` (tuples of module names) with the units that split a tie merged into\n'
         '    one group unit each; every other unit unchanged."""\n'
     ),
-    setup="from fsdp_lab.sharding.wrap import unit_name, unit_of_module\nfrom fsdp_lab.tying.ties import find_ties",
+    setup="from fsdp_lab.sharding.wrap import unit_name, unit_of_module\nfrom fsdp_lab.sharding.ties import find_ties",
     hints=(
         "`find_ties(model)` lists the ties; each has `.modules`, the owner of each of its names.",
         "`unit_of_module(owner, units)` is the unit name of an owner (`''`: the root); "

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from fsdp_lab.model_spec import vocab_size_of
 from fsdp_lab.models import synthetic_batch
 from fsdp_lab.reference import local_slice
+from fsdp_lab.sharding.ties import Tie
 from fsdp_lab.tying.lab.config import LAB_MODEL
 from fsdp_lab.tying.lab.plans import block_names, build_model, model_sizes, split_tie
-from fsdp_lab.tying.ties import Tie
 
 SYSTEMS = (
     "fsdp1 use_orig_params=False",

@@ -27,6 +27,7 @@ from fsdp_lab.meta_init.meta_device import meta_device
 from fsdp_lab.model_spec import SEQ_LEN, check_on_rank0, load_factory
 from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.sharding import shard, sharding_state
+from fsdp_lab.sharding.ties import record_ties, retie, verify_weight_tying
 from fsdp_lab.trace import MemoryTracker, mark
 from fsdp_lab.tying.lab.audit import audit_worker
 from fsdp_lab.tying.lab.config import LAB_MODEL, SPIKE_SYSTEMS, WRAPPINGS, TyingConfig
@@ -38,7 +39,6 @@ from fsdp_lab.tying.lab.plans import (
     model_sizes,
     tie_plans,
 )
-from fsdp_lab.tying.ties import record_ties, retie, verify_weight_tying
 
 
 def preflight(config: TyingConfig) -> None:

@@ -21,8 +21,8 @@ import torch.nn as nn
 
 from fsdp_lab.model_spec import load_factory
 from fsdp_lab.models import tiny_gpt
+from fsdp_lab.sharding.ties import Tie, find_ties
 from fsdp_lab.sharding.wrap import PlanError, build_plan, ownership
-from fsdp_lab.tying.ties import Tie, find_ties
 
 
 def build_model(model_spec: str, gpt: dict[str, int] | None) -> nn.Module:

@@ -1,20 +1,23 @@
-"""The tables of docs/teaching.md: what each exercise is worth and catches, and how long its
-check takes — written from the exercises and from a run, never typed.
+"""The tables of docs/: what each exercise is worth and catches, how long its check takes
+(docs/teaching.md), and every file of every topic folder with its lines and its role
+(docs/architecture.md) — written from the code and from a run, never typed.
 
-    python scripts/teaching_tables.py            # rewrite the catalog block (deterministic)
-    python scripts/teaching_tables.py --times    # ... and measure the check times on this machine
-    python scripts/teaching_tables.py --check    # exit 1 if the catalog block is stale
+    python scripts/doc_tables.py            # rewrite the catalog and files blocks (deterministic)
+    python scripts/doc_tables.py --times    # ... and measure the check times on this machine
+    python scripts/doc_tables.py --check    # exit 1 if a deterministic block is stale
 
-Blocks live between `<!-- generated: NAME (python scripts/teaching_tables.py) -->` and
-`<!-- end generated -->`. The catalog block (labs, points, cases, bugs) follows from the code,
-so tests/test_course_tools.py checks it is current. The times block is a measurement: it says on
-what machine and when, and moves with the machine; the test checks only that it covers every
-exercise.
+Blocks live between `<!-- generated: NAME (python scripts/doc_tables.py) -->` and
+`<!-- end generated -->`. The catalog block (labs, points, cases, bugs) and the files block
+(each topic folder's files, their line counts, the first paragraph of each docstring) follow
+from the code, so the tests check they are current. The times block is a measurement: it says
+on what machine and when, and moves with the machine; the test checks only that it covers
+every exercise.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import platform
 import re
@@ -26,9 +29,10 @@ from pathlib import Path
 from fsdp_lab.course import LABS, ClusterPool, grade
 from fsdp_lab.markdown import table
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "teaching.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = (ROOT / "docs" / "teaching.md", ROOT / "docs" / "architecture.md")
 BLOCK = re.compile(
-    r"(<!-- generated: (?P<name>[\w-]+) \(python scripts/teaching_tables.py\) -->\n)"
+    r"(<!-- generated: (?P<name>[\w-]+) \(python scripts/doc_tables.py\) -->\n)"
     r"(?P<body>.*?)(<!-- end generated -->)",
     re.S,
 )
@@ -85,7 +89,7 @@ def times() -> str:
 
     where = (
         f"Measured {time.strftime('%Y-%m-%d')} on {platform.machine()} Linux, {cores} CPU "
-        f"cores, torch {torch.__version__}, gloo, by `python scripts/teaching_tables.py "
+        f"cores, torch {torch.__version__}, gloo, by `python scripts/doc_tables.py "
         f"--times`; median of {REPEATS} checks of the reference solution on warm ranks. The "
         f"last column: the lab notebook's first check, starting its ranks. Your machine will "
         f"differ: run the command."
@@ -94,13 +98,43 @@ def times() -> str:
     return where + "\n\n" + table(header, rows) + "\n"
 
 
+# The topic folders, in the order docs/architecture.md's reading order takes them.
+TOPICS = ("collectives", "sharding", "checkpointing", "tying", "meta_init", "pipeline", "hsdp",
+          "course")  # fmt: skip
+ROLE_CHARS = 150
+
+
+def _role(path: Path) -> str:
+    """The first paragraph of a file's docstring, on one line, cut near ROLE_CHARS."""
+    doc = (ast.get_docstring(ast.parse(path.read_text())) or "").split("\n\n")[0]
+    role = " ".join(doc.split())
+    if len(role) > ROLE_CHARS:
+        role = role[:ROLE_CHARS].rsplit(" ", 1)[0] + " …"
+    return role.replace("|", "\\|")
+
+
+def files() -> str:
+    """Every file of every topic folder: its lines and its role, from the tree as it is."""
+    rows = []
+    for topic in TOPICS:
+        folder = ROOT / "fsdp_lab" / topic
+        paths = sorted(folder.rglob("*.py"), key=lambda p: (p.name != "__init__.py" or
+                                                             p.parent != folder, str(p)))  # fmt: skip
+        for i, path in enumerate(paths):
+            lines = len(path.read_text().splitlines())
+            name = f"`{path.relative_to(folder)}` ({lines})"
+            here = (topic, f"`fsdp_lab/{topic}/`") if i == 0 else ("", "")
+            rows.append((*here, name, _role(path)))
+    header = ["topic", "folder", "file", "role"]
+    return table(header, rows) + "\n(The number beside a file is its lines.)\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--times", action="store_true")
     args = parser.parse_args(argv)
-    text = DOC.read_text()
-    fresh = {"catalog": catalog}
+    fresh = {"catalog": catalog, "files": files}
     if args.times:
         fresh["times"] = times
     stale = []
@@ -114,13 +148,13 @@ def main(argv: list[str] | None = None) -> int:
             stale.append(name)
         return m.group(1) + body + m.group(4)
 
-    new = BLOCK.sub(rebuild, text)
-    if args.check:
-        for name in stale:
-            print(f"docs/teaching.md: block {name!r} is stale: python scripts/teaching_tables.py")
-        return 1 if stale else 0
-    DOC.write_text(new)
-    return 0
+    for doc in DOCS:
+        new = BLOCK.sub(rebuild, doc.read_text())
+        if not args.check:
+            doc.write_text(new)
+    for name in stale if args.check else ():
+        print(f"docs/: block {name!r} is stale: python scripts/doc_tables.py")
+    return 1 if args.check and stale else 0
 
 
 if __name__ == "__main__":
