@@ -13,7 +13,7 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from fsdp_lab import models
+from fsdp_lab import measured, models
 from fsdp_lab.labs import LabResult
 from fsdp_lab.meta_init import lab
 from fsdp_lab.meta_init.lab import analysis, measure, report
@@ -184,7 +184,7 @@ def test_the_sentences_follow_this_run_s_own_numbers(result):
             x for x in text.splitlines() if x.startswith(f"- {fb(row['parameter_bytes'])}:")
         )
         sync, det = row["sync_module_states"]["time_s"], row["deterministic"]["time_s"]
-        if abs(sync - det) <= report.SAME * max(sync, det):
+        if measured.order([sync], [det]) == 0:
             assert "about the same time" in line
         else:
             faster = "`DeterministicInit`" if det < sync else "`sync_module_states`"

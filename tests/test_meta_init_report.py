@@ -27,6 +27,26 @@ from fsdp_lab.meta_init.lab.config import CONTROL
 # -- the time comparison, in one place -------------------------------------------------------
 
 
+def test_one_rule_says_faster_in_every_lab():
+    """Issue 38: three labs used three rules (ranges overlapping, a 10 % threshold, a 25 %
+    trend tolerance). One rule now: beyond the margin *and* beyond the repeats' spread."""
+    from fsdp_lab import measured
+    from fsdp_lab.checkpointing.lab import report as checkpoint_report
+    from fsdp_lab.pipeline.lab import timing
+
+    assert measured.order([1.0, 1.1, 1.2], [1.5, 1.6, 1.7]) == -1
+    assert measured.order([1.5, 1.6, 1.7], [1.0, 1.1, 1.2]) == 1
+    assert measured.order([1.0, 1.0, 2.0], [1.5, 1.5, 1.6]) == 0  # a repeat inside the other's
+    assert measured.order([1.0], [1.05]) == 0  # within the margin
+    # the same answer, in each lab's words
+    assert timing.trend([1.0], [1.15]) == "grows" and timing.trend([1.0], [1.05]) == "flat"
+    assert "about the same" in report.compare_times("A", 1.0, "B", 1.05)
+    assert "faster" in report.compare_times("A", 1.0, "B", 1.15)
+    rows = [{"schedule": s, "time_s": t, "time_min_s": t, "time_max_s": t, "forward_calls": 1}
+            for s, t in (("store_all", 1.0), ("every(2)", 1.05))]  # fmt: skip
+    assert "cannot be told apart" in checkpoint_report.timing_note(rows)
+
+
 @pytest.mark.parametrize(
     "ta, tb, said",
     [

@@ -57,7 +57,7 @@ def test_init_costs_take_the_slowest_rank_of_each_repeat_then_the_median():
     assert costs["init_time_s_runs"] == [3.0, 5.0, 2.0] and costs["init_time_s"] == 3.0
     runs = [1.0, 1.0, 1.0]
     assert trend(runs, [1.3] * 3) == "grows" and trend(runs, [0.7] * 3) == "falls"
-    assert trend(runs, [1.2] * 3) == "flat"  # within the tolerance
+    assert trend(runs, [1.05] * 3) == "flat"  # within the margin
     # The median moved by half, but one repeat of each lies inside the other's range: noise.
     assert trend([1.0, 1.0, 2.0], [1.5, 1.5, 1.6]) == "flat"
     assert trend([1.0, 1.1, 1.2], [1.5, 1.5, 1.6]) == "grows"

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from fsdp_lab import measured
 from fsdp_lab.checkpointing.lab.analysis import disagreements
 from fsdp_lab.labs.contract import LabResult
 from fsdp_lab.markdown import table
@@ -60,17 +61,23 @@ def schedule_table(rows: Rows, against: str = "") -> str:
 
 def timing_note(rows: Rows) -> str:
     """Each schedule's measured time against the first row's (store_all), in words that claim
-    no more than the repeats show: where the ranges of the runs overlap, no order is claimed."""
+    no more than the repeats show: where the runs overlap, or the medians lie within
+    `measured.MARGIN`, no order is claimed."""
     if len(rows) < 2:
         return ""
     base = rows[0]
     ref = f"`{base['schedule']}`"
     overlap, slower, faster = [], [], []
+
+    def runs(r: dict) -> list[float]:  # the spread of the repeats, around their median
+        return [r["time_min_s"], r["time_s"], r["time_max_s"]]
+
     for r in rows[1:]:
         name = f"`{r['schedule']}`"
-        if r["time_min_s"] <= base["time_max_s"] and base["time_min_s"] <= r["time_max_s"]:
+        said = measured.order(runs(r), runs(base))  # the one rule of `fsdp_lab.measured`
+        if said == 0:
             overlap.append(name)
-        elif r["time_s"] > base["time_s"]:
+        elif said > 0:
             slower.append(f"{name} {r['time_s'] / base['time_s']:.1f}×")
         else:
             faster.append(f"{name} ({r['forward_calls']} layer calls to {base['forward_calls']})")
@@ -79,8 +86,9 @@ def timing_note(rows: Rows) -> str:
         parts.append(f"slower than {ref}, in median time: {', '.join(slower)}")
     if overlap:
         parts.append(
-            f"{', '.join(overlap)}: cannot be told apart from {ref}, their runs overlap its "
-            f"{_ms(base['time_min_s'])}–{_ms(base['time_max_s'])} ms"
+            f"{', '.join(overlap)}: cannot be told apart from {ref} (runs overlapping its "
+            f"{_ms(base['time_min_s'])}–{_ms(base['time_max_s'])} ms, or medians within "
+            f"{measured.MARGIN:.0%})"
         )
     if faster:
         parts.append(

@@ -12,13 +12,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fsdp_lab import theory
+from fsdp_lab import measured, theory
 from fsdp_lab.labs.contract import LabResult
 from fsdp_lab.markdown import table
 from fsdp_lab.meta_init.lab.config import APPROACHES, CONTROL, MODES, PARENT_INIT, RECIPE
 from fsdp_lab.sizes import format_bytes as fb
 
-SAME = 0.10  # two times within 10% of each other are "about the same" (shared-CPU noise)
 GPU_BYTES = 80 * 2**30  # the memory of one 80 GiB GPU (H100, A100 80GB): model state must fit
 STAGES = {  # theory.zero_table's keys, as the table's columns name them
     "none": "DDP 16Ψ",
@@ -38,9 +37,10 @@ def _s(seconds: float) -> str:
 
 
 def compare_times(a: str, ta: float, b: str, tb: float) -> str:
-    """A clause: `a` was so many times faster than `b`, or about the same (within `SAME`)."""
-    if max(ta, tb) <= 0 or abs(ta - tb) <= SAME * max(ta, tb):
-        return f"{a} and {b} took about the same time ({_s(ta)} vs {_s(tb)}, within {SAME:.0%})"
+    """A clause: `a` was so many times faster than `b`, or about the same (the one rule,
+    `fsdp_lab.measured.order`; one run each, so the margin decides)."""
+    if max(ta, tb) <= 0 or measured.order([ta], [tb]) == 0:
+        return f"{a} and {b} took about the same time ({_s(ta)} vs {_s(tb)}, within {measured.MARGIN:.0%})"
     fast, slow, tf, ts = (a, b, ta, tb) if ta < tb else (b, a, tb, ta)
     ratio = f"{ts / tf:.1f}×" if tf > 0 else "far"
     return f"{fast} was {ratio} faster than {slow} ({_s(tf)} vs {_s(ts)})"
@@ -82,7 +82,7 @@ def seventy_b_text(result: LabResult) -> str:
         memory = f"The first build's resident memory grew by {fb(grew)}, no less than the "
         memory += f"{fb(weights)} of its parameters: something was allocated"
     t1, t2 = first["build_time_s"], second["build_time_s"]
-    if abs(t1 - t2) <= SAME * max(t1, t2):
+    if measured.order([t1], [t2]) == 0:
         order = (
             f"the two builds took about the same time ({_s(t1)} vs {_s(t2)}): what a process pays "
             "once did not show above the noise in this run"

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from fsdp_lab import measured
 from fsdp_lab.choices import SEEDING_STRATEGIES as STRATEGIES
 from fsdp_lab.labs.contract import LabResult
 from fsdp_lab.markdown import table
 from fsdp_lab.pipeline.lab.config import LOSS_RTOL, MIN_SEEDS
-from fsdp_lab.pipeline.lab.timing import TREND_TOLERANCE
 from fsdp_lab.sizes import format_bytes
 
 # The course note's "exact seeding": every rank draws its own values, and together they are the
@@ -468,7 +468,7 @@ def scaling_sentence(result: LabResult) -> str:
     )
     text = (
         f"Measured, the pipeline's init time (its slowest rank) on {lo} and on {hi} ranks: "
-        f"{moved} (a move counts only beyond {TREND_TOLERANCE:.0%} and beyond the spread of "
+        f"{moved} (a move counts only beyond {measured.MARGIN:.0%} and beyond the spread of "
         "the repeats)."
     )
     exact = [s for s in EXACT_SEEDING if s in trends]
@@ -556,11 +556,11 @@ def convergence_sentence(result: LabResult) -> str:
 def first_call_sentence(result: LabResult) -> str:
     """What a strategy's first call in a fresh rank process cost against its measured calls."""
     first = result["first_call"]
-    slow = {s: f for s, f in first.items() if f["ratio"] > 1 + TREND_TOLERANCE}
+    slow = {s: f for s, f in first.items() if f["ratio"] > 1 + measured.MARGIN}
     if not slow:
         return (
             " Each strategy's first call in the rank processes (a warm-up, not kept) took no "
-            f"more than {1 + TREND_TOLERANCE:.2f}x its measured median: first calls cost nothing "
+            f"more than {1 + measured.MARGIN:.2f}x its measured median: first calls cost nothing "
             "extra here."
         )
     worst = max(slow, key=lambda s: slow[s]["ratio"])
@@ -581,7 +581,7 @@ def growth_timing_sentence(result: LabResult) -> str:
     timing = result["growth_timing"]
     wall = {s: d for s, d in timing["dips"]["wall"].items() if d}
     cpu = {s: d for s, d in timing["dips"]["cpu"].items() if d}
-    tol = f"{TREND_TOLERANCE:.0%}"
+    tol = f"{measured.MARGIN:.0%}"
 
     def where(dips: dict[str, list[list[int]]]) -> str:
         return join(

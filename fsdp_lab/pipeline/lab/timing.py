@@ -14,11 +14,8 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
+from fsdp_lab import measured
 from fsdp_lab.pipeline.lab.config import PPSeedConfig
-
-# A time "grows" or "falls" only beyond this fraction (either way): smaller moves are within
-# what repeats of one init move on a shared machine.
-TREND_TOLERANCE = 0.25
 
 
 def init_costs(inits: list[dict[str, Any]]) -> dict[str, Any]:
@@ -42,16 +39,9 @@ def init_costs(inits: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def trend(first: list[float], last: list[float]) -> str:
-    """ "grows", "falls" or "flat": the repeats `last` against the repeats `first`. A time grows
-    (falls) only if its median moved by more than `TREND_TOLERANCE` *and* every repeat of `last`
-    lies above (below) every repeat of `first`: a move inside the repeats' own spread is noise.
-    """
-    a, b = median(first), median(last)
-    if b > a * (1 + TREND_TOLERANCE) and min(last) > max(first):
-        return "grows"
-    if b < a / (1 + TREND_TOLERANCE) and max(last) < min(first):
-        return "falls"
-    return "flat"
+    """ "grows", "falls" or "flat": the repeats `last` against the repeats `first`, by the one
+    rule every lab uses (`fsdp_lab.measured.order`: beyond the margin and the spread)."""
+    return {1: "grows", -1: "falls", 0: "flat"}[measured.order(last, first)]
 
 
 def scaling_rows(
