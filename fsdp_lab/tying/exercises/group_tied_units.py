@@ -202,7 +202,7 @@ GROUP_TIED_UNITS = Exercise(
         '    """`units` (tuples of module names) with the units that split a tie merged into\n'
         '    one group unit each; every other unit unchanged."""\n'
     ),
-    setup="from fsdp_lab.sharding.wrap import unit_name, unit_of_module\nfrom fsdp_lab.sharding.ties import find_ties",
+    setup="from fsdp_lab.sharding.ties import find_ties\nfrom fsdp_lab.sharding.wrap import unit_name, unit_of_module",
     hints=(
         "`find_ties(model)` lists the ties; each has `.modules`, the owner of each of its names.",
         "`unit_of_module(owner, units)` is the unit name of an owner (`''`: the root); "
