@@ -10,7 +10,7 @@ Public names (everything else may change):
 - `shard(model, units=..., strategy=...)`, `MixedPrecision`: FSDP/ZeRO from scratch.
 - `ShardedOptimizer(params, optimizer_class, **kwargs)`: ZeRO-1 as an optimizer, with
   PyTorch's `ZeroRedundancyOptimizer` contract (beside DDP).
-- `LabResult`: what every `fsdp_lab.labs.<lab>.run(...)` returns.
+- `LabResult`: what every `fsdp_lab.<topic>.lab.run(...)` returns.
 - `plan(model, gpus, ...)`: a real run planned (memory, bytes, step time), `verify="fake"` runs
   it on a fake rank.
 """

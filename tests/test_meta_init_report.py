@@ -310,7 +310,7 @@ def test_the_o1_claim_is_judged_from_bytes_and_from_times_where_each_rank_had_a_
     text = scaling.claim_text(_sweep([1.0, 2.0, 9.0, 9.0], [1.0, 1.1, 9.0, 9.0]), cores=2)
     sync, det = [line for line in text.splitlines() if line.startswith("- ")]
     assert "total grows with the rank count" in sync and "grew from 1000 ms" in sync
-    assert "no rank sent a byte" in det and "did not grow beyond 25%" in det
+    assert "no rank sent a byte" in det and "did not grow beyond 10%" in det
     # The other way round: the exact init's time grew, sync's did not.
     text = scaling.claim_text(_sweep([1.0, 1.0, 1.0, 1.0], [1.0, 2.0, 2.0, 2.0]), cores=2)
     sync, det = [line for line in text.splitlines() if line.startswith("- ")]

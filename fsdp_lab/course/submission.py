@@ -86,7 +86,7 @@ def code_cells(path: Path, name: str | None = None) -> list[str]:
 
 def without_checks(source: str) -> str:
     """`source` without its statements that call a `check_...` function (a learner's own
-    `exercises.check_x(x, pool)`); a comment or a name that merely mentions one stays."""
+    `course.check_x(x, pool)`); a comment or a name that merely mentions one stays."""
     try:
         tree = ast.parse(source)
     except SyntaxError:

@@ -95,7 +95,7 @@ class PipeGPT(nn.Module):
     """Embedding, ``n_layers`` pre-norm blocks in a ModuleDict, final norm, untied head.
 
     Any of `tok_emb`, `pos_emb`, `norm`, `head` may be None and `layers` may lack keys (a
-    pipeline stage, see `fsdp_lab.pipeline.stages.split_model`). Construction does not touch
+    pipeline stage, see `fsdp_lab.pipeline.split.split_model`). Construction does not touch
     the global RNG; call `init_weights()` after seeding (on the meta device: after
     ``to_empty``).
     """

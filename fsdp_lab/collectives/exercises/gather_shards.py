@@ -2,7 +2,7 @@
 
 `gather_shards` — the all-gather at the heart of FSDP's unshard: every rank holds an equal
 shard of a flat buffer that was padded to a multiple of the group size; all-gather them in
-rank order and strip the padding. It runs on a real `fsdp_lab.sharding.FlatParameter` (the
+rank order and strip the padding. It runs on a real `fsdp_lab.sharding.flat_param.FlatParameter` (the
 sharding mechanism's layout: a model's parameters flattened, padded, cut into shards): the
 gathered tensor is unflattened back into the model's parameters, and a forward with them must
 match the unsharded model's. The classic bugs: forgetting to strip the padding (the result is

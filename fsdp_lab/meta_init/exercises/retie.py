@@ -2,7 +2,7 @@
 
 `retie` — a model built on meta is made real with ``Module.to_empty``, which gives every owner
 of a tied Parameter a new Parameter of its own: the head is no longer the embedding. The learner
-writes the step that restores the ties recorded on meta; it runs inside `tying.to_empty_tied`
+writes the step that restores the ties recorded on meta; it runs inside `sharding.ties.to_empty_tied`
 (its ``retie_fn=``), then the model is initialised (`DeterministicInit`), trained a few Adam
 steps in one process and handed to `shard`. Bugs it catches: forgetting to re-tie (two
 tensors: more parameters and bytes, measured, different values, and `shard` refuses the

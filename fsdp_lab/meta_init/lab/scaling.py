@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fsdp_lab import measured
 from fsdp_lab.cores import available_cores
 from fsdp_lab.markdown import table
 from fsdp_lab.meta_init.lab.analysis import agreement_row
@@ -20,7 +21,6 @@ from fsdp_lab.meta_init.lab.config import APPROACHES
 from fsdp_lab.sizes import format_bytes
 
 CLAIM = "Exact seeding makes init O(1) in the number of nodes."
-GREW = 1.25  # a time counts as grown only if it is over 25% above the one-rank time
 APPROACHES_FIRST = next(iter(APPROACHES))
 
 
@@ -73,7 +73,7 @@ def table_of(sweep: list[dict[str, Any]]) -> str:
 
 def claim_text(sweep: list[dict[str, Any]], cores: int | None = None) -> str:
     """Markdown: the claim, and per approach what the sweep measured — bytes per rank against
-    the rank count (exact), time where every rank had a core (judged beyond `GREW`)."""
+    the rank count (exact), time where every rank had a core (judged by `fsdp_lab.measured.order`)."""
     cores = available_cores() if cores is None else cores
     first, fair = sweep[0], [r for r in sweep if r["world_size"] <= cores]
     lines = [f"**The claim:** “{CLAIM}” **Measured on 1 to {sweep[-1]['world_size']} ranks:**", ""]
@@ -91,14 +91,14 @@ def claim_text(sweep: list[dict[str, Any]], cores: int | None = None) -> str:
         t0, t1 = first[a]["time_s"], last[a]["time_s"]
         if last is first:
             time_part = "its time cannot be judged here (one core)"
-        elif t1 > GREW * t0:
+        elif measured.order([t1], [t0]) > 0:  # one run each: the margin decides
             time_part = (
                 f"its time grew from {t0 * 1e3:.0f} ms on 1 rank to {t1 * 1e3:.0f} ms on "
                 f"{last['world_size']} ({t1 / t0:.1f}×, ranks with a core each)"
             )
         else:
             time_part = (
-                f"its time did not grow beyond {GREW - 1:.0%} from 1 rank ({t0 * 1e3:.0f} ms) "
+                f"its time did not grow beyond {measured.MARGIN:.0%} from 1 rank ({t0 * 1e3:.0f} ms) "
                 f"to {last['world_size']} ({t1 * 1e3:.0f} ms, a core each)"
             )
         ok = all(r[a]["bitwise"] for r in sweep)

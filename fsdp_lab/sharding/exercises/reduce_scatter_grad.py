@@ -1,5 +1,5 @@
-"""Exercise of the sharding lab (FSDP / ZeRO-3): the first of the three steps that make sharding
-work, and the training the reduce exercises share (`train_with`, used by the HSDP one too).
+"""Exercise of the sharding lab (FSDP / ZeRO-3): the first of the steps that make sharding work
+(`ShardingSteps`), and the training the reduce exercises share (`train_with`, used by the HSDP one too).
 
 `reduce_scatter_grad` (here) — after a unit's backward, each rank holds the gradient of the
 *whole* unit, computed on its own batch; it must keep only its chunk of the *average* over the
