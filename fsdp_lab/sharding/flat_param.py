@@ -17,6 +17,9 @@ same storage is refilled for backward. FSDP1 and FSDP2 free exactly this way.
 Where real FSDP goes further: FSDP2 keeps one DTensor per original parameter (sharded on
 dim 0) instead of a flat buffer, so parameters keep their names and shapes, and copies them
 in and out of a flat all-gather buffer; it also manages CUDA streams for the overlap.
+
+The second half of this file builds each unit's storage from the model (`build_storage`,
+step 4 of `shard()`): the flat shard, and the original parameters turned into slices of it.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@
 the model's defaults; `policies={unit: UnitPolicy(...)}` changes them for some units, and
 `resolve_policies` turns both into one `UnitPlan` per unit — every refusal before any message.
 
-    UnitPolicy(strategy="replicate")   whole on every rank, gradient all-reduced (DDP's way) —
-                                       a model's norms inside a ZeRO-3 model
+    UnitPolicy(strategy="replicate")   whole on every rank, gradient all-reduced (DDP's way,
+                                       in the buckets at the end of this file) — a model's
+                                       norms inside a ZeRO-3 model
     UnitPolicy(mixed_precision=FP32)   this unit computes in fp32 while the rest runs in bf16
     UnitPolicy(reshard_after_forward=False)   kept gathered between forward and backward
     UnitPolicy(offload=True)           shard, gradient and optimizer state in host memory;
