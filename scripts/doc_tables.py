@@ -104,13 +104,13 @@ TOPICS = ("collectives", "sharding", "checkpointing", "tying", "meta_init", "pip
 ROLE_CHARS = 150
 
 
-def _role(path: Path) -> str:
+def _role(source: str) -> str:
     """The first paragraph of a file's docstring, on one line, cut near ROLE_CHARS."""
-    doc = (ast.get_docstring(ast.parse(path.read_text())) or "").split("\n\n")[0]
+    doc = (ast.get_docstring(ast.parse(source)) or "").split("\n\n")[0]
     role = " ".join(doc.split())
     if len(role) > ROLE_CHARS:
         role = role[:ROLE_CHARS].rsplit(" ", 1)[0] + " …"
-    return role.replace("|", "\\|")
+    return role
 
 
 def files() -> str:
@@ -121,10 +121,10 @@ def files() -> str:
         paths = sorted(folder.rglob("*.py"), key=lambda p: (p.name != "__init__.py" or
                                                              p.parent != folder, str(p)))  # fmt: skip
         for i, path in enumerate(paths):
-            lines = len(path.read_text().splitlines())
-            name = f"`{path.relative_to(folder)}` ({lines})"
+            source = path.read_text()
+            name = f"`{path.relative_to(folder)}` ({len(source.splitlines())})"
             here = (topic, f"`fsdp_lab/{topic}/`") if i == 0 else ("", "")
-            rows.append((*here, name, _role(path)))
+            rows.append((*here, name, _role(source)))
     header = ["topic", "folder", "file", "role"]
     return table(header, rows) + "\n(The number beside a file is its lines.)\n"
 

@@ -181,7 +181,7 @@ def _walk(tree, dtype, depth=0, *, limit=None, tensor=None, container=None):
         return (container or type(tree))(walk(t) for t in tree)
     if isinstance(tree, dict):
         return {k: walk(v) for k, v in tree.items()}
-    return None if container is dict else tree
+    return tree
 
 
 # Each passed with full points before the check's model called a unit with keyword arguments,

@@ -13,7 +13,6 @@ expected vs got, one hint; the traceback of a rank that raised or hung). It rais
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import sys
 from collections.abc import Callable
@@ -74,10 +73,10 @@ def _checks() -> list[str]:
 
 def __getattr__(name: str) -> Any:
     if name.startswith("check_"):
-        if name not in _checks():  # a typo in a notebook: name the check it meant
-            close = difflib.get_close_matches(name, _checks(), n=1)
-            fix = f": did you mean {close[0]!r}?" if close else ""
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}{fix}")
+        try:  # a typo in a notebook: the catalog names the exercise it meant
+            exercise(name.removeprefix("check_"))
+        except ValueError as exc:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}: {exc}") from None
         globals()[name] = _check_of(name.removeprefix("check_"))
         return globals()[name]
     return _lazy_getattr(name)
