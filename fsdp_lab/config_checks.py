@@ -1,4 +1,5 @@
-"""Checks every frozen config shares (labs' configs, `models.LlamaConfig`), in Python terms.
+"""A lab config's fields, each declared once (`knob`: its help and what it allows), and the
+checks every frozen config shares (labs' configs, `models.LlamaConfig`), in Python terms.
 
 A config validates itself when it is built, so a wrong value fails at once — in a notebook
 cell, before any rank starts, or on the command line, where `fsdp_lab.labs.options.to_flags`
@@ -8,8 +9,8 @@ says the same message in flags. Torch-free.
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import fields
+from collections.abc import Sequence
+from dataclasses import MISSING, field, fields
 from typing import Any
 
 
@@ -19,72 +20,87 @@ def is_int(value: Any, low: int = 1, high: int | None = None) -> bool:
     return ok and (high is None or value <= high)
 
 
+def knob(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    choices: Sequence[Any] | None = None,
+    fix: Any = MISSING,
+    **cli: Any,
+) -> Any:
+    """A config field whose help and allowed values are declared once, on the field: the help
+    is the ``--help`` text and names the field in an error; `low`/`high` (inclusive, `high`
+    None for no upper bound) and `choices` are what `check_fields` allows; `fix` is the value
+    an error proposes (default: the field's default). `cli` is what `fsdp_lab.labs.options`
+    reads: ``flag``, ``metavar``, ``nargs``, ``cli=False``."""
+    metadata: dict[str, Any] = {"help": help, **cli}
+    if low is not None:
+        metadata["range"] = (low, high)
+    if choices is not None:
+        metadata["choices"] = list(choices)
+    if fix is not MISSING:
+        metadata["fix"] = fix
+    return field(default=default, metadata=metadata)
+
+
 def field_help(config_cls: type) -> dict[str, str]:
-    """Each field's line in the class docstring's ``Args:`` section (``a, b: text`` covers both)."""
-    helps: dict[str, str] = {}
-    names: list[str] = []
-    for line in (config_cls.__doc__ or "").splitlines():
-        match = re.match(r"\s*([a-z_0-9, ]+):\s+(.*)", line)
-        if match and all(n.strip().isidentifier() for n in match.group(1).split(",")):
-            names = [n.strip() for n in match.group(1).split(",")]
-            for n in names:
-                helps[n] = match.group(2).strip()
-        elif names and line.strip():  # a continuation line
-            for n in names:
-                helps[n] += " " + line.strip()
-    return helps
+    """Each field's help, as its `knob` declares it."""
+    return {f.name: f.metadata.get("help", "") for f in fields(config_cls)}
 
 
-def check_counts(config: Any, lows: dict[str, int], fixes: dict[str, Any] | None = None) -> None:
-    """Each named field an int >= its low bound (None allowed where None is the default), or a
-    ValueError naming the value, what it counts (from the docstring) and the default as the fix.
-    """
-    defaults = {f.name: f.default for f in fields(config)}
-    helps = field_help(type(config))
-    for name, low in lows.items():
-        value = getattr(config, name)
-        if is_int(value, low) or (value is None and defaults[name] is None):
+def check_fields(config: Any) -> None:
+    """Every field of `config` against what its `knob` allows, in declaration order: one of its
+    ``choices``; within its ``range`` — an int for int fields, a finite number for float fields,
+    tuples element by element; None passes where None is the default. A ValueError names the
+    value, what is allowed, what the field is and the fix (``steps=0 is out of range: allowed
+    an int from 1 to 100,000 (training steps). Fix: steps=5``). The highs are what a lab runs
+    on one host: a value past them fails at once, not on the ranks after they started."""
+    for f in fields(config):
+        value, default = getattr(config, f.name), f.default
+        if value is None and default is None:
             continue
-        what = helps.get(name, name).rstrip(".")
-        fix = (fixes or {}).get(name, defaults[name])
-        raise ValueError(
-            f"{name}={value!r} is out of range: allowed an int >= {low} ({what}). Fix: {name}={fix}"
-        )
+        fix = f.metadata.get("fix", default)
+        if "choices" in f.metadata and value not in f.metadata["choices"]:
+            raise ValueError(
+                f"{f.name}={value!r}: expected one of {f.metadata['choices']}. "
+                f"Fix: {f.name}={fix!r}"
+            )
+        if "range" in f.metadata:
+            _check_range(f.name, value, f.metadata["range"], "int" in str(f.type), f, fix)
 
 
-def check_ranges(config: Any, ranges: dict[str, tuple[float, float]]) -> None:
-    """Each named field within its (low, high), inclusive — an int for int fields, a finite
-    number for float fields; None passes where None is the default; tuples are checked element
-    by element. A ValueError names the value, the range, what the field is (from the
-    docstring) and the default as the fix. The highs are what a lab can run on one host: a
-    value past them fails at once, not on the ranks after they started."""
-    defaults = {f.name: f.default for f in fields(config)}
-    types = {f.name: str(f.type) for f in fields(config)}
-    helps = field_help(type(config))
-    for name, (low, high) in ranges.items():
-        value = getattr(config, name)
-        if value is None and defaults[name] is None:
-            continue
-        integer = "int" in types[name]
-        values = value if isinstance(value, tuple) else (value,)
+def _check_range(
+    name: str, value: Any, bounds: tuple[float, float | None], integer: bool, f: Any, fix: Any
+) -> None:
+    low, high = bounds
+    values = value if isinstance(value, tuple) else (value,)
+    if integer:
+        ok = all(is_int(v, int(low), None if high is None else int(high)) for v in values)
+    else:
         ok = all(
-            is_int(v, int(low), int(high))
-            if integer
-            else isinstance(v, int | float)
+            isinstance(v, int | float)
             and not isinstance(v, bool)
             and math.isfinite(v)
-            and low <= v <= high
+            and low <= v
+            and (high is None or v <= high)
             for v in values
         )
-        if ok:
-            continue
-        what = helps.get(name, name).rstrip(".")
-        kind, show = ("an int", "{:,}") if integer else ("a number", "{:g}")
-        fix = defaults[name]
-        if fix is None:  # the nearest allowed value
-            near = value if isinstance(value, int | float) and math.isfinite(value) else low
-            fix = min(max(near, low), high)
-        raise ValueError(
-            f"{name}={value!r} is out of range: allowed {kind} from {show.format(low)} to "
-            f"{show.format(high)} ({what}). Fix: {name}={fix!r}"
-        )
+    if ok:
+        return
+    kind, show = ("an int", "{:,}") if integer else ("a number", "{:g}")
+    if isinstance(value, tuple):
+        kind = "ints" if integer else "numbers"
+    allowed = (
+        f"{kind} >= {show.format(low)}"
+        if high is None
+        else (f"{kind} from {show.format(low)} to {show.format(high)}")
+    )
+    if fix is None:  # the nearest allowed value
+        near = value if isinstance(value, int | float) and math.isfinite(value) else low
+        fix = max(near, low) if high is None else min(max(near, low), high)
+    what = f.metadata.get("help", name).rstrip(".")
+    raise ValueError(
+        f"{name}={value!r} is out of range: allowed {allowed} ({what}). Fix: {name}={fix!r}"
+    )

@@ -122,7 +122,10 @@ def test_tour_runs_every_lab_with_progress_and_summary(tmp_path):
         (["collectives", "--world-size", "0"], "0 is not >= 1"),
         (["collectives", "--world-size", "two"], "'two' is not an integer"),
         (["collectives", "--backend", "mpi"], "invalid choice: 'mpi'"),
-        (["collectives", "--numel", "0"], "--numel 0 is out of range: allowed an int >= 1"),
+        (
+            ["collectives", "--numel", "0"],
+            "--numel 0 is out of range: allowed an int from 1 to 67,108,864",
+        ),
         (["collectives", "--model", "m:f"], "--model is not used by this lab"),
         (["checkpoint", "--every", "9"], "--every 9 is out of range: allowed 1..8"),
         (["checkpoint", "--budget", "1"], "--budget 1 is out of range: allowed 2..8"),
@@ -130,7 +133,7 @@ def test_tour_runs_every_lab_with_progress_and_summary(tmp_path):
         (["checkpoint", "--model", "m:f"], "--model is not used by this lab"),
         (
             ["shard", "--steps", "0"],
-            "--steps 0 is out of range: allowed an int >= 1 (training steps)\n  hint: --steps 5",
+            "--steps 0 is out of range: allowed an int from 1 to 100,000 (training steps)\n  hint: --steps 5",
         ),
         (["shard", "--strategy", "zero5"], "--strategy: invalid choice: 'zero5'"),
         (["collectives", "--device", "gpu"], "--device: invalid choice: 'gpu'"),
@@ -140,11 +143,17 @@ def test_tour_runs_every_lab_with_progress_and_summary(tmp_path):
         ),
         (["shard", "--world-size", "5"], "12 does not divide over --world-size 5 ranks"),
         (["shard", "--global-batch", "7"], "allowed world sizes [1, 7]\n  hint: --world-size 1"),
-        (["tying", "--vocab", "0"], "--vocab 0 is out of range: allowed an int >= 1"),
+        (
+            ["tying", "--vocab", "0"],
+            "--vocab 0 is out of range: allowed an int from 2 to 1,048,576",
+        ),
         (["tying", "--dim", "30", "--heads", "4"], "--dim 30 is not divisible by --heads 4"),
         (["tying", "--model", "fsdp_lab.models:nope"], "cannot load 'nope'"),
         (["tying", "--model", "fsdp_lab.models:MLPStack"], "the MLPStack has no tied parameters"),
-        (["meta-init", "--model-mb", "4"], "--model-mb 4 is out of range: allowed an int in 8.."),
+        (
+            ["meta-init", "--model-mb", "4"],
+            "--model-mb 4 is out of range: allowed an int from 8 to 16,384",
+        ),
         (["meta-init", "--sizes-mb", "16", "0"], "--sizes-mb 16 0 is out of range"),
         (["meta-init", "--model", "m:f"], "--model is not used by this lab"),
         (

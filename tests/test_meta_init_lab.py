@@ -241,7 +241,7 @@ def test_lab_llama_sizes_and_units():
     "kwargs, message",
     [
         ({"world_size": 0}, "world_size=0 is out of range: allowed an int >= 1"),
-        ({"model_mb": 4}, "model_mb=4 is out of range: allowed an int in 8..16384"),
+        ({"model_mb": 4}, "model_mb=4 is out of range: allowed an int from 8 to 16,384"),
         ({"model_mb": 1.5}, "model_mb=1.5 is out of range"),
         ({"sizes_mb": ()}, "sizes_mb=() is out of range: allowed a non-empty tuple"),
         ({"sizes_mb": (16, 99999)}, "sizes_mb=(16, 99999) is out of range"),

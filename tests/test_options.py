@@ -4,44 +4,31 @@ back in the options' words. No ranks, no torch."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
+from fsdp_lab.config_checks import check_fields, knob
 from fsdp_lab.labs.options import add_config_arguments, config_overrides, field_help, to_flags
 
 
 @dataclass(frozen=True)
 class _Config:
-    """Args:
-    world_size: ranks.
-    steps: training steps.
-    lr: learning rate.
-    sizes_mb: model sizes (MiB) of the table,
-        one row each.
-    strategy: how to shard.
-    prefetch: overlap the next unit's gather.
-    measure_70b: build the 70B model.
-    verbose: say more.
-    dim, heads: the model's width and heads.
-    budget: optional budget.
-    secret: not an option.
-    backend: "auto", "gloo" or "nccl".
-    """
+    """Each field's help on the field, as a lab's config declares it."""
 
-    world_size: int = 2
-    steps: int = 5
-    lr: float = 0.1
-    sizes_mb: tuple[int, ...] = (16, 64)
-    strategy: str = field(default="full", metadata={"choices": ("full", "none")})
-    prefetch: bool = True
-    measure_70b: bool = field(default=True, metadata={"flag": "--no-70b"})
-    verbose: bool = False
-    dim: int = 32
-    heads: int = 4
-    budget: int | None = None
-    secret: str = field(default="x", metadata={"cli": False})
-    backend: str = "auto"
+    world_size: int = knob(2, "ranks.")
+    steps: int = knob(5, "training steps.", low=1, high=100)
+    lr: float = knob(0.1, "learning rate.", low=1e-8, high=10.0)
+    sizes_mb: tuple[int, ...] = knob((16, 64), "model sizes (MiB) of the table, one row each.")
+    strategy: str = knob("full", "how to shard.", choices=("full", "none"))
+    prefetch: bool = knob(True, "overlap the next unit's gather.")
+    measure_70b: bool = knob(True, "build the 70B model.", flag="--no-70b")
+    verbose: bool = knob(False, "say more.")
+    dim: int = knob(32, "the model's width.")
+    heads: int = knob(4, "attention heads.")
+    budget: int | None = knob(None, "optional budget.", low=2, high=8)
+    secret: str = knob("x", "not an option.", cli=False)
+    backend: str = knob("auto", '"auto", "gloo" or "nccl".')
 
 
 def _parse(*argv: str) -> dict:
@@ -77,11 +64,10 @@ def test_common_and_hidden_fields_are_not_generated():
         parser.parse_args(["--strategy", "zero4"])  # choices from the metadata
 
 
-def test_help_comes_from_the_args_section():
+def test_help_and_allowed_values_come_from_the_field():
     helps = field_help(_Config)
     assert helps["steps"] == "training steps."
     assert helps["sizes_mb"] == "model sizes (MiB) of the table, one row each."
-    assert helps["dim"] == helps["heads"] == "the model's width and heads."
     parser = argparse.ArgumentParser()
     add_config_arguments(parser, _Config)
     shown = {a.dest: a.help for a in parser._actions}
@@ -90,6 +76,38 @@ def test_help_comes_from_the_args_section():
         "by default the lab does this: overlap the next unit's gather. This flag skips it."
     )
     assert shown["verbose"] == "say more."
+
+
+@dataclass(frozen=True)
+class _Checked(_Config):
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"steps": 0}, "steps=0 is out of range: allowed an int from 1 to 100 (training steps). Fix: steps=5"),
+        ({"steps": True}, "steps=True is out of range"),  # a bool is not a count
+        ({"lr": float("nan")}, "lr=nan is out of range: allowed a number from 1e-08 to 10"),
+        ({"budget": 9}, "budget=9 is out of range: allowed an int from 2 to 8 (optional budget). Fix: budget=8"),
+        ({"strategy": "zero4"}, "strategy='zero4': expected one of ['full', 'none']. Fix: strategy='full'"),
+    ],
+)  # fmt: skip
+def test_check_fields_allows_what_each_field_declares(given, message):
+    _Checked(budget=None)  # None where None is the default
+    with pytest.raises(ValueError) as err:
+        _Checked(**given)
+    assert str(err.value).startswith(message)
+
+
+def test_every_labs_fields_say_what_they_are():
+    from fsdp_lab.labs.registry import LABS
+
+    for name, lab in LABS.items():
+        config = lab.part("config").CONFIG
+        silent = [f for f, text in field_help(config).items() if not text]
+        assert not silent, f"{name}: fields without help {silent}"
 
 
 @pytest.mark.parametrize(

@@ -207,14 +207,17 @@ def test_layout_defaults():
             "strategy 'replay' is unknown: allowed one or more of ['seed_ch",
         ),
         ({"strategies": ()}, "allowed one or more of"),
-        ({"layers": 0}, "layers=0 is out of range: allowed an int >= 1"),
-        ({"steps": 0}, "steps=0 is out of range: allowed an int >= 1"),
+        ({"layers": 0}, "layers=0 is out of range: allowed an int from 1 to 256"),
+        ({"steps": 0}, "steps=0 is out of range: allowed an int from 1 to 100,000"),
         ({"dim": 30, "heads": 4}, "dim=30 is not divisible by heads=4"),
         (
             {"stages": 2, "world_size": 4, "global_batch": 6},
             "global_batch=6 does not split into dp=2",
         ),
-        ({"optimizer": "lion"}, "optimizer='lion', lr=None: allowed optimizer in ['sgd', 'adam']"),
+        (
+            {"optimizer": "lion"},
+            "optimizer='lion': expected one of ['sgd', 'adam']. Fix: optimizer='sgd'",
+        ),
         ({"grow_dims": (30,)}, "grow_dims=(30,): width 30 is out of range"),
         (
             {"grow_dims": (31,), "dim": 48, "heads": 3},
@@ -223,9 +226,9 @@ def test_layout_defaults():
         ({"world_size": 0}, "world_size=0 is out of range: allowed an int >= 1 (ranks, S x dp"),
         (
             {"vocab": 1},
-            "vocab=1 is out of range: allowed an int >= 2 (vocabulary size). Fix: vocab=64",
+            "vocab=1 is out of range: allowed an int from 2 to 1,048,576 (vocabulary size). Fix: vocab=64",
         ),
-        ({"repeats": 0}, "repeats=0 is out of range: allowed an int >= 1"),
+        ({"repeats": 0}, "repeats=0 is out of range: allowed an int from 1 to 100"),
         (
             {"scale_ranks": (1, 9), "layers": 4},
             "scale_ranks=(1, 9): 9 is out of range: allowed distinct ints in 1..4 (one pipeline "
@@ -234,7 +237,10 @@ def test_layout_defaults():
         ({"scale_ranks": (2, 2)}, "scale_ranks=(2, 2): a count appears twice"),
         ({"scale_dim": 30}, "scale_dim=30 is out of range: allowed an int divisible by heads=4"),
         ({"scale_strategies": ("replay",)}, "scale_strategies=('replay',): strategy 'replay'"),
-        ({"convergence_seeds": -1}, "convergence_seeds=-1 is out of range: allowed an int >= 0"),
+        (
+            {"convergence_seeds": -1},
+            "convergence_seeds=-1 is out of range: allowed an int from 0 to 100",
+        ),
     ],
 )
 def test_bad_config_names_the_value_the_range_and_the_fix(kwargs, message):

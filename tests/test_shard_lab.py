@@ -107,9 +107,9 @@ def test_sharded_optimizer_is_measured_beside_zero1(cluster_of, one_thread_per_r
         ),
         (
             {"steps": 0},
-            "steps=0 is out of range: allowed an int >= 1 (training steps). Fix: steps=5",
+            "steps=0 is out of range: allowed an int from 1 to 100,000 (training steps). Fix: steps=5",
         ),
-        ({"global_batch": 0}, "global_batch=0 is out of range: allowed an int >= 1"),
+        ({"global_batch": 0}, "global_batch=0 is out of range: allowed an int from 1 to 4,096"),
         ({"model": "nocolon"}, "model='nocolon': expected 'module:factory'"),
         (
             {"world_size": 5},

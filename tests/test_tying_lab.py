@@ -235,7 +235,10 @@ def test_figures_are_plots_and_wrap_diagrams(result):
     "kwargs, message",
     [
         ({"world_size": 0}, "world_size=0 is out of range: allowed an int >= 1 (ranks)"),
-        ({"vocab": 0}, "vocab=0 is out of range: allowed an int >= 1 (rows of the tied"),
+        (
+            {"vocab": 0},
+            "vocab=0 is out of range: allowed an int from 2 to 1,048,576 (rows of the tied",
+        ),
         ({"vocab": 0}, "Fix: vocab=32768"),  # in Python terms; the CLI says --vocab 32768
         ({"spike_steps": True}, "spike_steps=True is out of range"),
         ({"steps": -1}, "steps=-1 is out of range"),

@@ -2,9 +2,9 @@
 in flags.
 
 Every field becomes an option named after it (``global_batch`` -> ``--global-batch``), typed from
-its annotation (int, float, str, tuples as several values), helped from the ``Args:`` section of
-the class docstring; a bool that defaults to True becomes ``--no-<name>``. A field's metadata may
-say more: ``flag`` (another spelling, e.g. ``--no-70b``), ``choices``, ``nargs``, or
+its annotation (int, float, str, tuples as several values), helped by the help its
+`fsdp_lab.config_checks.knob` declares; a bool that defaults to True becomes ``--no-<name>``. The
+knob may say more: ``flag`` (another spelling, e.g. ``--no-70b``), ``choices``, ``nargs``, or
 ``cli=False`` to keep it out of the CLI. `COMMON` fields are every lab's options (`cli.py`).
 
 Configs validate in Python terms (``steps=0: expected an int >= 1. Fix: steps=5``), which is
@@ -60,7 +60,7 @@ def flag_of(field: Field) -> str:
 
 
 def plain_help(text: str) -> str:
-    """A docstring's words for a terminal: without reStructuredText's and Markdown's backquotes
+    """A help text for a terminal: without reStructuredText's and Markdown's backquotes
     (``shard(strategy="none")`` reads as shard(strategy="none"))."""
     return text.replace("``", "").replace("`", "")
 
@@ -78,7 +78,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type) -> N
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": text or None}
         if base == "bool":
             kwargs["action"] = "store_false" if default is True else "store_true"
-            if default is True and text:  # the flag turns off what the docstring describes
+            if default is True and text:  # the flag turns off what the help describes
                 what = re.sub(r"[;,]?\s*\(?on by default\)?\.?$", "", text).rstrip(".")
                 kwargs["help"] = f"by default the lab does this: {what}. This flag skips it."
         else:

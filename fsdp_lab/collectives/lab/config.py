@@ -4,32 +4,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_lab.config_checks import check_counts, check_ranges
+from fsdp_lab.config_checks import check_fields, knob
 
 OPS = ("broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 
 
-# What one host runs (each rank holds a few tensors of `numel` fp32 elements).
-RANGES = {"numel": (1, 1 << 26), "repeats": (1, 1_000_000)}
-
-
 @dataclass(frozen=True)
 class CollectivesConfig:
-    """Args:
-    world_size: number of ranks.
-    numel: float32 elements of each rank's shard in the measured runs.
-    repeats: measured calls per op (the median time is reported).
-    backend: "auto", "gloo" or "nccl".
-    """
+    """The collectives lab's options, each with its help and its range on the field; the
+    highs are what one host runs (each rank holds a few tensors of `numel` fp32 elements)."""
 
-    world_size: int = 4
-    numel: int = 1 << 18
-    repeats: int = 5
-    backend: str = "auto"
+    world_size: int = knob(4, "number of ranks.")
+    numel: int = knob(
+        1 << 18,
+        "float32 elements of each rank's shard in the measured runs.",
+        low=1,
+        high=1 << 26,
+    )
+    repeats: int = knob(
+        5, "measured calls per op (the median time is reported).", low=1, high=1_000_000
+    )
+    backend: str = knob("auto", '"auto", "gloo" or "nccl".')
 
     def __post_init__(self) -> None:
-        check_counts(self, {"numel": 1, "repeats": 1})
-        check_ranges(self, RANGES)
+        check_fields(self)
 
 
 CONFIG = CollectivesConfig

@@ -6,10 +6,9 @@ are in Python terms and the CLI says them in flags. Torch-free, so ``fsdp-lab --
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from fsdp_lab.config_checks import check_counts, check_ranges, is_int
+from fsdp_lab.config_checks import check_fields, is_int, knob
 from fsdp_lab.emulate import parse_rate
 from fsdp_lab.sharding.lab.config import DEFAULT_MODEL, check_batch_divides
 
@@ -46,85 +45,80 @@ def parse_mesh(mesh: object, world_size: int) -> tuple[int, int]:
     return int(r), int(s)
 
 
-# What one host runs in a lab's time; the network model's inputs as sold.
-RANGES = {
-    "steps": (1, 100_000),
-    "global_batch": (1, 4096),
-    "lr": (1e-8, 10.0),
-    "params_b": (1e-3, 1e5),
-    "vram_gb": (1.0, 1e4),
-    "gpus_per_node": (1, 1024),
-    "inter_node_gbit": (1e-3, 1e5),
-    "emulate_steps": (2, 100_000),
-}
-
-
 @dataclass(frozen=True)
 class HsdpConfig:
-    """Args:
-    world_size: ranks (R·S).
-    mesh: "R,S": R replicas of S-rank shard groups — S ranks stand for a node (default: the
-        largest shard group short of the world, e.g. 2,2 on 4 ranks).
-    steps: training steps of every run.
-    model: "module:factory" returning a token model (default: TinyGPT with a tied head).
-    optimizer: "adam" (16 B/param of model state) or "sgd" (momentum).
-    lr: learning rate.
-    global_batch: sequences per step over all ranks (must divide by world_size).
-    compare_pytorch: also train fully_shard on the same 2-D DeviceMesh and FSDP1's
-        HYBRID_SHARD (and their ZeRO-2 twins); on by default.
-    params_b: the model of the capacity argument and the network model, billions of parameters.
-    vram_gb: one GPU's memory in the capacity argument (GB).
-    gpus_per_node: GPUs per node in the network model.
-    inter_node_gbit: the network model's bandwidth between nodes (Gbit/s per node).
-    overlap: the network model's fraction of compute that communication can hide behind.
-    emulate_nodes: 2 puts the ranks of each shard group in their own network namespace, the
-        two joined by a veth pair shaped to `inter_node_bandwidth`, and times full FSDP and HSDP
-        steps there (Linux, root); 0 skips it.
-    inter_node_bandwidth: the emulated link's rate, in tc's spelling ("1gbit", "200mbit").
-    emulate_steps: training steps timed per system on the emulated nodes.
-    backend: "auto", "gloo" or "nccl".
-    """
+    """The HSDP lab's options, each with its help and its range on the field: the highs
+    are what one host runs in a lab's time, the network model's inputs as sold."""
 
-    world_size: int = 4
-    mesh: str | None = field(default=None, metadata={"metavar": "R,S"})
-    steps: int = 3
-    model: str = DEFAULT_MODEL
-    optimizer: str = field(default="adam", metadata={"choices": ["adam", "sgd"]})
-    lr: float = 1e-3
-    global_batch: int = 12
-    compare_pytorch: bool = field(default=True, metadata={"flag": "--no-pytorch"})
-    params_b: float = 7.0
-    vram_gb: float = 80.0
-    gpus_per_node: int = 8
-    inter_node_gbit: float = 100.0
-    overlap: float = 1.0
-    emulate_nodes: int = 0
-    inter_node_bandwidth: str = "1gbit"
-    emulate_steps: int = 4
-    backend: str = "auto"
+    world_size: int = knob(4, "ranks (R·S).", low=1)
+    mesh: str | None = knob(
+        None,
+        '"R,S": R replicas of S-rank shard groups — S ranks stand for a node (default: the largest '
+        "shard group short of the world, e.g. 2,2 on 4 ranks).",
+        metavar="R,S",
+    )
+    steps: int = knob(3, "training steps of every run.", low=1, high=100_000)
+    model: str = knob(
+        DEFAULT_MODEL,
+        '"module:factory" returning a token model (default: TinyGPT with a tied head).',
+    )
+    optimizer: str = knob(
+        "adam", '"adam" (16 B/param of model state) or "sgd" (momentum).', choices=["adam", "sgd"]
+    )
+    lr: float = knob(1e-3, "learning rate.", low=1e-08, high=10.0)
+    global_batch: int = knob(
+        12, "sequences per step over all ranks (must divide by world_size).", low=1, high=4096
+    )
+    compare_pytorch: bool = knob(
+        True,
+        "also train fully_shard on the same 2-D DeviceMesh and FSDP1's HYBRID_SHARD (and their "
+        "ZeRO-2 twins); on by default.",
+        flag="--no-pytorch",
+    )
+    params_b: float = knob(
+        7.0,
+        "the model of the capacity argument and the network model, billions of parameters.",
+        low=0.001,
+        high=100000.0,
+    )
+    vram_gb: float = knob(
+        80.0, "one GPU's memory in the capacity argument (GB).", low=1.0, high=10000.0
+    )
+    gpus_per_node: int = knob(8, "GPUs per node in the network model.", low=1, high=1024)
+    inter_node_gbit: float = knob(
+        100.0,
+        "the network model's bandwidth between nodes (Gbit/s per node).",
+        low=0.001,
+        high=100000.0,
+    )
+    overlap: float = knob(
+        1.0,
+        "the network model's fraction of compute that communication can hide behind.",
+        low=0.0,
+        high=1.0,
+    )
+    emulate_nodes: int = knob(
+        0,
+        "2 puts the ranks of each shard group in their own network namespace, the two joined by a "
+        "veth pair shaped to `inter_node_bandwidth`, and times full FSDP and HSDP steps there "
+        "(Linux, root); 0 skips it.",
+    )
+    inter_node_bandwidth: str = knob(
+        "1gbit", 'the emulated link\'s rate, in tc\'s spelling ("1gbit", "200mbit").'
+    )
+    emulate_steps: int = knob(
+        4,
+        "training steps timed per system on the emulated nodes (the first, a warm-up, is not "
+        "timed).",
+        low=2,
+        high=100_000,
+    )
+    backend: str = knob("auto", '"auto", "gloo" or "nccl".')
 
     def __post_init__(self) -> None:
-        check_counts(self, {"world_size": 1, "steps": 1, "global_batch": 1, "gpus_per_node": 1})
-        check_ranges(self, RANGES)
+        check_fields(self)
         mesh = self.mesh if self.mesh is not None else default_mesh(self.world_size)
         object.__setattr__(self, "mesh", parse_mesh(mesh, self.world_size))  # frozen: once
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(
-                f"optimizer={self.optimizer!r}: expected 'adam' or 'sgd'. Fix: optimizer='adam'"
-            )
-        for name, low in (("lr", 0), ("params_b", 0), ("vram_gb", 0), ("inter_node_gbit", 0)):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not (math.isfinite(value) and value > low)
-            ):
-                default = self.__dataclass_fields__[name].default
-                raise ValueError(f"{name}={value!r}: expected a number > 0. Fix: {name}={default}")
-        if not (isinstance(self.overlap, (int, float)) and 0 <= self.overlap <= 1):
-            raise ValueError(
-                f"overlap={self.overlap!r}: expected a fraction in 0..1. Fix: overlap=1.0"
-            )
         if ":" not in self.model:
             raise ValueError(
                 f"model={self.model!r}: expected 'module:factory'. Fix: model={DEFAULT_MODEL!r}"
@@ -137,7 +131,6 @@ class HsdpConfig:
                 f"inter_node_bandwidth={self.inter_node_bandwidth!r}: expected a rate in tc's "
                 "spelling, a number and kbit, mbit or gbit. Fix: inter_node_bandwidth='1gbit'"
             ) from None
-        check_counts(self, {"emulate_steps": 2})  # the first step is a warm-up, not timed
         r = self.mesh[0]
         if self.emulate_nodes not in (0, 2) or (self.emulate_nodes and r != 2):
             raise ValueError(

@@ -5,9 +5,9 @@ compares. Torch-free."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from fsdp_lab.config_checks import is_int
+from fsdp_lab.config_checks import check_fields, knob
 
 MODEL_MB = (8, 16384)  # allowed model sizes, MiB of fp32 parameters
 MiB = 2**20
@@ -35,40 +35,44 @@ RECIPE = "owners_only"  # the course-note recipe the lab puts to the test
 
 @dataclass(frozen=True)
 class MetaInitConfig:
-    """Args:
-    world_size: ranks.
-    model_mb: MiB of fp32 parameters of the host-memory picture's Llama; every rank builds it
-        whole once, the ordinary way, so it needs about (world_size + 1) x model_mb of memory.
-    sizes_mb: model sizes (MiB) of the sync-vs-deterministic table.
-    seed: the init seed (`DeterministicInit(seed)`, ``torch.manual_seed(seed)`` on rank 0).
-    measure_70b: build Llama-3-70B's shape on meta in a fresh process and measure it
-        (``--no-70b``: skip it).
-    backend: "auto", "gloo" or "nccl".
-    """
+    """The meta-init lab's options, each with its help and its range on the field."""
 
-    world_size: int = 2
-    model_mb: int = 1024
-    sizes_mb: tuple[int, ...] = (16, 64, 256)
-    seed: int = 0
-    measure_70b: bool = field(default=True, metadata={"flag": "--no-70b"})
-    backend: str = "auto"
+    world_size: int = knob(2, "ranks.", low=1)
+    model_mb: int = knob(
+        1024,
+        "MiB of fp32 parameters of the host-memory picture's Llama; every rank builds it whole "
+        "once, the ordinary way, so it needs about (world_size + 1) x model_mb of memory.",
+        low=MODEL_MB[0],
+        high=MODEL_MB[1],
+        fix=256,
+    )
+    sizes_mb: tuple[int, ...] = knob(
+        (16, 64, 256),
+        "model sizes (MiB) of the sync-vs-deterministic table, one or more.",
+        low=MODEL_MB[0],
+        high=MODEL_MB[1],
+    )
+    seed: int = knob(
+        0,
+        "the init seed (`DeterministicInit(seed)`, ``torch.manual_seed(seed)`` on rank 0).",
+        low=0,
+        high=2**62 - 1,
+    )
+    measure_70b: bool = knob(
+        True,
+        "build Llama-3-70B's shape on meta in a fresh process and measure it (``--no-70b``: skip "
+        "it).",
+        flag="--no-70b",
+    )
+    backend: str = knob("auto", '"auto", "gloo" or "nccl".')
 
     def __post_init__(self) -> None:
-        low, high = MODEL_MB
-        sizes = self.sizes_mb
-        checks = (  # (field, whether its value is allowed, what is, a value that is)
-            ("world_size", is_int(self.world_size, 1), "an int >= 1", 2),
-            ("model_mb", is_int(self.model_mb, low, high),
-             f"an int in {low}..{high} (MiB of fp32 parameters)", 256),
-            ("sizes_mb", isinstance(sizes, tuple) and bool(sizes)
-             and all(is_int(s, low, high) for s in sizes),
-             f"a non-empty tuple of ints in {low}..{high} (MiB)", (16, 64, 256)),
-            ("seed", is_int(self.seed, 0, 2**62 - 1), "an int in 0..2**62-1", 0),
-        )  # fmt: skip
-        for name, ok, allowed, fix in checks:
-            if not ok:
-                value = f"{name}={getattr(self, name)!r}"
-                raise ValueError(f"{value} is out of range: allowed {allowed}. Fix: {name}={fix!r}")
+        if not (isinstance(self.sizes_mb, tuple) and self.sizes_mb):
+            raise ValueError(
+                f"sizes_mb={self.sizes_mb!r} is out of range: allowed a non-empty tuple of MiB. "
+                "Fix: sizes_mb=(16, 64, 256)"
+            )
+        check_fields(self)
 
 
 CONFIG = MetaInitConfig

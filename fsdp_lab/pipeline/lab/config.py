@@ -7,12 +7,11 @@ stages=4``) and the CLI says them in flags.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fsdp_lab.choices import SEEDING_STRATEGIES as STRATEGIES
-from fsdp_lab.config_checks import check_counts, check_ranges, is_int
+from fsdp_lab.config_checks import check_fields, is_int, knob
 
 LOSS_RTOL = 1e-5  # "within float rounding": GPipe sums M micro-batch losses in another order
 
@@ -25,93 +24,98 @@ if TYPE_CHECKING:
     from fsdp_lab.pipeline import PipeGPTConfig
 
 OPTIMIZERS = {"sgd": 0.1, "adam": 1e-3}  # name -> default learning rate
-# The integer fields and the smallest each allows; what each is, the docstring says.
-_SIZES = {"stages": 1, "world_size": 1, "layers": 1, "dim": 1, "heads": 1, "vocab": 2}
-_SIZES |= {"seq_len": 1, "steps": 1, "microbatches": 1, "global_batch": 1, "seed": 0}
-_SIZES |= {"repeats": 1, "convergence_seeds": 0, "convergence_steps": 1}
-
-
-# What one host runs in a lab's time (the model is also checked whole against host memory).
-RANGES = {
-    "layers": (1, 256),
-    "dim": (1, 8192),
-    "heads": (1, 256),
-    "vocab": (2, 1 << 20),
-    "seq_len": (2, 1 << 16),
-    "steps": (1, 100_000),
-    "microbatches": (1, 1024),
-    "global_batch": (1, 1 << 16),
-    "lr": (1e-8, 10.0),
-    "seed": (0, 2**62),
-    "repeats": (1, 100),
-    "convergence_seeds": (0, 100),
-    "convergence_steps": (1, 100_000),
-    "grow_dims": (1, 8192),
-    "scale_dim": (1, 8192),
-}
 
 
 @dataclass(frozen=True)
 class PPSeedConfig:
-    """Args:
-    stages: S, pipeline stages — by default the world size, or 3 when neither is given.
-    world_size: ranks, S x dp pipelines — by default S (one pipeline); S must divide it.
-    layers: transformer blocks L of the `PipeGPT`, spread over the stages.
-    dim: model width.
-    heads: attention heads.
-    vocab: vocabulary size.
-    seq_len: tokens per sequence.
-    steps: training steps of each initialised pipeline and of the single-process baseline.
-    microbatches: GPipe micro-batches M per step.
-    global_batch: sequences per step, over all pipelines.
-    optimizer: "sgd" (momentum 0.9) or "adam".
-    lr: the optimizer's learning rate (default 0.1 for sgd, 1e-3 for adam).
-    seed: the seed of the unsplit reference init.
-    strategies: which of `STRATEGIES` to measure.
-    grow_dims: widths at which init time and peak memory are measured again, L kept (none: skip).
-    repeats: times each measured init runs (ranks in step before each); the median is kept.
-    scale_ranks: rank counts at which the init of `scale_strategies` is timed again, on one
-        pipeline of that many stages (a cluster of each size; none: skip).
-    scale_dim: the model width of that measurement (default: the largest grow_dims, else dim).
-    scale_strategies: the strategies timed there (by default all but same_seed, the bug, whose
-        cost is per_stage_seed's without the broadcast).
-    convergence_seeds: seeds at which the unsplit init and the same-seed init are each trained on
-        a learnable task, single-process, spread over the ranks (0: skip).
-    convergence_steps: Adam steps of each of those trainings.
-    backend: "auto", "gloo" or "nccl".
-    """
+    """The pp-seed lab's options, each with its help and its range on the field: the highs
+    are what one host runs in a lab's time (the model is also checked whole against host
+    memory)."""
 
-    stages: int | None = None
-    world_size: int | None = None
-    layers: int = 6
-    dim: int = 32
-    heads: int = 4
-    vocab: int = 64
-    seq_len: int = 16
-    steps: int = 50
-    microbatches: int = 2
-    global_batch: int = 8
-    optimizer: str = field(default="sgd", metadata={"choices": list(OPTIMIZERS)})
-    lr: float | None = None
-    seed: int = 0
-    strategies: tuple[str, ...] = field(default=STRATEGIES, metadata={"metavar": "S"})
-    grow_dims: tuple[int, ...] = field(
-        default=(64, 128, 256), metadata={"nargs": "*", "metavar": "D"}
+    stages: int | None = knob(
+        None,
+        "S, pipeline stages — by default the world size, or 3 when neither is given.",
+        low=1,
+        fix=2,
     )
-    repeats: int = 3
-    scale_ranks: tuple[int, ...] = field(default=(), metadata={"nargs": "*", "metavar": "N"})
-    scale_dim: int | None = None
-    scale_strategies: tuple[str, ...] = field(
-        default=tuple(s for s in STRATEGIES if s != "same_seed"), metadata={"metavar": "S"}
+    world_size: int | None = knob(
+        None,
+        "ranks, S x dp pipelines — by default S (one pipeline); S must divide it.",
+        low=1,
+        fix=2,
     )
-    convergence_seeds: int = 0
-    convergence_steps: int = 200
-    backend: str = "auto"
+    layers: int = knob(
+        6, "transformer blocks L of the `PipeGPT`, spread over the stages.", low=1, high=256
+    )
+    dim: int = knob(32, "model width.", low=1, high=8192)
+    heads: int = knob(4, "attention heads.", low=1, high=256)
+    vocab: int = knob(64, "vocabulary size.", low=2, high=1_048_576)
+    seq_len: int = knob(16, "tokens per sequence.", low=2, high=65_536)
+    steps: int = knob(
+        50,
+        "training steps of each initialised pipeline and of the single-process baseline.",
+        low=1,
+        high=100_000,
+    )
+    microbatches: int = knob(2, "GPipe micro-batches M per step.", low=1, high=1024)
+    global_batch: int = knob(8, "sequences per step, over all pipelines.", low=1, high=65_536)
+    optimizer: str = knob("sgd", '"sgd" (momentum 0.9) or "adam".', choices=list(OPTIMIZERS))
+    lr: float | None = knob(
+        None,
+        "the optimizer's learning rate (default 0.1 for sgd, 1e-3 for adam).",
+        fix=OPTIMIZERS["sgd"],
+        low=1e-08,
+        high=10.0,
+    )
+    seed: int = knob(0, "the seed of the unsplit reference init.", low=0, high=2**62)
+    strategies: tuple[str, ...] = knob(STRATEGIES, "which of `STRATEGIES` to measure.", metavar="S")
+    grow_dims: tuple[int, ...] = knob(
+        (64, 128, 256),
+        "widths at which init time and peak memory are measured again, L kept (none: skip).",
+        low=1,
+        high=8192,
+        nargs="*",
+        metavar="D",
+    )
+    repeats: int = knob(
+        3,
+        "times each measured init runs (ranks in step before each); the median is kept.",
+        low=1,
+        high=100,
+    )
+    scale_ranks: tuple[int, ...] = knob(
+        (),
+        "rank counts at which the init of `scale_strategies` is timed again, on one pipeline of "
+        "that many stages (a cluster of each size; none: skip).",
+        nargs="*",
+        metavar="N",
+    )
+    scale_dim: int | None = knob(
+        None,
+        "the model width of that measurement (default: the largest grow_dims, else dim).",
+        low=1,
+        high=8192,
+    )
+    scale_strategies: tuple[str, ...] = knob(
+        tuple(s for s in STRATEGIES if s != "same_seed"),
+        "the strategies timed there (by default all but same_seed, the bug, whose cost is "
+        "per_stage_seed's without the broadcast).",
+        metavar="S",
+    )
+    convergence_seeds: int = knob(
+        0,
+        "seeds at which the unsplit init and the same-seed init are each trained on a learnable "
+        "task, single-process, spread over the ranks (0: skip).",
+        low=0,
+        high=100,
+    )
+    convergence_steps: int = knob(
+        200, "Adam steps of each of those trainings.", low=1, high=100_000
+    )
+    backend: str = knob("auto", '"auto", "gloo" or "nccl".')
 
     def __post_init__(self) -> None:
-        # stages, world_size: None means "the other one"; the fix for them is a pipeline of 2
-        check_counts(self, _SIZES, fixes={"stages": 2, "world_size": 2})
-        check_ranges(self, RANGES)
+        check_fields(self)  # stages, world_size: None means "the other one"
         self._resolve_layout()
         if self.dim % self.heads:
             raise ValueError(
@@ -124,14 +128,6 @@ class PPSeedConfig:
                 f"global_batch={self.global_batch} does not split into dp={self.dp} pipelines "
                 f"x microbatches={self.microbatches}: allowed a multiple of {per}. "
                 f"Fix: global_batch={per * max(1, round(self.global_batch / per))}"
-            )
-        lr = self.lr
-        if self.optimizer not in OPTIMIZERS or (
-            lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0)
-        ):
-            raise ValueError(
-                f"optimizer={self.optimizer!r}, lr={lr!r}: allowed optimizer in "
-                f"{list(OPTIMIZERS)} and lr a number > 0 (or None). Fix: optimizer='sgd', lr=0.1"
             )
         strategies, grow = _strategy_list("strategies", self.strategies), tuple(self.grow_dims)
         bad = [d for d in grow if not is_int(d, 1) or d % self.heads]

@@ -6,10 +6,10 @@ so that ``fsdp-lab --help`` answers at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
 from fsdp_lab.choices import SHARDING_STRATEGIES
-from fsdp_lab.config_checks import check_counts, check_ranges
+from fsdp_lab.config_checks import check_fields, knob
 
 DEFAULT_MODEL = "fsdp_lab.models:tiny_gpt"
 
@@ -24,65 +24,70 @@ def check_batch_divides(global_batch: int, world_size: int) -> None:
         )
 
 
-# What one host runs in a lab's time (a learning rate past 10 only diverges).
-RANGES = {"steps": (1, 100_000), "global_batch": (1, 4096), "lr": (1e-8, 10.0)}
-
-
 @dataclass(frozen=True)
 class ShardConfig:
-    """Args:
-    world_size: ranks.
-    strategy: "none" (DDP), "optimizer" (ZeRO-1), "grad_op" (ZeRO-2), "full" (ZeRO-3).
-    steps: training steps.
-    prefetch: overlap the next unit's all-gather with the current unit's compute (on by
-        default).
-    model: "module:factory" returning a token model (default: TinyGPT with a tied head).
-    optimizer: "adam" (16 B/param of model state, `fsdp_lab.theory`) or "sgd" (momentum).
-    lr: learning rate.
-    global_batch: sequences per step over all ranks (must divide by world_size).
-    compare_fsdp2: also train PyTorch's fully_shard on the same model and data (and, beside
-        the sharded optimizer, PyTorch's DDP + ZeroRedundancyOptimizer); on by default.
-    sharded_optimizer: with strategy="optimizer", also train ZeRO-1 as an optimizer — DDP
-        (``shard(strategy="none")``) + `fsdp_lab.ShardedOptimizer` — and measure it beside;
-        on by default.
-    free_root: with strategy="full", free the root unit after forward too and gather it again
-        for backward (off by default: FSDP2 and FSDP1 keep the root gathered, since its
-        backward comes right next; the notebook measures both).
-    replicate_root: keep the root unit (what no block holds: the embedding, the final norm, a
-        tied head) whole on every rank, its gradient all-reduced — a per-unit policy
-        (`UnitPolicy(strategy="replicate")`); the bytes then follow each unit's own strategy.
-    offload: keep every unit's shard, gradient and optimizer state in host memory; the
-        parameters visit the compute device for each gather, and the ledger counts those copies
-        (host_to_device, device_to_host). On a CPU-only machine host and device are one memory:
-        the copies are real and counted, the memory they would save is not.
-    backend: "auto", "gloo" or "nccl".
-    """
+    """The shard lab's options. Each field's help and allowed values are on the field
+    (`knob`): its ``--help`` line and its range, the highs being what one host runs in a lab's
+    time (a learning rate past 10 only diverges)."""
 
-    world_size: int = 2
-    strategy: str = field(default="full", metadata={"choices": sorted(SHARDING_STRATEGIES)})
-    steps: int = 5
-    prefetch: bool = True
-    model: str = DEFAULT_MODEL
-    optimizer: str = field(default="adam", metadata={"choices": ["adam", "sgd"]})
-    lr: float = 1e-3
-    global_batch: int = 12
-    compare_fsdp2: bool = field(default=True, metadata={"flag": "--no-fsdp2"})
-    sharded_optimizer: bool = True
-    free_root: bool = False
-    replicate_root: bool = False
-    offload: bool = False
-    backend: str = "auto"
+    world_size: int = knob(2, "ranks.")
+    strategy: str = knob(
+        "full",
+        '"none" (DDP), "optimizer" (ZeRO-1), "grad_op" (ZeRO-2), "full" (ZeRO-3).',
+        choices=sorted(SHARDING_STRATEGIES),
+    )
+    steps: int = knob(5, "training steps.", low=1, high=100_000)
+    prefetch: bool = knob(
+        True, "overlap the next unit's all-gather with the current unit's compute (on by default)."
+    )
+    model: str = knob(
+        DEFAULT_MODEL,
+        '"module:factory" returning a token model (default: TinyGPT with a tied head).',
+    )
+    optimizer: str = knob(
+        "adam",
+        '"adam" (16 B/param of model state, `fsdp_lab.theory`) or "sgd" (momentum).',
+        choices=["adam", "sgd"],
+    )
+    lr: float = knob(1e-3, "learning rate.", low=1e-08, high=10.0)
+    global_batch: int = knob(
+        12, "sequences per step over all ranks (must divide by world_size).", low=1, high=4096
+    )
+    compare_fsdp2: bool = knob(
+        True,
+        "also train PyTorch's fully_shard on the same model and data (and, beside the sharded "
+        "optimizer, PyTorch's DDP + ZeroRedundancyOptimizer); on by default.",
+        flag="--no-fsdp2",
+    )
+    sharded_optimizer: bool = knob(
+        True,
+        'with strategy="optimizer", also train ZeRO-1 as an optimizer — DDP '
+        '(``shard(strategy="none")``) + `fsdp_lab.ShardedOptimizer` — and measure it beside; on by '
+        "default.",
+    )
+    free_root: bool = knob(
+        False,
+        'with strategy="full", free the root unit after forward too and gather it again for '
+        "backward (off by default: FSDP2 and FSDP1 keep the root gathered, since its backward "
+        "comes right next; the notebook measures both).",
+    )
+    replicate_root: bool = knob(
+        False,
+        "keep the root unit (what no block holds: the embedding, the final norm, a tied head) "
+        "whole on every rank, its gradient all-reduced — a per-unit policy "
+        '(`UnitPolicy(strategy="replicate")`); the bytes then follow each unit\'s own strategy.',
+    )
+    offload: bool = knob(
+        False,
+        "keep every unit's shard, gradient and optimizer state in host memory; the parameters "
+        "visit the compute device for each gather, and the ledger counts those copies "
+        "(host_to_device, device_to_host). On a CPU-only machine host and device are one memory: "
+        "the copies are real and counted, the memory they would save is not.",
+    )
+    backend: str = knob("auto", '"auto", "gloo" or "nccl".')
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if "choices" in f.metadata and value not in f.metadata["choices"]:
-                raise ValueError(
-                    f"{f.name}={value!r}: expected one of {f.metadata['choices']}. "
-                    f"Fix: {f.name}={f.default!r}"
-                )
-        check_counts(self, {"steps": 1, "global_batch": 1})
-        check_ranges(self, RANGES)
+        check_fields(self)
         if self.free_root and self.strategy != "full":
             raise ValueError(
                 f"free_root=True with strategy={self.strategy!r}: only ZeRO-3 frees units after "

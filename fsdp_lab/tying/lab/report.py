@@ -373,7 +373,7 @@ def verdict(root: int, joint: int) -> str:
 
 
 def config_table(config: Any) -> str:
-    """The lab's settings, one row each, with what each one sets (the config's docstring)."""
+    """The lab's settings, one row each, with what each one sets (its knob's help)."""
     from dataclasses import fields
 
     from fsdp_lab.config_checks import field_help
