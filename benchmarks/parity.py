@@ -9,11 +9,11 @@ For each model x world size x strategy ("none", "optimizer", "grad_op", "full"):
 ours (`fsdp_lab.shard(model, units, strategy)`) and
 
 - single-process training on the whole global batch;
-- PyTorch's nearest configuration of each system (`fsdp_lab.parity.COUNTERPARTS`): fully_shard
+- PyTorch's nearest configuration of each system (`parity_runs.COUNTERPARTS`): fully_shard
   (FSDP2), FSDP1 (`use_orig_params=True`), DDP (with ZeroRedundancyOptimizer for "optimizer").
 
 Every path builds the same model (seeded), trains on its slice of the same global batch with
-the same optimizer recipe (`fsdp_lab.parity`, models in `fsdp_lab.parity_models`). One gloo
+the same optimizer recipe (`parity_runs.py`, models in `parity_models.py`, beside this script). One gloo
 `Cluster` per world size; one progress line per run on stderr; the markdown table on stdout;
 `--out` writes every figure as JSON. A `†` marks a PyTorch counterpart that itself departs from
 single-process training where ours does not: that figure is PyTorch's, listed under the table.
@@ -32,10 +32,10 @@ import time
 from typing import Any
 
 import torch
+from parity_models import PARITY_MODELS
+from parity_runs import COUNTERPARTS, FP32_TOLERANCE, train
 
 from fsdp_lab import Cluster, RankError
-from fsdp_lab.parity import COUNTERPARTS, FP32_TOLERANCE, train
-from fsdp_lab.parity_models import PARITY_MODELS
 
 STRATEGIES = ("none", "optimizer", "grad_op", "full")
 COLUMNS = ("fully_shard", "FSDP1", "DDP")
@@ -75,10 +75,9 @@ def _diff(
 
 def _import_on_rank() -> None:
     """What the first run would otherwise pay for (and its progress line would show)."""
+    import parity_runs  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.optim  # noqa: F401
-
-    import fsdp_lab.parity  # noqa: F401
 
 
 def measure_world(
@@ -180,7 +179,7 @@ def render(rows: list[dict[str, Any]], steps: int) -> str:
     lines.append(
         "- Models with attention biases train with SGD: a key bias's gradient is zero in exact "
         "arithmetic and rounding noise in fp32, which Adam turns into lr-sized steps "
-        "(fsdp_lab.parity_models, [Note: Adam and a zero gradient]; --optimizer adamw shows it)."
+        "(benchmarks/parity_models.py, [Note: Adam and a zero gradient]; --optimizer adamw shows it)."
     )
     lines += ["", verdict(rows)]
     return "\n".join(lines)
@@ -217,7 +216,7 @@ def verdict(rows: list[dict[str, Any]]) -> str:
     compared = [c["max_abs_diff"] for c in cells if c["max_abs_diff"] is not None]
     fair = [c["max_abs_diff"] for c in cells if _within(c["system_vs_single"])]
     return (
-        f"Tolerance {FP32_TOLERANCE:g} (fp32; see fsdp_lab.parity.FP32_TOLERANCE). "
+        f"Tolerance {FP32_TOLERANCE:g} (fp32; see benchmarks/parity_runs.py). "
         f"Ours vs single process: {_count(single, 'rows')}. "
         f"Ours vs PyTorch: {_count(compared, 'cells compared')}, "
         f"{sum(1 for d in compared if d == 0)} of them bitwise equal; "

@@ -4,9 +4,14 @@ keeps one per world size for the whole session; tests that break a cluster make 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# The parity table's models and runs live with the benchmarks (benchmarks/parity_models.py,
+# parity_runs.py); the ranks import them by name, and a rank starts with this path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 # Headless everywhere: figures render to files, never to a window.
 os.environ.setdefault("MPLBACKEND", "Agg")

@@ -163,7 +163,7 @@ def test_parity_table_rows_and_every_diff_within_fp32_tolerance(tmp_path):
     """benchmarks/parity.py on a tiny subset: one row per model x strategy, every figure ours
     vs single process within tolerance, and every PyTorch counterpart within it too unless the
     table marks (and the JSON shows) that PyTorch itself left single-process training."""
-    from fsdp_lab.parity import FP32_TOLERANCE
+    from parity_runs import FP32_TOLERANCE
 
     out = tmp_path / "parity.json"
     models, strategies = ["NonUniformReqGradNWM"], ["none", "optimizer", "grad_op", "full"]

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from parity_models import TITAN_INIT_SEED, TTBlock, TTTransformer, titan_single_process
 
 import fsdp_lab
 from fsdp_lab import reference
 from fsdp_lab.models import Block, TinyGPT, tiny_gpt
-from fsdp_lab.parity_models import TITAN_INIT_SEED, TTBlock, TTTransformer, titan_single_process
 from fsdp_lab.sharding import full_init, shard
 from fsdp_lab.sharding.materialize import materialize, reset_parameters
 

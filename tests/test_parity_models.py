@@ -1,7 +1,7 @@
 """PyTorch's own FSDP test models (`torch.testing._internal.common_fsdp`) through `shard`, next to
 single-process training, `fully_shard`, FSDP1 and DDP on 2 and 3 ranks (issue 12).
 
-The models, data, optimizers and wrappings are `fsdp_lab.parity`'s — the runs behind
+The models, data, optimizers and wrappings are `benchmarks/parity_runs.py`'s — the runs behind
 `benchmarks/parity.py`'s table — so a test here and a row there are the same measurement.
 """
 
@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from fsdp_lab.parity import COUNTERPARTS, FP32_TOLERANCE, train
-from fsdp_lab.parity_models import PARITY_MODELS
+from parity_models import PARITY_MODELS
+from parity_runs import COUNTERPARTS, FP32_TOLERANCE, train
 
 # nn.Transformer's note that it skips nested tensors (its layers are not batch-first).
 pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from parity_models import WithUnused, nonuniform_req_grad
 
 import fsdp_lab
 from fsdp_lab import comm, reference
 from fsdp_lab.cluster import intra_op_threads
-from fsdp_lab.parity_models import WithUnused, nonuniform_req_grad
 from fsdp_lab.sharding import shard
 from fsdp_lab.sharding.wrap import MinParams, build_plan
 

@@ -17,10 +17,10 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from parity_models import PARITY_MODELS, TITAN_INIT_SEED, ParityModel
 
 from fsdp_lab import reference
 from fsdp_lab.cluster import intra_op_threads
-from fsdp_lab.parity_models import PARITY_MODELS, TITAN_INIT_SEED, ParityModel
 
 COUNTERPARTS: dict[str, dict[str, str | None]] = {  # our strategy -> column -> system
     "none": {"fully_shard": "fully_shard:replicate", "FSDP1": "fsdp1:NO_SHARD", "DDP": "ddp"},
@@ -37,7 +37,7 @@ NO_DECAY_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.BatchNorm1d)
 # its own running size, so its step changes by lr x the element's *relative* error: small,
 # unless the terms nearly cancel (an RMSNorm weight of TTTransformer, where DDP and fully_shard
 # sit as far from single process as ours) or cancel exactly ([Note: Adam and a zero gradient] in
-# `fsdp_lab.parity_models`: those models train with SGD). Parameters are O(1) here (an embedding
+# `parity_models.py`: those models train with SGD). Parameters are O(1) here (an embedding
 # drawn with std 1 reaches 3-4, where one ulp is 2.4e-7 to 4.8e-7): 1e-6 is a few ulps. A
 # mechanism error — a lost or doubled gradient, a wrong slice, a decayed frozen weight — moves
 # parameters by about lr x gradient (1e-4 to 1e-2 here), orders of magnitude above it.

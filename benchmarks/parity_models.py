@@ -1,6 +1,8 @@
 """Models nobody here wrote, as the parity checks train them: each with its wrap units, its
-data, its loss and its optimizer recipe (`fsdp_lab.parity` trains them; `benchmarks/parity.py`
-prints the table; the tests import the same builders).
+data, its loss and its optimizer recipe (`parity_runs.py` trains them; `parity.py`
+prints the table; the tests import the same builders). They are the benchmark's and the tests', not
+the package's: they live here, and the ranks import them by module name because a script's folder
+and the tests' `conftest.py` put this folder on the path every rank starts with.
 
 - PyTorch's own FSDP test models, from `torch.testing._internal.common_fsdp` (shipped in the
   torch wheel): `NestedWrappedModule`, `NonUniformReqGradNWM` (everything frozen but
