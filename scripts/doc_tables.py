@@ -1,17 +1,21 @@
-"""The tables of docs/: what each exercise is worth and catches, how long its check takes
-(docs/teaching.md), and every file of every topic folder with its lines and its role
-(docs/architecture.md) — written from the code and from a run, never typed.
+"""The generated tables of the README and docs/: what each exercise is worth and catches, how
+long its check takes (docs/teaching.md), every file of every topic folder with its lines and its
+role (docs/architecture.md), and the README's bytes per step of the HSDP lab — written from the
+code and from a run, never typed.
 
-    python scripts/doc_tables.py            # rewrite the catalog and files blocks (deterministic)
+    python scripts/doc_tables.py            # rewrite the catalog and files blocks (from the code)
+    python scripts/doc_tables.py --run      # ... and the README's lab table (a fresh 4-rank run)
     python scripts/doc_tables.py --times    # ... and measure the check times on this machine
-    python scripts/doc_tables.py --check    # exit 1 if a deterministic block is stale
+    python scripts/doc_tables.py --check    # exit 1 if a block made from the code is stale
 
 Blocks live between `<!-- generated: NAME (python scripts/doc_tables.py) -->` and
 `<!-- end generated -->`. The catalog block (labs, points, cases, bugs) and the files block
 (each topic folder's files, their line counts, the first paragraph of each docstring) follow
-from the code, so the tests check they are current. The times block is a measurement: it says
-on what machine and when, and moves with the machine; the test checks only that it covers
-every exercise.
+from the code, so the tests check they are current. The README's lab table holds only bytes
+counted at the collective call and formulas, so a fresh run reproduces it exactly
+(tests/test_readme.py runs it and compares); times and resident memory move with the machine's
+load and never appear in the README. The times block is a measurement: it says on what machine
+and when; the test checks only that it covers every exercise.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from fsdp_lab.course import LABS, ClusterPool, grade
 from fsdp_lab.markdown import table
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = (ROOT / "docs" / "teaching.md", ROOT / "docs" / "architecture.md")
+DOCS = (ROOT / "README.md", ROOT / "docs" / "teaching.md", ROOT / "docs" / "architecture.md")
 BLOCK = re.compile(
     r"(<!-- generated: (?P<name>[\w-]+) \(python scripts/doc_tables.py\) -->\n)"
     r"(?P<body>.*?)(<!-- end generated -->)",
@@ -129,12 +133,35 @@ def files() -> str:
     return table(header, rows) + "\n(The number beside a file is its lines.)\n"
 
 
+def hsdp_bytes() -> str:
+    """The README's table: the HSDP lab's bytes per step on rank 0, beside the formulas."""
+    from fsdp_lab.hsdp import lab as hsdp
+    from fsdp_lab.hsdp.lab import report
+
+    result = hsdp.run(hsdp.HsdpConfig(world_size=4, steps=1, compare_pytorch=False))
+    return (
+        "`fsdp-lab hsdp --steps 1 --no-pytorch` (4 ranks, mesh 2,2, TinyGPT, fp32), bytes per "
+        "step on rank 0:\n\n" + report.bytes_table(result) + "\n"
+    )
+
+
+FROM_RUNS = {"hsdp-bytes": hsdp_bytes}
+
+
+def blocks(text: str) -> dict[str, str]:
+    """The generated blocks in `text`, name -> body."""
+    return {m["name"]: m["body"] for m in BLOCK.finditer(text)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--run", action="store_true")
     parser.add_argument("--times", action="store_true")
     args = parser.parse_args(argv)
     fresh = {"catalog": catalog, "files": files}
+    if args.run:
+        fresh |= FROM_RUNS
     if args.times:
         fresh["times"] = times
     stale = []
