@@ -214,6 +214,76 @@ def series_of(
     return {"title": title, "xlabel": xlabel, "ylabel": ylabel, "lines": lines, "bytes": in_bytes}
 
 
+# -- the one judge of "trained like the reference" ----------------------------------------------
+# An exercise whose step sits inside data-parallel training (an average, a reduce-scatter, an
+# HSDP reduce) has every rank's trial return {"weights", "first_grad", "losses"}: its parameters
+# after the steps, its gradient of step 1 as the learner's function left it, its loss per step.
+
+
+def replicas_apart(
+    got: list[Any], expected: list[Any], replicas: Sequence[Sequence[int]], steps: int, hint: str
+) -> Mismatch | None:
+    """The first set of ranks meant to hold the same parameters (`replicas`) that does not."""
+    for ranks in replicas:
+        first = ranks[0]
+        for r in ranks[1:]:
+            if not close(got[r]["weights"], got[first]["weights"]):
+                return Mismatch(
+                    f"after {steps} steps ranks {first} and {r}, replicas of each other, hold "
+                    "different parameters: the replicas drifted apart.",
+                    rows=[
+                        (
+                            f"rank {q}'s parameters after {steps} steps, first values",
+                            first_values(expected[q]["weights"]),
+                            first_values(got[q]["weights"]),
+                        )
+                        for q in (first, r)
+                    ],
+                    hint=hint,
+                )
+    return None
+
+
+def trained_unlike(
+    got: list[Any],
+    expected: list[Any],
+    steps: int,
+    hint_for: Callable[[int], str],
+    what: str = "gradient",
+) -> Mismatch | None:
+    """The first rank whose step-1 gradient differs from the reference's: its first values (as
+    an exact multiple of the reference's when it is one), the loss after `steps`, the two loss
+    curves drifting apart, and `hint_for(rank)`. Ranks whose trial returned None sat out."""
+    for r, (mine, exp) in enumerate(zip(got, expected, strict=True)):
+        if exp is None or close(mine["first_grad"], exp["first_grad"]):
+            continue
+        return Mismatch(
+            f"rank {r}'s {what} in step 1 differs from the reference"
+            f"{multiple(mine['first_grad'], exp['first_grad'])}, and training drifts from it "
+            f"over {steps} steps.",
+            rows=[
+                (
+                    f"{what} of step 1, first values",
+                    first_values(exp["first_grad"]),
+                    first_values(mine["first_grad"]),
+                ),
+                (
+                    f"loss after {steps} steps",
+                    f"{exp['losses'][-1]:.6g}",
+                    f"{mine['losses'][-1]:.6g}",
+                ),
+            ],  # fmt: skip
+            hint=hint_for(r),
+            series=series_of(
+                f"loss per step, rank {r}",
+                "step",
+                "loss",
+                {"reference": exp["losses"], "yours": mine["losses"]},
+            ),
+        )
+    return None
+
+
 HINT_MARK = " | hint: "  # WrongOutput's message, then the hint: one line, as a traceback ends
 
 

@@ -25,12 +25,10 @@ from fsdp_lab.exercise import (
     Case,
     Exercise,
     Mismatch,
-    close,
     expect_tensor,
-    first_values,
-    multiple,
     ratio_hint,
-    series_of,
+    replicas_apart,
+    trained_unlike,
 )
 
 STEPS = 3
@@ -94,21 +92,21 @@ def trial(fn: Any, case: Case) -> dict | None:
 def judge(got: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
     ranks = [r for r, o in enumerate(expected) if o is not None]
     size = len(ranks)
-    for r in ranks[1:]:
-        if not close(got[r]["weights"], got[ranks[0]]["weights"]):
-            return Mismatch(
-                f"after {STEPS} steps rank {ranks[0]} and rank {r} hold different weights: the "
-                "replicas drifted apart.",
-                hint="Every rank of the group must end with the same average — an all_reduce, "
-                "not a reduce to one rank or a local division.",
-            )
-    for r in ranks:
-        mine, exp = got[r], expected[r]
-        if close(mine["first_grad"], exp["first_grad"]):
-            continue
-        hint = ratio_hint(
-            mine["first_grad"],
-            exp["first_grad"],
+    apart = replicas_apart(
+        got,
+        expected,
+        [ranks],
+        STEPS,
+        "Every rank of the group must end with the same average — an all_reduce, not a reduce "
+        "to one rank or a local division.",
+    )
+    return apart or trained_unlike(
+        got,
+        expected,
+        STEPS,
+        lambda r: ratio_hint(
+            got[r]["first_grad"],
+            expected[r]["first_grad"],
             {
                 float(size): "SUM where the average was meant: divide the sum by the number "
                 "of ranks in the group.",
@@ -116,33 +114,9 @@ def judge(got: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
                 f"{size} ranks: use dist.get_world_size(group).",
                 1.0 / size: "divided twice: all_reduce sums; divide once, by the group's size.",
             },
-        )
-        factor = multiple(mine["first_grad"], exp["first_grad"])
-        return Mismatch(
-            f"rank {r}'s averaged gradient in step 1 differs from the reference{factor}; the "
-            f"loss after {STEPS} steps is {mine['losses'][-1]:.4g} instead of "
-            f"{exp['losses'][-1]:.4g}.",
-            rows=[
-                (
-                    "first gradient, first 3 values",
-                    first_values(exp["first_grad"]),
-                    first_values(mine["first_grad"]),
-                ),
-                (
-                    f"loss after {STEPS} steps",
-                    f"{exp['losses'][-1]:.6g}",
-                    f"{mine['losses'][-1]:.6g}",
-                ),
-            ],
-            hint=hint,
-            series=series_of(
-                "loss per step, rank " + str(r),
-                "step",
-                "loss",
-                {"reference": exp["losses"], "yours": mine["losses"]},
-            ),
-        )
-    return None
+        ),
+        what="averaged gradient",
+    )
 
 
 ALL_REDUCE_MEAN = Exercise(

@@ -29,14 +29,11 @@ from fsdp_lab.exercise import (
     Mismatch,
     at_least,
     close,
-    first_values,
     ratio_hint,
+    replicas_apart,
+    trained_unlike,
 )
-from fsdp_lab.sharding.exercises.reduce_scatter_grad import (
-    STEPS,
-    drifted,
-    train_with,
-)
+from fsdp_lab.sharding.exercises.reduce_scatter_grad import STEPS, train_with
 from fsdp_lab.sharding.mesh import device_mesh
 from fsdp_lab.sharding.steps import reduce_grad_shard
 
@@ -98,34 +95,29 @@ def trial(fn: Any, case: Case) -> dict:
 
 def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
     replicas, size = case.params["mesh"]
-    for s in range(size):  # ranks r·S + s hold the same shard, one per replica
-        ranks = [r * size + s for r in range(replicas)]
-        w = [got_all[g]["weights"] for g in ranks]
-        for g, wg in zip(ranks[1:], w[1:], strict=True):
-            if not close(wg, w[0]):
-                return Mismatch(
-                    f"after {STEPS} steps ranks {ranks[0]} and {g}, replicas of the same shard, "
-                    "hold different parameters: the replicas drifted apart.",
-                    rows=[
-                        (
-                            f"rank {q}'s shard after {STEPS} steps, first values",
-                            first_values(expected[q]["weights"]),
-                            first_values(got_all[q]["weights"]),
-                        )
-                        for q in (ranks[0], g)
-                    ],
-                    hint="each replica averaged only its own shard group's gradients: after the "
-                    "reduce-scatter, all-reduce the chunk across replicate_group.",
-                )
     world = case.world_size
-    for r, (got, exp) in enumerate(zip(got_all, expected, strict=True)):
-        if close(got["first_grad"], exp["first_grad"]):
-            continue
+    apart = replicas_apart(
+        got_all,
+        expected,
+        [[r * size + s for r in range(replicas)] for s in range(size)],  # one shard, R copies
+        STEPS,
+        "each replica averaged only its own shard group's gradients: after the reduce-scatter, "
+        "all-reduce the chunk across replicate_group.",
+    )
+    if apart:
+        return apart
+
+    def hint(r: int) -> str:
+        got = got_all[r]["first_grad"]
         everyone = [expected[q]["first_grad"] for q in range(world)]
-        mean = [sum(v) / world for v in zip(*everyone, strict=True)]
-        hint = ratio_hint(
-            got["first_grad"],
-            exp["first_grad"],
+        if replicas == 1 and close(got, [sum(v) / world for v in zip(*everyone, strict=True)]):
+            return (
+                "with a single replica replicate_group is None, and group=None means every "
+                "rank to torch.distributed: skip the all-reduce when it is None."
+            )
+        return ratio_hint(
+            got,
+            expected[r]["first_grad"],
             {
                 float(replicas): f"÷ the shard group's size ({size}), but the gradients of all "
                 f"{world} ranks are in the sum: divide by shard size x replicas.",
@@ -133,12 +125,10 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
                 "every rank that contributed.",
             },
         )
-        if replicas == 1 and close(got["first_grad"], mean):
-            hint = (
-                "with a single replica replicate_group is None, and group=None means every "
-                "rank to torch.distributed: skip the all-reduce when it is None."
-            )
-        return drifted(r, got, exp, hint)
+
+    wrong = trained_unlike(got_all, expected, STEPS, hint, what="gradient chunk")
+    if wrong:
+        return wrong
     across = expected[0]["across"]
     if across is not None:
         got_b = got_all[0]["reduce_bytes"].get(across, 0.0)

@@ -36,10 +36,8 @@ from fsdp_lab.exercise import (
     at_least,
     close,
     expect_tensor,
-    first_values,
-    multiple,
     ratio_hint,
-    series_of,
+    trained_unlike,
 )
 from fsdp_lab.models import Block, MLPBlock, MLPStack, tiny_gpt
 from fsdp_lab.sharding import shard, sharding_state
@@ -153,50 +151,20 @@ def trial(fn: Any, case: Case) -> dict:
 # -- in the notebook -------------------------------------------------------------------------
 
 
-def value_rows(got: dict, exp: dict) -> list[tuple[str, str, str]]:
-    return [
-        (
-            "gradient chunk of step 1, first values",
-            first_values(exp["first_grad"]),
-            first_values(got["first_grad"]),
-        ),
-        (f"loss after {STEPS} steps", f"{exp['losses'][-1]:.6g}", f"{got['losses'][-1]:.6g}"),
-    ]
-
-
-def loss_series(rank: int, got: dict, exp: dict) -> dict:
-    return series_of(
-        f"loss per step, rank {rank}",
-        "step",
-        "loss",
-        {"reference": exp["losses"], "yours": got["losses"]},
-    )
-
-
-def drifted(rank: int, got: dict, exp: dict, hint: str) -> Mismatch:
-    """The verdict of a reduce whose gradient chunk is wrong: the chunk beside the reference's
-    (named as an exact multiple of it when it is one) and the losses drifting apart."""
-    return Mismatch(
-        f"rank {rank}'s gradient chunk in step 1 differs from the reference"
-        f"{multiple(got['first_grad'], exp['first_grad'])}, and training drifts from it over "
-        f"{STEPS} steps.",
-        rows=value_rows(got, exp),
-        hint=hint,
-        series=loss_series(rank, got, exp),
-    )
-
-
 def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | None:
     n = case.world_size
-    for r, (got, exp) in enumerate(zip(got_all, expected, strict=True)):
-        if close(got["first_grad"], exp["first_grad"]):
-            continue
-        other = [
-            q for q in range(n) if q != r and close(got["first_grad"], expected[q]["first_grad"])
-        ]
-        hint = ratio_hint(
-            got["first_grad"],
-            exp["first_grad"],
+
+    def hint(r: int) -> str:
+        got = got_all[r]["first_grad"]
+        if any(q != r and close(got, expected[q]["first_grad"]) for q in range(n)):
+            other = next(q for q in range(n) if q != r and close(got, expected[q]["first_grad"]))
+            return (
+                f"you returned rank {other}'s chunk: rank r keeps chunk r, "
+                "dist.get_rank(group) — which reduce_scatter_tensor hands each rank by itself."
+            )
+        return ratio_hint(
+            got,
+            expected[r]["first_grad"],
             {
                 float(n): f"missing ÷ world size: the reduce-scatter SUMS the {n} ranks' "
                 f"gradients; divide the chunk by dist.get_world_size(group).",
@@ -206,12 +174,10 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
             "Rank r keeps chunk r of the SUM over the group (reduce_scatter_tensor), divided "
             "by the group's size: compare your chunk with the table.",
         )
-        if other:
-            hint = (
-                f"you returned rank {other[0]}'s chunk: rank r keeps chunk r, "
-                "dist.get_rank(group) — which reduce_scatter_tensor hands each rank by itself."
-            )
-        return drifted(r, got, exp, hint)
+
+    wrong = trained_unlike(got_all, expected, STEPS, hint, what="gradient chunk")
+    if wrong:
+        return wrong
     got_bytes = sum(got_all[0]["reduce_bytes"].values())
     exp_bytes = sum(expected[0]["reduce_bytes"].values())
     at_least(got_bytes, exp_bytes, "bytes rank 0 sent to reduce the gradients")
