@@ -10,7 +10,12 @@ from dataclasses import dataclass
 
 from fsdp_lab.config_checks import check_fields, is_int, knob
 from fsdp_lab.emulate import parse_rate
-from fsdp_lab.sharding.lab.config import DEFAULT_MODEL, check_batch_divides
+from fsdp_lab.sharding.lab.config import (
+    DEFAULT_MODEL,
+    check_batch_divides,
+    global_batch_knob,
+    lr_knob,
+)
 
 SYSTEMS = ("full", "hybrid", "hybrid_zero2")  # ours, measured on the same ranks
 NODES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the network model's x axis
@@ -65,10 +70,8 @@ class HsdpConfig:
     optimizer: str = knob(
         "adam", '"adam" (16 B/param of model state) or "sgd" (momentum).', choices=["adam", "sgd"]
     )
-    lr: float = knob(1e-3, "learning rate.", low=1e-08, high=10.0)
-    global_batch: int = knob(
-        12, "sequences per step over all ranks (must divide by world_size).", low=1, high=4096
-    )
+    lr: float = lr_knob()
+    global_batch: int = global_batch_knob()
     compare_pytorch: bool = knob(
         True,
         "also train fully_shard on the same 2-D DeviceMesh and FSDP1's HYBRID_SHARD (and their "

@@ -7,6 +7,7 @@ so that ``fsdp-lab --help`` answers at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from fsdp_lab.choices import SHARDING_STRATEGIES
 from fsdp_lab.config_checks import check_fields, knob
@@ -22,6 +23,18 @@ def check_batch_divides(global_batch: int, world_size: int) -> None:
             f"global_batch={global_batch} does not divide over world_size={world_size} ranks: "
             f"allowed world sizes {fits}. Fix: world_size={max(n for n in fits if n <= world_size)}"
         )
+
+
+def lr_knob() -> Any:
+    """The learning rate of the labs that train TinyGPT's way (a rate past 10 only diverges)."""
+    return knob(1e-3, "learning rate.", low=1e-08, high=10.0)
+
+
+def global_batch_knob() -> Any:
+    """The global batch of the labs that train TinyGPT's way, split evenly over the ranks."""
+    return knob(
+        12, "sequences per step over all ranks (must divide by world_size).", low=1, high=4096
+    )
 
 
 @dataclass(frozen=True)
@@ -49,10 +62,8 @@ class ShardConfig:
         '"adam" (16 B/param of model state, `fsdp_lab.theory`) or "sgd" (momentum).',
         choices=["adam", "sgd"],
     )
-    lr: float = knob(1e-3, "learning rate.", low=1e-08, high=10.0)
-    global_batch: int = knob(
-        12, "sequences per step over all ranks (must divide by world_size).", low=1, high=4096
-    )
+    lr: float = lr_knob()
+    global_batch: int = global_batch_knob()
     compare_fsdp2: bool = knob(
         True,
         "also train PyTorch's fully_shard on the same model and data (and, beside the sharded "
