@@ -2,7 +2,9 @@
 
 Each explorer (`fsdp_lab/<topic>/lab/explorer.py`) owns the clusters it starts (one per world
 size, reused while the explorer lives) and closes them with `close()`, so re-running a notebook
-cell leaves no rank behind.
+cell leaves no rank behind; a notebook's own ranks, lent to it, are used at their world size and
+left open. Its controls come from its lab's config fields (`control`): a setting the config would
+refuse is not on offer.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 import ipywidgets as W
@@ -70,8 +73,11 @@ class Explorer:
 
     SLOTS = 4
 
-    def __init__(self, controls: list[W.Widget], backend: str = "auto") -> None:
+    def __init__(
+        self, controls: list[W.Widget], backend: str = "auto", cluster: Cluster | None = None
+    ) -> None:
         self.backend = backend
+        self.lent = cluster  # the notebook's ranks: used at their world size, never closed
         self.controls = controls
         self.button = W.Button(description="Run", button_style="primary", icon="play")
         self.button.on_click(lambda _: self.refresh())
@@ -80,6 +86,9 @@ class Explorer:
         self.slots = Slots(self.widget, self.SLOTS, self._describe)
 
     def cluster(self, n: int) -> Cluster:
+        """Ranks for a run of `n`: the lent cluster if it has `n`, else the explorer's own."""
+        if self.lent is not None and self.lent.world_size == n:
+            return self.lent
         if n not in self._clusters:
             self._clusters[n] = Cluster(n, self.backend, verbose=False)
         return self._clusters[n]
@@ -117,6 +126,24 @@ class Explorer:
 
     def _ipython_display_(self) -> None:
         self.slots.display()
+
+
+MAX_RANKS = 4  # what an explorer starts on a laptop: more ranks than cores measure contention
+
+
+def control(config: type, name: str, value: Any, description: str, **limits: Any) -> W.Widget:
+    """A widget for the field `name` of a lab's `config`, from its `knob`: its choices as a
+    dropdown, a bool as a checkbox, an int as a slider over the knob's range, narrowed by
+    `limits` (``max=MAX_RANKS``)."""
+    f = next(f for f in fields(config) if f.name == name)
+    if "choices" in f.metadata:
+        return W.Dropdown(options=f.metadata["choices"], value=value, description=description)
+    if isinstance(value, bool):
+        return W.Checkbox(value=value, description=description)
+    low, high = f.metadata["range"]
+    top = min(b for b in (high, limits.get("max")) if b is not None)
+    return W.IntSlider(value=value, min=max(low, limits.get("min", low)), max=top,
+                       description=description)  # fmt: skip
 
 
 def settings_text(explorer: Any) -> str:

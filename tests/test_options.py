@@ -126,3 +126,19 @@ def test_every_labs_fields_say_what_they_are():
 )  # fmt: skip
 def test_errors_are_spoken_back_as_options(python, cli):
     assert to_flags(python, _Config) == cli
+
+
+def test_an_explorer_offers_only_what_its_config_allows():
+    from fsdp_lab.explorer import MAX_RANKS, control
+    from fsdp_lab.sharding.lab.config import ShardConfig
+    from fsdp_lab.sharding.lab.explorer import ShardExplorer
+
+    explorer = ShardExplorer()
+    assert (
+        list(explorer.strategy.options)
+        == ShardConfig.__dataclass_fields__["strategy"].metadata["choices"]
+    )
+    assert (explorer.world_size.min, explorer.world_size.max) == (1, MAX_RANKS)
+    # the config's own bound wins over a wider limit
+    assert control(_Config, "budget", 4, "budget", max=100).max == 8
+    explorer.close()

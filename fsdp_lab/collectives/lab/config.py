@@ -14,7 +14,7 @@ class CollectivesConfig:
     """The collectives lab's options, each with its help and its range on the field; the
     highs are what one host runs (each rank holds a few tensors of `numel` fp32 elements)."""
 
-    world_size: int = knob(4, "number of ranks.")
+    world_size: int = knob(4, "number of ranks.", low=1)
     numel: int = knob(
         1 << 18,
         "float32 elements of each rank's shard in the measured runs.",

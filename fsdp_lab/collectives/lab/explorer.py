@@ -8,14 +8,17 @@ from typing import Any
 
 import ipywidgets as W
 
-from fsdp_lab.explorer import Explorer
+from fsdp_lab.collectives.lab.config import CollectivesConfig
+from fsdp_lab.explorer import MAX_RANKS, Explorer, control
 
 
 class CollectivesExplorer(Explorer):
     """World size and tensor size for lab 00; shows bytes vs theory and the memory trace."""
 
     def __init__(self, world_size: int = 2, numel: int = 1 << 16, backend: str = "auto") -> None:
-        self.world_size = W.IntSlider(value=world_size, min=1, max=4, description="ranks")
+        self.world_size = control(
+            CollectivesConfig, "world_size", world_size, "ranks", max=MAX_RANKS
+        )
         self.numel = W.SelectionSlider(
             options=[
                 ("4 KiB", 1 << 10),

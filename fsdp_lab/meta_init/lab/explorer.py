@@ -10,7 +10,8 @@ import ipywidgets as W
 from IPython.display import Markdown
 
 from fsdp_lab.cluster import Cluster
-from fsdp_lab.explorer import Explorer
+from fsdp_lab.explorer import MAX_RANKS, Explorer, control
+from fsdp_lab.meta_init.lab.config import MetaInitConfig
 
 
 class MetaInitExplorer(Explorer):
@@ -50,17 +51,10 @@ class MetaInitExplorer(Explorer):
                 f"Fix: model_mb={min(sizes, key=lambda s: abs(s - model_mb))}"
             )
         self.model_mb = W.SelectionSlider(options=self.SIZES, value=model_mb, description="model")
-        self.world_size = W.IntSlider(value=world_size, min=1, max=4, description="ranks")
+        self.world_size = control(MetaInitConfig, "world_size", world_size, "ranks", max=MAX_RANKS)
         self.seed = seed
-        self.shared = cluster
-        super().__init__([self.model_mb, self.world_size], backend)
+        super().__init__([self.model_mb, self.world_size], backend, cluster)
         self.last_result: dict[str, Any] | None = None
-
-    def cluster(self, n: int) -> Cluster:
-        """The shared ranks if they are `n`, else the explorer's own (started once, then kept)."""
-        if self.shared is not None and self.shared.world_size == n:
-            return self.shared
-        return super().cluster(n)
 
     def draw(self) -> list[Any]:
         from fsdp_lab.meta_init.lab import analysis, measure, report

@@ -10,7 +10,8 @@ import ipywidgets as W
 from IPython.display import Markdown
 
 from fsdp_lab.cluster import Cluster
-from fsdp_lab.explorer import Explorer
+from fsdp_lab.explorer import MAX_RANKS, Explorer, control
+from fsdp_lab.pipeline.lab.config import PPSeedConfig
 
 
 class PPSeedExplorer(Explorer):
@@ -36,22 +37,12 @@ class PPSeedExplorer(Explorer):
     ) -> None:
         from fsdp_lab.pipeline.rng import STRATEGIES
 
-        self.stages = W.IntSlider(value=stages, min=1, max=4, description="S stages")
-        self.layers = W.IntSlider(value=layers, min=1, max=12, description="L layers")
+        self.stages = control(PPSeedConfig, "stages", stages, "S stages", max=MAX_RANKS)
+        self.layers = control(PPSeedConfig, "layers", layers, "L layers", max=12)
         self.strategy = W.Dropdown(options=list(STRATEGIES), value=strategy, description="init")
         self.steps = steps
-        super().__init__([self.stages, self.layers, self.strategy], backend)
-        self._borrowed = cluster
-        if cluster is not None:
-            self._clusters[cluster.world_size] = cluster
+        super().__init__([self.stages, self.layers, self.strategy], backend, cluster)
         self.last_result: Any = None
-
-    def close(self) -> None:
-        if self._borrowed is not None and self._clusters.get(self._borrowed.world_size) is (
-            self._borrowed
-        ):
-            del self._clusters[self._borrowed.world_size]  # not ours to close
-        super().close()
 
     def draw(self) -> list[Any]:
         from fsdp_lab.diagrams import pipeline_diagram

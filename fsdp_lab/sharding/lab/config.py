@@ -43,11 +43,11 @@ class ShardConfig:
     (`knob`): its ``--help`` line and its range, the highs being what one host runs in a lab's
     time (a learning rate past 10 only diverges)."""
 
-    world_size: int = knob(2, "ranks.")
+    world_size: int = knob(2, "ranks.", low=1)
     strategy: str = knob(
         "full",
         '"none" (DDP), "optimizer" (ZeRO-1), "grad_op" (ZeRO-2), "full" (ZeRO-3).',
-        choices=sorted(SHARDING_STRATEGIES),
+        choices=list(SHARDING_STRATEGIES),
     )
     steps: int = knob(5, "training steps.", low=1, high=100_000)
     prefetch: bool = knob(

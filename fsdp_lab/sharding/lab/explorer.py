@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import ipywidgets as W
 from IPython.display import Markdown
 
-from fsdp_lab.explorer import Explorer
+from fsdp_lab.explorer import MAX_RANKS, Explorer, control
+from fsdp_lab.sharding.lab.config import ShardConfig
 
 
 class ShardExplorer(Explorer):
@@ -23,11 +23,9 @@ class ShardExplorer(Explorer):
         steps: int = 3,
         backend: str = "auto",
     ) -> None:
-        from fsdp_lab.choices import SHARDING_STRATEGIES as STRATEGIES
-
-        self.world_size = W.IntSlider(value=world_size, min=1, max=4, description="ranks")
-        self.strategy = W.Dropdown(options=list(STRATEGIES), value=strategy, description="strategy")
-        self.prefetch = W.Checkbox(value=prefetch, description="prefetch")
+        self.world_size = control(ShardConfig, "world_size", world_size, "ranks", max=MAX_RANKS)
+        self.strategy = control(ShardConfig, "strategy", strategy, "strategy")
+        self.prefetch = control(ShardConfig, "prefetch", prefetch, "prefetch")
         self.steps = steps
         super().__init__([self.world_size, self.strategy, self.prefetch], backend)
         self.last_result: Any = None
