@@ -27,6 +27,12 @@ def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def max_diff(a: str, b: str, value: float) -> str:
+    """The one agreement sentence of every lab: the largest element-wise difference between two
+    runs' parameters (`reference.max_abs_diff`), "max |ours − single process| = 3e-08"."""
+    return f"max |{a} − {b}| = {value:.2g}"
+
+
 def timeline_sentence(shares: dict[str, float]) -> str:
     """Markdown: `trace.timeline.time_shares` in words — how a rank's time split between
     compute, moving bytes and waiting for other ranks, and how much transfer compute hid."""

@@ -199,4 +199,4 @@ def test_the_contract_section_measures_what_its_sentences_say(cluster_of):
             not torch.equal(rank0["ignored"][n], rank1["ignored"][n]) for n in rank0["ignored"]
         )
     for text in (contract.precision_summary(precision), contract.bucket_summary(buckets)):
-        assert "max \\|ours" in text
+        assert "max |ours" in text

@@ -195,7 +195,7 @@ def test_summary_says_what_the_result_holds():
     assert (
         "- shard fsdp_lab.models:tiny_gpt with root_unit: 1 tie problems after shard and " in text
     )
-    assert "max |ours - single process| = 3e-08" in text
+    assert "max |ours − single process| = 3e-08" in text
     assert "- plan split_tie: refused" in text
     assert "### Live audit of fsdp_lab.models:tiny_gpt: head in its own unit" in text
     assert "| fsdp_lab shard | False | wrap | — | — | a\\|b |" in text

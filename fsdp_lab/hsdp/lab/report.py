@@ -10,7 +10,7 @@ from typing import Any
 
 from fsdp_lab.hsdp.lab.config import SYSTEMS
 from fsdp_lab.labs.contract import LabResult
-from fsdp_lab.markdown import table
+from fsdp_lab.markdown import max_diff, table
 from fsdp_lab.sizes import format_bytes as fb
 
 # The chart often quoted for FSDP vs HSDP on 100 Gbit/s Ethernet: per-GPU TFLOPS at 1, 2, 4, 8
@@ -158,8 +158,9 @@ def summary(result: LabResult) -> str:
         f"HSDP on mesh {tuple(r['mesh'])} (R replicas x S ranks per shard group) = "
         f"{r['world_size']} ranks ({r['backend']})",
         "",
-        f"- max |hybrid - single process| = {r['max_abs_diff_vs_single_process']:.3g}; "
-        f"against PyTorch's HSDP on the same mesh: {versus}",
+        "- "
+        + max_diff("hybrid", "single process", r["max_abs_diff_vs_single_process"])
+        + f"; against PyTorch's HSDP on the same mesh: {versus}",
         f"- bytes equal the formulas on every rank: {ok}",
         *departures(r),
         "",
@@ -194,8 +195,8 @@ def agreement_text(result: LabResult) -> str:
         for s, r in result["systems"].items()
     )
     return (
-        f"max \\|hybrid − single process\\| = {result['max_abs_diff_vs_single_process']:.2e}; "
-        f"max \\|ours − PyTorch's HSDP on the same mesh\\|: {diffs or 'not run'}. Bytes equal "
+        max_diff("hybrid", "single process", result["max_abs_diff_vs_single_process"])
+        + f"; max |ours − PyTorch's HSDP on the same mesh|: {diffs or 'not run'}. Bytes equal "
         f"the formulas on every rank — {matches}."
     )
 

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_lab import comm, reference
+from fsdp_lab.markdown import max_diff
 from fsdp_lab.models import synthetic_batch
 from fsdp_lab.models.llama import Llama, LlamaConfig, RMSNorm
 from fsdp_lab.sharding import MixedPrecision, UnitPolicy, clip_grad_norm_
@@ -235,8 +236,8 @@ def precision_summary(runs: dict[str, list[dict[str, Any]]]) -> str:
             "|---|---|---|",
             *rows,
             "",
-            f"- max \\|ours − fully_shard\\| over every parameter after {STEPS} AdamW steps: "
-            f"{_max_diff(ours['params'], theirs['params']):.2g}",
+            f"- over every parameter after {STEPS} AdamW steps, "
+            + max_diff("ours", "fully_shard", _max_diff(ours["params"], theirs["params"])),
             f"- total gradient norm before clipping to {MAX_NORM}, per step: ours {clipped} · "
             "fully_shard " + ", ".join(f"{g:.6f}" for g in theirs["grad_norms"]),
             f"- ours' bytes per rank and step: all-gather {sent['all_gather_into_tensor']:,.0f}, "
@@ -262,8 +263,13 @@ def offload_summary(runs: dict[str, list[dict[str, Any]]]) -> str:
             f"| device → host | {sent['device_to_host']:,.0f} B | every gradient shard once "
             f"({sum(shards.values()):,} B) |",
             "",
-            f"max \\|ours − fully_shard(offload_policy=CPUOffloadPolicy())\\| after {STEPS} "
-            f"steps: {_max_diff(ours['params'], theirs['params']):.2g}",
+            f"After {STEPS} steps, "
+            + max_diff(
+                "ours",
+                "fully_shard(offload_policy=CPUOffloadPolicy())",
+                _max_diff(ours["params"], theirs["params"]),
+            )
+            + ".",
         ]
     )
 
@@ -293,7 +299,7 @@ def bucket_summary(runs: dict[str, list[dict[str, Any]]]) -> str:
             f"{(starts[0] - backward['start']) * 1e3:.1f} ms after backward began"
         )
     ours, ddp = runs["ours:none"][0]["params"], runs["ddp"][0]["params"]
-    lines.append(f"- max \\|ours − DDP\\| after {STEPS} steps: {_max_diff(ours, ddp):.2g}")
+    lines.append(f"- after {STEPS} steps, " + max_diff("ours", "DDP", _max_diff(ours, ddp)))
     return "\n".join(lines)
 
 

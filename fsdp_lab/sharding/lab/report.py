@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from fsdp_lab.labs.contract import LabResult
-from fsdp_lab.markdown import table
+from fsdp_lab.markdown import max_diff, table
 from fsdp_lab.sharding.lab.analysis import MODEL_STATE, model_state_bytes
 from fsdp_lab.sizes import format_bytes
 
@@ -21,10 +21,10 @@ def summary(result: LabResult) -> str:
     lines = [
         f"strategy {result['strategy']} on {result['world_size']} ranks ({result['backend']})",
         "",
-        f"- max |ours - single process| = {result['max_abs_diff_vs_single_process']:.3g}",
+        "- " + max_diff("ours", "single process", result["max_abs_diff_vs_single_process"]),
     ]
     if result["max_abs_diff_vs_fsdp2"] is not None:
-        lines.append(f"- max |ours - FSDP2| = {result['max_abs_diff_vs_fsdp2']:.3g}")
+        lines.append("- " + max_diff("ours", "FSDP2", result["max_abs_diff_vs_fsdp2"]))
         lines.append(
             f"- step time: ours {result['step_time_s'] * 1e3:.1f} ms, "
             f"FSDP2 {result['fsdp2_step_time_s'] * 1e3:.1f} ms"
@@ -50,15 +50,15 @@ def summary(result: LabResult) -> str:
             "",
             "DDP + ShardedOptimizer (ZeRO-1 as an optimizer):",
             "",
-            f"- max |it - single process| = {so['max_abs_diff_vs_single_process']:.3g}",
-            f"- max |it - shard(strategy='optimizer')| = "
-            f"{so['max_abs_diff_vs_zero1_transformation']:.3g}",
+            "- " + max_diff("it", "single process", so["max_abs_diff_vs_single_process"]),
+            "- "
+            + max_diff(
+                "it", "shard(strategy='optimizer')", so["max_abs_diff_vs_zero1_transformation"]
+            ),
         ]
         if so["max_abs_diff_vs_zero_redundancy_optimizer"] is not None:
-            lines.append(
-                f"- max |it - PyTorch's ZeroRedundancyOptimizer| = "
-                f"{so['max_abs_diff_vs_zero_redundancy_optimizer']:.3g}"
-            )
+            zero = so["max_abs_diff_vs_zero_redundancy_optimizer"]
+            lines.append("- " + max_diff("it", "PyTorch's ZeroRedundancyOptimizer", zero))
         share = so["theory"]["largest_share_over_even_split"]
         lines += [f"- busiest rank's share of the state / even split: {share:.3f}", ""]
         lines.append(sharded_optimizer_table(result))

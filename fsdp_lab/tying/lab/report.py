@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_lab.labs.contract import LabResult
-from fsdp_lab.markdown import table
+from fsdp_lab.markdown import max_diff, table
 from fsdp_lab.sizes import format_bytes
 from fsdp_lab.tying.lab.analysis import PHASES
 from fsdp_lab.tying.lab.config import SPIKE_SYSTEMS, SYSTEM_NAMES, WRAPPINGS
@@ -311,7 +311,7 @@ def summary(result: LabResult) -> str:
         lines.append(
             f"- shard {model} with {name}: {problems} tie problems after shard and after "
             f"{v['steps']} steps; "
-            f"max |ours - single process| = {v['max_abs_diff_vs_single_process']:.2g}"
+            + max_diff("ours", "single process", v["max_abs_diff_vs_single_process"])
         )
     te, r0 = result["to_empty"], result["to_empty"]["per_rank"][0]
     spike = result["spike"]
@@ -443,7 +443,7 @@ def verification_table(result: LabResult) -> str:
         "tie problems after shard (all ranks)",
         f"after {steps} steps",
         "head = embedding after training",
-        "max \\|ours − single process\\|",
+        "max |ours − single process|",
     )
     return table(header, rows)
 
