@@ -45,6 +45,12 @@ def knob(
     return field(default=default, metadata=metadata)
 
 
+def plain_help(text: str) -> str:
+    """A help text as a terminal or an error shows it: without reStructuredText's and
+    Markdown's backquotes (``shard(strategy="none")`` reads as shard(strategy="none"))."""
+    return text.replace("``", "").replace("`", "")
+
+
 def field_help(config_cls: type) -> dict[str, str]:
     """Each field's help, as its `knob` declares it."""
     return {f.name: f.metadata.get("help", "") for f in fields(config_cls)}
@@ -62,6 +68,8 @@ def check_fields(config: Any) -> None:
         if value is None and default is None:
             continue
         fix = f.metadata.get("fix", default)
+        if str(f.type) == "bool" and not isinstance(value, bool):  # 'no' would read as True
+            raise ValueError(f"{f.name}={value!r}: expected True or False. Fix: {f.name}={fix!r}")
         if "choices" in f.metadata and value not in f.metadata["choices"]:
             raise ValueError(
                 f"{f.name}={value!r}: expected one of {f.metadata['choices']}. "
@@ -76,6 +84,7 @@ def _check_range(
 ) -> None:
     low, high = bounds
     values = value if isinstance(value, tuple) else (value,)
+    wrong_type = not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
     if integer:
         ok = all(is_int(v, int(low), None if high is None else int(high)) for v in values)
     else:
@@ -100,7 +109,6 @@ def _check_range(
     if fix is None:  # the nearest allowed value
         near = value if isinstance(value, int | float) and math.isfinite(value) else low
         fix = max(near, low) if high is None else min(max(near, low), high)
-    what = f.metadata.get("help", name).rstrip(".")
-    raise ValueError(
-        f"{name}={value!r} is out of range: allowed {allowed} ({what}). Fix: {name}={fix!r}"
-    )
+    what = plain_help(f.metadata.get("help", name)).rstrip(".")
+    verdict = f": expected {allowed}" if wrong_type else f" is out of range: allowed {allowed}"
+    raise ValueError(f"{name}={value!r}{verdict} ({what}). Fix: {name}={fix!r}")

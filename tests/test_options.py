@@ -88,7 +88,7 @@ class _Checked(_Config):
     ("given", "message"),
     [
         ({"steps": 0}, "steps=0 is out of range: allowed an int from 1 to 100 (training steps). Fix: steps=5"),
-        ({"steps": True}, "steps=True is out of range"),  # a bool is not a count
+        ({"steps": True}, "steps=True: expected an int from 1 to 100"),  # a bool is not a count
         ({"lr": float("nan")}, "lr=nan is out of range: allowed a number from 1e-08 to 10"),
         ({"budget": 9}, "budget=9 is out of range: allowed an int from 2 to 8 (optional budget). Fix: budget=8"),
         ({"strategy": "zero4"}, "strategy='zero4': expected one of ['full', 'none']. Fix: strategy='full'"),
@@ -142,3 +142,34 @@ def test_an_explorer_offers_only_what_its_config_allows():
     # the config's own bound wins over a wider limit
     assert control(_Config, "budget", 4, "budget", max=100).max == 8
     explorer.close()
+
+
+def _config(lab: str) -> type:
+    from fsdp_lab.labs.registry import LABS
+
+    return LABS[lab].part("config").CONFIG
+
+
+@pytest.mark.parametrize(
+    ("lab", "given"),
+    [
+        ("shard", {"steps": 0}), ("shard", {"steps": "3"}), ("shard", {"prefetch": "no"}),
+        ("shard", {"lr": float("nan")}), ("shard", {"strategy": "zero3"}),
+        ("hsdp", {"overlap": 2.0}), ("hsdp", {"emulate_steps": 1}), ("hsdp", {"params_b": -1.0}),
+        ("pp-seed", {"scale_dim": 0}), ("pp-seed", {"stages": 0}), ("pp-seed", {"lr": -1.0}),
+        ("pp-seed", {"seed": -1}), ("meta-init", {"sizes_mb": ()}), ("meta-init", {"model_mb": 4}),
+        ("tying", {"vocab": 0}), ("collectives", {"numel": 0}), ("checkpoint", {"dim": 0}),
+    ],
+)  # fmt: skip
+def test_every_fix_an_error_proposes_is_accepted(lab, given):
+    """A hostile review found a fix the config itself refused (scale_dim=0 -> scale_dim=1)."""
+    import ast
+    import re
+
+    config = _config(lab)
+    with pytest.raises(ValueError) as err:
+        config(**given)
+    message = str(err.value)
+    assert "`" not in message, message  # no markup in an error a terminal prints
+    name, value = re.search(r"Fix: (\w+)=(.+?)(?:,? or |$)", message).groups()
+    config(**{**given, name: ast.literal_eval(value)})

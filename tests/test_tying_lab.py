@@ -240,7 +240,7 @@ def test_figures_are_plots_and_wrap_diagrams(result):
             "vocab=0 is out of range: allowed an int from 2 to 1,048,576 (rows of the tied",
         ),
         ({"vocab": 0}, "Fix: vocab=32768"),  # in Python terms; the CLI says --vocab 32768
-        ({"spike_steps": True}, "spike_steps=True is out of range"),
+        ({"spike_steps": True}, "spike_steps=True: expected an int"),
         ({"steps": -1}, "steps=-1 is out of range"),
         ({"dim": 30, "heads": 4}, "dim=30 is not divisible by heads=4"),
         ({"lr": 0.0}, "lr=0.0 is out of range: allowed a number from 1e-08 to 10"),

@@ -20,7 +20,7 @@ import re
 from dataclasses import MISSING, Field, fields
 from typing import Any
 
-from fsdp_lab.config_checks import field_help
+from fsdp_lab.config_checks import field_help, plain_help
 
 COMMON = ("world_size", "backend", "model")  # options of every lab, added by cli.py
 _SCALARS = {"int": int, "float": float, "str": str}
@@ -57,12 +57,6 @@ def flag_of(field: Field) -> str:
     if _base_type(field)[0] == "bool" and _default(field) is True:
         return f"--no-{dashed}"
     return f"--{dashed}"
-
-
-def plain_help(text: str) -> str:
-    """A help text for a terminal: without reStructuredText's and Markdown's backquotes
-    (``shard(strategy="none")`` reads as shard(strategy="none"))."""
-    return text.replace("``", "").replace("`", "")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type) -> None:

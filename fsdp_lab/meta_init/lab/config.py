@@ -60,8 +60,7 @@ class MetaInitConfig:
     )
     measure_70b: bool = knob(
         True,
-        "build Llama-3-70B's shape on meta in a fresh process and measure it (``--no-70b``: skip "
-        "it).",
+        "build Llama-3-70B's shape on meta in a fresh process and measure it.",
         flag="--no-70b",
     )
     backend: str = knob("auto", '"auto", "gloo" or "nccl".')

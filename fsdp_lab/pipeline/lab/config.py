@@ -34,7 +34,7 @@ class PPSeedConfig:
 
     stages: int | None = knob(
         None,
-        "S, pipeline stages — by default the world size, or 3 when neither is given.",
+        "S, pipeline stages — by default the world size, or min(3, layers) when neither is given.",
         low=1,
         fix=2,
     )
@@ -67,7 +67,7 @@ class PPSeedConfig:
         low=1e-08,
         high=10.0,
     )
-    seed: int = knob(0, "the seed of the unsplit reference init.", low=0, high=2**62)
+    seed: int = knob(0, "the seed of the unsplit reference init.", low=0, high=2**62 - 1)
     strategies: tuple[str, ...] = knob(STRATEGIES, "which of `STRATEGIES` to measure.", metavar="S")
     grow_dims: tuple[int, ...] = knob(
         (64, 128, 256),
@@ -92,9 +92,8 @@ class PPSeedConfig:
     )
     scale_dim: int | None = knob(
         None,
-        "the model width of that measurement (default: the largest grow_dims, else dim).",
-        low=1,
-        high=8192,
+        "the model width of that measurement (default: the largest grow_dims, else dim); a "
+        "multiple of heads up to 8,192, checked with them.",
     )
     scale_strategies: tuple[str, ...] = knob(
         tuple(s for s in STRATEGIES if s != "same_seed"),
@@ -157,10 +156,10 @@ class PPSeedConfig:
         timed = _strategy_list("scale_strategies", self.scale_strategies)
         object.__setattr__(self, "scale_strategies", timed)
         dim = self.scale_dim
-        if dim is not None and (not is_int(dim, 1) or dim % self.heads):
+        if dim is not None and (not is_int(dim, 1, 8192) or dim % self.heads):
             raise ValueError(
-                f"scale_dim={dim!r} is out of range: allowed an int divisible by "
-                f"heads={self.heads}, or None (the largest grow_dims, else dim). Fix: "
+                f"scale_dim={dim!r} is out of range: allowed an int up to 8,192 divisible by "
+                f"heads={self.heads}, or none given (the largest grow_dims, else dim). Fix: "
                 f"scale_dim={self.dim}"
             )
 

@@ -57,7 +57,7 @@ class TyingConfig:
     )
     compare_fsdp2: bool = knob(
         True,
-        "measure the spike with PyTorch's `fully_shard` too (``--no-fsdp2``: ours only).",
+        "measure the spike with PyTorch's `fully_shard` too.",
         flag="--no-fsdp2",
     )
     backend: str = knob("auto", '"auto", "gloo" or "nccl".')
