@@ -10,6 +10,7 @@ refuse is not on offer.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import io
 from collections.abc import Callable
 from dataclasses import fields
@@ -131,19 +132,37 @@ class Explorer:
 MAX_RANKS = 4  # what an explorer starts on a laptop: more ranks than cores measure contention
 
 
+def offered(name: str, value: Any, options: list[Any]) -> None:
+    """Raise a ValueError naming `value`, what the explorer offers and the nearest offer,
+    unless `value` is one of `options` (values, or a selection's (label, value) pairs)."""
+    values = [o[1] if isinstance(o, tuple) else o for o in options]
+    if any(type(value) is type(v) and value == v for v in values):
+        return
+    near = values[0]
+    if isinstance(value, int | float) and all(isinstance(v, int | float) for v in values):
+        near = min(values, key=lambda v: abs(v - value)) if value == value else near  # nan
+    elif isinstance(value, str):  # a typo: the closest spelling offered
+        strings = [v for v in values if isinstance(v, str)]
+        near = (difflib.get_close_matches(value, strings, n=1) or [near])[0]
+    raise ValueError(f"{name}={value!r}: the explorer offers {values}. Fix: {name}={near!r}")
+
+
 def control(config: type, name: str, value: Any, description: str, **limits: Any) -> W.Widget:
     """A widget for the field `name` of a lab's `config`, from its `knob`: its choices as a
     dropdown, a bool as a checkbox, an int as a slider over the knob's range, narrowed by
-    `limits` (``max=MAX_RANKS``)."""
+    `limits` (``max=MAX_RANKS``). A starting `value` it does not offer is a ValueError, not a
+    slider that quietly moves it."""
     f = next(f for f in fields(config) if f.name == name)
     if "choices" in f.metadata:
+        offered(name, value, f.metadata["choices"])
         return W.Dropdown(options=f.metadata["choices"], value=value, description=description)
-    if isinstance(value, bool):
+    if str(f.type) == "bool":
+        offered(name, value, [True, False])
         return W.Checkbox(value=value, description=description)
     low, high = f.metadata["range"]
     top = min(b for b in (high, limits.get("max")) if b is not None)
-    return W.IntSlider(value=value, min=max(low, limits.get("min", low)), max=top,
-                       description=description)  # fmt: skip
+    offered(name, value, list(range(low, top + 1)))
+    return W.IntSlider(value=value, min=low, max=top, description=description)
 
 
 def settings_text(explorer: Any) -> str:

@@ -173,3 +173,34 @@ def test_every_fix_an_error_proposes_is_accepted(lab, given):
     assert "`" not in message, message  # no markup in an error a terminal prints
     name, value = re.search(r"Fix: (\w+)=(.+?)(?:,? or |$)", message).groups()
     config(**{**given, name: ast.literal_eval(value)})
+
+
+@pytest.mark.parametrize(
+    ("build", "given"),
+    [
+        ("fsdp_lab.sharding.lab.explorer:shard_explorer", {"strategy": "ful"}),
+        ("fsdp_lab.sharding.lab.explorer:shard_explorer", {"prefetch": "no"}),
+        ("fsdp_lab.sharding.lab.explorer:shard_explorer", {"world_size": 9}),
+        ("fsdp_lab.pipeline.lab.explorer:PPSeedExplorer", {"strategy": "same_sed"}),
+        ("fsdp_lab.pipeline.lab.explorer:PPSeedExplorer", {"layers": 100}),
+        ("fsdp_lab.collectives.lab.explorer:CollectivesExplorer", {"numel": 1000}),
+        ("fsdp_lab.meta_init.lab.explorer:meta_init_explorer", {"model_mb": "64"}),
+        ("fsdp_lab.checkpointing.lab.explorer:checkpoint_explorer", {"schedule": "segment"}),
+        ("fsdp_lab.hsdp.lab.explorer:scaling_explorer", {"params_b": float("nan")}),
+    ],
+)
+def test_an_explorer_refuses_a_start_it_does_not_offer_and_names_the_fix(build, given):
+    """A hostile review: these were a 49-line traitlets error, a KeyError, a TypeError, or a
+    slider that quietly moved 9 ranks to 4."""
+    import ast
+    import importlib
+    import re
+
+    module, name = build.split(":")
+    make = getattr(importlib.import_module(module), name)
+    with pytest.raises(ValueError) as err:
+        make(**given)
+    field, fix = re.search(r"Fix: (\w+)=(.+)$", str(err.value)).groups()
+    assert field in given and f"{field}={given[field]!r}" in str(err.value)
+    widget = make(**{field: ast.literal_eval(fix)})
+    getattr(widget, "close", lambda: None)()

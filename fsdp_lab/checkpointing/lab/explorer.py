@@ -9,7 +9,7 @@ from typing import Any
 import ipywidgets as W
 from IPython.display import Markdown
 
-from fsdp_lab.explorer import Explorer
+from fsdp_lab.explorer import Explorer, offered
 
 
 class CheckpointExplorer(Explorer):
@@ -35,6 +35,7 @@ class CheckpointExplorer(Explorer):
         from fsdp_lab.checkpointing import schedules
 
         self.n = W.IntSlider(value=n, min=2, max=32, description="N layers")
+        offered("schedule", schedule, list(schedules.SCHEDULES))
         self.schedule = W.Dropdown(
             options=list(schedules.SCHEDULES), value=schedule, description="schedule"
         )

@@ -9,7 +9,7 @@ from typing import Any
 import ipywidgets as W
 
 from fsdp_lab.collectives.lab.config import CollectivesConfig
-from fsdp_lab.explorer import MAX_RANKS, Explorer, control
+from fsdp_lab.explorer import MAX_RANKS, Explorer, control, offered
 
 
 class CollectivesExplorer(Explorer):
@@ -19,16 +19,9 @@ class CollectivesExplorer(Explorer):
         self.world_size = control(
             CollectivesConfig, "world_size", world_size, "ranks", max=MAX_RANKS
         )
-        self.numel = W.SelectionSlider(
-            options=[
-                ("4 KiB", 1 << 10),
-                ("256 KiB", 1 << 16),
-                ("4 MiB", 1 << 20),
-                ("16 MiB", 1 << 22),
-            ],
-            value=numel,
-            description="shard",
-        )
+        sizes = [("4 KiB", 1 << 10), ("256 KiB", 1 << 16), ("4 MiB", 1 << 20), ("16 MiB", 1 << 22)]
+        offered("numel", numel, sizes)
+        self.numel = W.SelectionSlider(options=sizes, value=numel, description="shard")
         super().__init__([self.world_size, self.numel], backend)
         self.last_result: Any = None
 

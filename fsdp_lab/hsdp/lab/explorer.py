@@ -19,6 +19,10 @@ class ScalingExplorer:
     def __init__(
         self, params_b: float = 7.0, inter_node_gbit: float = 100.0, overlap: float = 1.0
     ) -> None:
+        from fsdp_lab.hsdp.lab.config import HsdpConfig
+
+        # the lab's own checks, in its words: a size or a link it would refuse is not drawn
+        HsdpConfig(params_b=params_b, inter_node_gbit=inter_node_gbit, overlap=overlap)
         style = {"description_width": "initial"}
 
         def pick(options: list[float], value: float, description: str) -> W.SelectionSlider:

@@ -10,7 +10,7 @@ import ipywidgets as W
 from IPython.display import Markdown
 
 from fsdp_lab.cluster import Cluster
-from fsdp_lab.explorer import MAX_RANKS, Explorer, control
+from fsdp_lab.explorer import MAX_RANKS, Explorer, control, offered
 from fsdp_lab.meta_init.lab.config import MetaInitConfig
 
 
@@ -44,12 +44,7 @@ class MetaInitExplorer(Explorer):
         backend: str = "auto",
         cluster: Cluster | None = None,
     ) -> None:
-        sizes = dict(self.SIZES).values()
-        if model_mb not in sizes:
-            raise ValueError(
-                f"model_mb={model_mb!r}: the explorer offers {list(sizes)} (MiB). "
-                f"Fix: model_mb={min(sizes, key=lambda s: abs(s - model_mb))}"
-            )
+        offered("model_mb", model_mb, list(self.SIZES))
         self.model_mb = W.SelectionSlider(options=self.SIZES, value=model_mb, description="model")
         self.world_size = control(MetaInitConfig, "world_size", world_size, "ranks", max=MAX_RANKS)
         self.seed = seed

@@ -10,7 +10,7 @@ import ipywidgets as W
 from IPython.display import Markdown
 
 from fsdp_lab.cluster import Cluster
-from fsdp_lab.explorer import MAX_RANKS, Explorer, control
+from fsdp_lab.explorer import MAX_RANKS, Explorer, control, offered
 from fsdp_lab.pipeline.lab.config import PPSeedConfig
 
 
@@ -39,6 +39,7 @@ class PPSeedExplorer(Explorer):
 
         self.stages = control(PPSeedConfig, "stages", stages, "S stages", max=MAX_RANKS)
         self.layers = control(PPSeedConfig, "layers", layers, "L layers", max=12)
+        offered("strategy", strategy, list(STRATEGIES))
         self.strategy = W.Dropdown(options=list(STRATEGIES), value=strategy, description="init")
         self.steps = steps
         super().__init__([self.stages, self.layers, self.strategy], backend, cluster)
