@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -231,18 +232,43 @@ def _count(values: list[float | None], what: str) -> str:
     return f"{sum(1 for v in values if _within(v))} of {len(values)} {what} within{worst}"
 
 
-def main() -> None:
+def _positive(text: str) -> int:
+    """argparse's type for a count: an int >= 1 (0 steps would compare untrained models)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3])
-    parser.add_argument("--models", nargs="+", default=list(PARITY_MODELS), metavar="NAME")
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--optimizer", choices=("recipe", "sgd", "adamw"), default="recipe")
+    parser.add_argument("--world-sizes", type=_positive, nargs="+", default=[2, 3],
+                        help="ranks of each run; each must divide every model's global batch "
+                        "(default 2 3)")  # fmt: skip
+    parser.add_argument("--models", nargs="+", default=list(PARITY_MODELS), metavar="NAME",
+                        help=f"which models (default all: {' '.join(PARITY_MODELS)})")  # fmt: skip
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES,
+                        help="which of our strategies (default all)")  # fmt: skip
+    parser.add_argument("--steps", type=_positive, default=3,
+                        help="training steps before the comparison (default 3)")  # fmt: skip
+    parser.add_argument("--optimizer", choices=("recipe", "sgd", "adamw"), default="recipe",
+                        help="each model's own recipe, or one for all (default recipe)")  # fmt: skip
     parser.add_argument("--out", help="write the figures as JSON to this path")
     args = parser.parse_args()
     unknown = sorted(set(args.models) - set(PARITY_MODELS))
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {list(PARITY_MODELS)}")
+    for m in args.models:  # refused here, before any rank starts
+        spec = PARITY_MODELS[m]
+        batch = spec.batch(0)[1].shape[spec.batch_dim]
+        bad = [n for n in args.world_sizes if batch % n]
+        if bad:
+            fits = [n for n in range(1, batch + 1) if batch % n == 0]
+            parser.error(f"--world-sizes {bad[0]}: {m}'s global batch {batch} does not split "
+                         f"over {bad[0]} ranks; allowed {fits}")  # fmt: skip
+    folder = os.path.dirname(os.path.abspath(args.out)) if args.out else None
+    if folder and not os.access(folder, os.W_OK):  # found now, not after the runs
+        parser.error(f"--out {args.out}: cannot write into {folder}")
     optimizer = None if args.optimizer == "recipe" else args.optimizer
 
     start = time.perf_counter()
@@ -266,7 +292,11 @@ def main() -> None:
         }
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    failed = [r for r in rows if not _within(r["vs_single"]["max_abs_diff"])]
+    if failed:  # a row that did not run, or left one process, is not a pass
+        print(f"[parity] {len(failed)} of {len(rows)} rows not within tolerance", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

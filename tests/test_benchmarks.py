@@ -159,6 +159,24 @@ def test_bench_cluster_prints_cold_warm_restart_and_call_medians():
         assert line in text, text
 
 
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--steps", "0"], "argument --steps: 0 is not >= 1"),
+        (["--world-sizes", "5"], "--world-sizes 5: NestedWrappedModule's global batch 12 does not"),
+        (["--out", "/nonexistent/p.json"], "--out /nonexistent/p.json: cannot write into"),
+    ],
+)
+def test_parity_refuses_what_it_cannot_measure_before_any_rank_starts(args, error):
+    """A hostile review: 0 steps printed '48 of 48 rows within' for models nobody trained, 5
+    ranks ran to a table of n/a and exit 0, a bad --out lost a finished run."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "parity.py"), *args],
+        capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and error in proc.stderr, proc.stderr
+
+
 def test_parity_table_rows_and_every_diff_within_fp32_tolerance(tmp_path):
     """benchmarks/parity.py on a tiny subset: one row per model x strategy, every figure ours
     vs single process within tolerance, and every PyTorch counterpart within it too unless the

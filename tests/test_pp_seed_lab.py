@@ -235,7 +235,10 @@ def test_layout_defaults():
             "stage per rank, at least one layer each), or none. Fix: scale_ranks=(1, 2, 3, 4)",
         ),
         ({"scale_ranks": (2, 2)}, "scale_ranks=(2, 2): a count appears twice"),
-        ({"scale_dim": 30}, "scale_dim=30 is out of range: allowed an int up to 8,192 divisible by heads=4"),
+        (
+            {"scale_dim": 30},
+            "scale_dim=30 is out of range: allowed an int up to 8,192 divisible by heads=4",
+        ),
         ({"scale_strategies": ("replay",)}, "scale_strategies=('replay',): strategy 'replay'"),
         (
             {"convergence_seeds": -1},
