@@ -154,10 +154,19 @@ def blocks(text: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true")
-    parser.add_argument("--run", action="store_true")
-    parser.add_argument("--times", action="store_true")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0]
+        + " With no option, rewrites the blocks made from the code in README.md and docs/."
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if a block is stale"
+    )
+    parser.add_argument(
+        "--run", action="store_true", help="also the README's lab table (a fresh 4-rank run)"
+    )
+    parser.add_argument(
+        "--times", action="store_true", help="also measure every exercise's check time"
+    )
     args = parser.parse_args(argv)
     fresh = {"catalog": catalog, "files": files}
     if args.run:
@@ -166,21 +175,23 @@ def main(argv: list[str] | None = None) -> int:
         fresh["times"] = times
     stale = []
 
-    def rebuild(m: re.Match) -> str:
+    def rebuild(m: re.Match, doc: Path) -> str:
         name = m.group("name")
         if name not in fresh:
             return m.group(0)
         body = fresh[name]()
         if body != m.group("body"):
-            stale.append(name)
+            stale.append((doc, name))
         return m.group(1) + body + m.group(4)
 
     for doc in DOCS:
-        new = BLOCK.sub(rebuild, doc.read_text())
+        new = BLOCK.sub(lambda m, doc=doc: rebuild(m, doc), doc.read_text())
         if not args.check:
             doc.write_text(new)
-    for name in stale if args.check else ():
-        print(f"docs/: block {name!r} is stale: python scripts/doc_tables.py")
+    for doc, name in stale if args.check else ():
+        flag = " --run" if name in FROM_RUNS else " --times" if name == "times" else ""
+        where = doc.relative_to(ROOT)
+        print(f"{where}: block {name!r} is stale: python scripts/doc_tables.py{flag}")
     return 1 if args.check and stale else 0
 
 

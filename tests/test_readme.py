@@ -147,3 +147,22 @@ def test_setup_puts_the_pythons_own_folder_first_on_path(tmp_path):
     ).stdout.strip()  # fmt: skip
     assert path.split(":")[0] == str(venv_bin)
     assert shutil.which("alembic", path=path) == str(venv_bin / "alembic")
+
+
+def test_a_stale_block_names_its_file_and_the_command_that_fixes_it(tmp_path, monkeypatch, capsys):
+    """A hostile review: a stale README table said 'docs/' and a command that left it stale."""
+    script = _script()
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        "x\n<!-- generated: hsdp-bytes (python scripts/doc_tables.py) -->\nold\n"
+        "<!-- end generated -->\n"
+    )
+    monkeypatch.setattr(script, "ROOT", tmp_path)
+    monkeypatch.setattr(script, "DOCS", (readme,))
+    monkeypatch.setattr(script, "FROM_RUNS", {"hsdp-bytes": lambda: "fresh\n"})
+    assert script.main(["--check"]) == 0  # without --run, the lab's table is not rerun
+    assert script.main(["--check", "--run"]) == 1
+    assert "README.md: block 'hsdp-bytes' is stale: python scripts/doc_tables.py --run" in (
+        capsys.readouterr().out
+    )
+    assert script.main(["--run"]) == 0 and "\nfresh\n" in readme.read_text()
