@@ -176,6 +176,9 @@ def test_tour_runs_every_lab_with_progress_and_summary(tmp_path):
         (["shard", "--lr", "inf"], "--lr inf is out of range"),
         (["tying", "--layers", "100000"], "--layers 100000 is out of range"),
         (["tying", "--dim", "16384", "--vocab", "1000000"], "GiB of host memory"),
+        # a hostile review: the logits of these did not count, and the one process crashed
+        (["tying", "--seq-len", "65536", "--batch", "4096"], "GiB of host memory"),
+        (["pp-seed", "--seq-len", "65536", "--global-batch", "65536"], "GiB of host memory"),
         (["collectives", "--world-size", "1000"], "1000 rank processes need about"),
         (["shard", "--out", ""], "--out '': an empty folder name"),
     ],
