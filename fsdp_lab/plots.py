@@ -66,6 +66,26 @@ def _rank_title(record: dict[str, Any], index: int) -> str:
     return f"rank {rank}" if rank is not None else f"process {index}"
 
 
+def on_one_clock(traces: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ranks' memory traces on one time axis, as their timelines are drawn: each counts
+    from its own start (`origin`, a system-wide monotonic reading on one host), so each is
+    moved by how much later than the first rank's its start was. Traces from several hosts
+    share no clock and stay as they are."""
+    from fsdp_lab.trace.timeline import common_clock
+
+    if len(traces) < 2 or not common_clock(traces):
+        return traces
+    first = min(tr["origin"] for tr in traces)
+    return [
+        {
+            **tr,
+            "t": [t + tr["origin"] - first for t in tr["t"]],
+            "markers": [{**m, "t": m["t"] + tr["origin"] - first} for m in tr.get("markers", [])],
+        }
+        for tr in traces
+    ]
+
+
 def plot_memory_trace(
     traces: dict | list[dict],
     *,
@@ -93,6 +113,9 @@ def plot_memory_trace(
     traces = [traces] if isinstance(traces, dict) else list(traces)
     if not traces:
         raise ValueError("plot_memory_trace needs at least one trace")
+    placed = on_one_clock(traces)
+    clock = "since the first rank started recording" if placed is not traces else "since start"
+    traces = placed
     if compare not in ("total", "model_state"):
         raise ValueError(f"compare={compare!r}: expected 'total' or 'model_state'")
     theory = theory or {}
@@ -145,7 +168,7 @@ def plot_memory_trace(
         _draw_markers(ax, tr.get("markers", []), first=ax is axes[0], t0=min(tr["t"] or [0.0]))
         # The legend goes outside the axes so it never hides the stack.
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    axes[-1].set_xlabel("time since start (s)")
+    axes[-1].set_xlabel(f"time {clock} (s)")
     if title:
         fig.suptitle(title)
     return fig

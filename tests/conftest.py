@@ -4,6 +4,7 @@ keeps one per world size for the whole session; tests that break a cluster make 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -15,6 +16,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 # Headless everywhere: figures render to files, never to a window.
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+# The tools the suite starts by name (nbgrader calls `alembic`, the multi-node test `torchrun`)
+# are this interpreter's, whether or not its venv is activated.
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+# A suite started in the background (`cmd &`, `nohup`) inherits SIGINT ignored, and so would every
+# process it starts: the Ctrl-C tests would wait for an interrupt nobody hears. Here the tests are
+# what presses Ctrl-C, so the suite takes it back (its children then start with the default).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

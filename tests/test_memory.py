@@ -218,6 +218,8 @@ def test_trace_is_columnar_and_json_serialisable():
         "markers",
         "peak_bytes",
         "peak_by_category",
+        "origin",  # the clock reading `t` counts from, and its host: ranks go on one axis
+        "host",
     }
     assert (trace["rank"], trace["device"], trace["source"]) == (3, "cpu", "storages")
     assert trace["categories"] == list(CATEGORIES) == list(trace["bytes"])

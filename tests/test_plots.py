@@ -90,6 +90,26 @@ def test_memory_trace_stack_reaches_totals_with_markers_and_peak():
     assert problems(fig) == []
 
 
+def test_the_ranks_memory_traces_share_one_clock():
+    """Issue 39: each trace counted from its own start, so rank 0 seemed done with three steps
+    before rank 1 began; the timeline beside them had one clock."""
+    early, late = make_trace(0), make_trace(1)
+    early |= {"origin": 100.0, "host": "h"}
+    late |= {"origin": 100.5, "host": "h"}  # started recording half a second later
+    fig = plot_memory_trace([early, late])
+    first_x = [
+        min(p.vertices[:, 0].min() for p in ax.collections[0].get_paths()) for ax in fig.axes
+    ]
+    assert first_x == [pytest.approx(0.0), pytest.approx(0.5)]
+    assert fig.axes[-1].get_xlabel() == "time since the first rank started recording (s)"
+    marks = [ln.get_xdata()[0] for ln in fig.axes[1].lines if ln.get_linestyle() == "-"]
+    assert min(marks) == pytest.approx(0.5)  # its markers moved with it
+    assert problems(fig) == []
+    # Two hosts share no clock: each keeps its own.
+    fig = plot_memory_trace([early, late | {"host": "other"}])
+    assert fig.axes[-1].get_xlabel() == "time since start (s)"
+
+
 def test_a_model_state_formula_is_set_beside_the_model_state_peak_not_the_total():
     tr = make_trace(0)  # model state peaks at 8 MiB (parameters + gradients), total at 9 MiB
     fig = plot_memory_trace(tr, theory={"formula": 8 * MiB}, compare="model_state")

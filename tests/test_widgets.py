@@ -49,3 +49,10 @@ def test_a_slider_move_replaces_the_picture_below_the_controls_and_the_export_re
     html, _ = HTMLExporter().from_notebook_node(nb)
     assert "VBox(" not in html and "HBox(" not in html
     assert "ScalingExplorer: params (B) = 70" in html  # the controls' settings, as text
+
+
+def test_the_planners_verify_button_shows_its_whole_label():
+    """Issue 39: in JupyterLab the button read "Verify on a fak…" (a fixed-width button)."""
+    from fsdp_lab.planning.explorer import plan_explorer
+
+    assert plan_explorer().button.layout.width == "auto"

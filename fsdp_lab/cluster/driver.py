@@ -109,6 +109,8 @@ class Cluster:
         plain_results: accept only plain data as results (numbers, strings, lists, tuples,
             dicts, tensors), read without running any code the ranks sent: for ranks that run
             code the driver does not trust.
+        timed: False where nothing these ranks run is timed (a check compares values): more
+            ranks than cores then needs no note about times measuring contention.
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class Cluster:
         failure_grace: float = FAILURE_GRACE,
         plain_results: bool = False,
         device: str | None = None,
+        timed: bool = True,
     ) -> None:
         label = rank_label()
         if label is not None:
@@ -146,7 +149,7 @@ class Cluster:
         self._closed = False
         self._finalizer: weakref.finalize | None = None
         cores = available_cores()
-        crowded = too_many_ranks(world_size, cores, f"world_size={cores}")
+        crowded = timed and too_many_ranks(world_size, cores, f"world_size={cores}")
         if crowded and _in_a_notebook():  # a note for the learner, not a red stderr box
             print(f"note: {crowded}.")
         elif crowded:

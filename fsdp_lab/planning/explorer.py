@@ -84,7 +84,9 @@ class PlanExplorer:
         ]
         for control in self.controls:
             control.observe(lambda _: self.show(), names="value")
-        self.button = W.Button(description="Verify on a fake rank", icon="check")
+        self.button = W.Button(
+            description="Verify on a fake rank", icon="check", layout=W.Layout(width="auto")
+        )
         self.button.on_click(lambda _: self.verify())
         rows = [W.HBox(self.controls[:5]), W.HBox(self.controls[5:10]), W.HBox(self.controls[10:])]
         self.widget = W.VBox([*rows, self.button])

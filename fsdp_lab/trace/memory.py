@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import socket
 import threading
 import time
 import weakref
@@ -393,6 +394,10 @@ class MemoryTracker:
                 "markers": [dict(m) for m in self._markers],
                 "peak_bytes": self._peak,
                 "peak_by_category": dict(zip(CATEGORIES, self._peak_split, strict=True)),
+                # the `perf_counter()` reading `t` counts from, and where: one host's ranks
+                # share that clock, so their traces go on one axis (as timelines do)
+                "origin": self._t0,
+                "host": socket.gethostname(),
                 **(
                     {"cuda": self._cuda or cuda_process_memory(self.device)}
                     if self._use_allocator
