@@ -2,6 +2,7 @@
 # Set up fsdp_lab on a Debian/Ubuntu machine with Python >= 3.10, then run what you ask:
 #   bash scripts/setup.sh tour   # install, then run every lab headless (fsdp-lab tour)
 #   bash scripts/setup.sh test   # install with the test tools, then run the whole test suite
+#   bash scripts/setup.sh e2e    # ... then the end-to-end runs the suite leaves out (CI runs both)
 #   bash scripts/setup.sh        # install only
 #
 # torch: an installed torch is kept as it is (your CUDA build on a GPU machine stays). On a
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_VERSION=${FSDP_LAB_TORCH_VERSION:-2.13.0}
 what=${1:-install}
-case "$what" in install|tour|test|path) ;; *) echo "usage: bash scripts/setup.sh [install|tour|test]" >&2; exit 2;; esac
+case "$what" in install|tour|test|e2e|path) ;; *) echo "usage: bash scripts/setup.sh [install|tour|test|e2e]" >&2; exit 2;; esac
 say() { echo "[setup] $*"; }
 
 # The folder of $PYTHON first on PATH: a venv used without `activate` (PYTHON=venv/bin/python)
@@ -73,7 +74,7 @@ else
 fi
 
 # 3. the package itself (editable, so notebooks see your edits) and its Python dependencies.
-extra=$([ "$what" = test ] && echo "[dev]" || echo "")
+extra=$(case "$what" in test|e2e) echo "[dev]" ;; esac)
 say "installing fsdp_lab$extra"
 "$PY" -m pip install -q -e ".$extra"
 "$PY" -c "import torch, fsdp_lab; print('[setup] fsdp_lab', fsdp_lab.__version__, 'with torch', torch.__version__)"
@@ -82,4 +83,5 @@ say "installing fsdp_lab$extra"
 case "$what" in
   tour) exec "$PY" -m fsdp_lab tour --out fsdp_lab_out ;;
   test) exec "$PY" -m pytest -q tests ;;
+  e2e) exec "$PY" -m pytest -q -m e2e tests ;;  # the end-to-end runs the suite leaves out
 esac

@@ -25,6 +25,10 @@ SYSTEMS = (
 )
 
 
+# A benchmark's smoke run is a whole run (`pytest -m e2e`, run by CI after the suite).
+E2E = pytest.mark.e2e
+
+
 def _run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess:
     """Run benchmarks/<script> with tiny arguments; it must exit 0."""
     proc = subprocess.run(
@@ -39,6 +43,7 @@ def _run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
+@E2E
 def test_bench_shard_prints_one_row_per_system_and_world_size(tmp_path):
     out = tmp_path / "bench.json"
     tiny = "--steps 2 --repeats 1 --dim 16 --layers 1 --heads 2 --vocab 32 --seq 8 --batch 2"
@@ -94,6 +99,7 @@ def meta_init_run() -> dict:
     return json.loads(proc.stdout)  # exactly one JSON object, nothing else on stdout
 
 
+@E2E
 def test_bench_meta_init_prints_one_json_object_with_every_way(meta_init_run):
     data = meta_init_run
     meta = data["llama_70b_on_meta"]
@@ -132,6 +138,7 @@ def test_bench_meta_init_prints_one_json_object_with_every_way(meta_init_run):
         assert all(v > 0 for v in by_case.values())
 
 
+@E2E
 def test_bench_meta_init_text_prints_the_side_by_side_table(meta_init_run, capsys):
     # Without --json the script hands its result to print_text(): the same call, on the run
     # above, instead of measuring every way again.
@@ -150,6 +157,7 @@ def test_bench_meta_init_text_prints_the_side_by_side_table(meta_init_run, capsy
     assert re.search(r"targets \(ours, first build\): < 0\.5 s: (yes|no), < 200 MB: (yes|no)", text)
 
 
+@E2E
 def test_bench_cluster_prints_cold_warm_restart_and_call_medians():
     proc = _run_benchmark("bench_cluster.py", "--world-size", "2", "--starts", "1", "--calls", "3")
     text = proc.stdout
@@ -177,6 +185,7 @@ def test_parity_refuses_what_it_cannot_measure_before_any_rank_starts(args, erro
     assert proc.returncode == 2 and error in proc.stderr, proc.stderr
 
 
+@E2E
 def test_parity_table_rows_and_every_diff_within_fp32_tolerance(tmp_path):
     """benchmarks/parity.py on a tiny subset: one row per model x strategy, every figure ours
     vs single process within tolerance, and every PyTorch counterpart within it too unless the
@@ -217,6 +226,7 @@ def test_parity_table_rows_and_every_diff_within_fp32_tolerance(tmp_path):
                 assert cell["system_vs_single"] > FP32_TOLERANCE, (column, row)
 
 
+@E2E
 def test_bench_grade_prints_seconds_per_file_and_the_points_given():
     proc = _run_benchmark(
         "bench_grade.py", "--files", "1", "--repeats", "1", "--lab", "collectives"
@@ -226,6 +236,7 @@ def test_bench_grade_prints_seconds_per_file_and_the_points_given():
     assert "load average at start" in proc.stdout and "load average at the end" in proc.stdout
 
 
+@E2E
 def test_bench_gpu_runs_on_cpu_ranks_and_prints_ours_beside_plain_and_fully_shard(tmp_path):
     # On a GPU machine scripts/gpu_check.sh runs it at full size; here the same code, tiny.
     out = tmp_path / "gpu.json"
@@ -250,6 +261,7 @@ def test_bench_gpu_runs_on_cpu_ranks_and_prints_ours_beside_plain_and_fully_shar
     assert saved["1"]["step_s"]["plain"] > 0 and set(saved["2"]["step_s"]) == {"ours", "fsdp2"}
 
 
+@E2E
 def test_bench_plan_prints_a_verified_row(tmp_path):
     # At full size it verifies 8B/70B/405B on 8/64/512 fake ranks; here one twin row.
     out = tmp_path / "plan.json"
@@ -266,6 +278,7 @@ def test_bench_plan_prints_a_verified_row(tmp_path):
     assert set(plan["verified"]["comm_bytes_rel_diff"].values()) == {0.0}
 
 
+@E2E
 def test_bench_plan_published_prints_every_published_run_planned_or_why_not():
     spec = importlib.util.spec_from_file_location(
         "published_runs", ROOT / "benchmarks" / "published_runs.py"

@@ -91,6 +91,7 @@ def test_out_writes_png_figures_and_the_json(capfd, tmp_path):
     assert json.loads((tmp_path / "collectives.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.e2e  # every lab, whole: the labs' own tests cover each (CI runs it: pytest -m e2e)
 def test_tour_runs_every_lab_with_progress_and_summary(tmp_path):
     proc = fsdp_lab("tour", "--world-size", "2", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr

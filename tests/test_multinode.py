@@ -18,10 +18,14 @@ import pytest
 from fsdp_lab import emulate
 
 NEEDS = emulate.unavailable()
-pytestmark = pytest.mark.skipif(NEEDS is not None, reason=f"emulated nodes: {NEEDS}")
+# Whole labs under torchrun on two emulated nodes: an end-to-end run (`pytest -m e2e`, CI).
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(NEEDS is not None, reason=f"emulated nodes: {NEEDS}"),
+]
 
-# Each lab at a small size: what is compared is exact, so small is enough. The suite runs the
-# sharding lab (FSDP across nodes, about 20 s; the suite's 12 minutes allow no more);
+# Each lab at a small size: what is compared is exact, so small is enough. The end-to-end runs
+# (`pytest -m e2e`) take the sharding lab (FSDP across nodes);
 # FSDP_LAB_MULTINODE_ALL=1 (scripts/multinode_check.sh) runs every lab, as the README reports.
 EVERY_LAB = os.environ.get("FSDP_LAB_MULTINODE_ALL") == "1"
 IN_THE_SUITE = ("shard",)
