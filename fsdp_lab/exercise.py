@@ -176,8 +176,9 @@ def ratio(got: Sequence[float], expected: Sequence[float]) -> float | None:
 
 
 def first_values(values: Sequence[float], n: int = 3) -> str:
-    """A verdict's table cell: the first `n` values, 4 significant digits."""
-    return ", ".join(f"{v:.4g}" for v in values[:n])
+    """A verdict's table cell: the first `n` values, 4 significant digits ("none" for none: a
+    run that produced no values, not a blank cell)."""
+    return ", ".join(f"{v:.4g}" for v in values[:n]) or "none"
 
 
 def multiple(got: Sequence[float], expected: Sequence[float]) -> str:

@@ -236,3 +236,8 @@ def test_the_gallery_ends_with_a_tally_and_names_where_pieces_came_from():
         "(only the comparison with the correct run shows them)."
     )
     assert _order([0, 1, -1]) == "rank 0, rank 1, none"  # was printed as [0, 1, -1]
+    # Issue 39: a row for scale only (the store-all baseline) has no value with the bug, and
+    # printed "... | with the bug " and nothing.
+    scaled = Verdict("x", "wrong result", "grew", 2, rows=[("store-all, for scale", "9 KiB", "")])
+    text = gallery.text_report([gallery.Exhibit("checkpoint", "x", bug, ok, scaled)])
+    assert "  store-all, for scale: 9 KiB\n" in text and "with the bug \n" not in text

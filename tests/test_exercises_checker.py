@@ -188,3 +188,12 @@ def test_answers_no_run_recorded_are_an_invalid_reply(short_pool):
     for answers in (asked, "x", [[]] * case.world_size, [[["a"]]] * case.world_size):
         got = replayed_run(ex, case, {**run, "answers": answers}, short_pool)
         assert got["failure"]["kind"] == "invalid reply", answers
+
+
+def test_a_verdict_cell_with_no_values_says_so():
+    """Issue 39: `fsdp-lab bugs` printed "... | with the bug " and nothing, for a run that left
+    no gradient to show."""
+    from fsdp_lab.exercise import first_values
+
+    assert first_values([]) == "none"
+    assert first_values([1.0, 2.5, 3.25, 4.0]) == "1, 2.5, 3.25"

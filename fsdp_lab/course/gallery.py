@@ -187,8 +187,10 @@ def text_report(exhibits: list[Exhibit]) -> str:
         state = "caught" if e.caught else "NOT CAUGHT"
         lines.append(f"{e.lab}: {e.bug.title} [{e.exercise}] — {state}, case: {b.case}")
         lines.append(f"  measured: {b.summary}")
-        for what, exp, got in b.rows:
-            lines.append(f"  {what}: correct {exp} | with the bug {got}")
+        for what, exp, got in b.rows:  # a row for scale only (store-all) has no bug's value
+            lines.append(
+                f"  {what}: correct {exp} | with the bug {got}" if got else f"  {what}: {exp}"
+            )
         if b.hint:
             lines.append(f"  fix: {b.hint}")
     lines += ["", tally(exhibits)]
