@@ -73,6 +73,10 @@ def test_ring_edges_among_ranks():
         assert source.count("penwidth=2") == links
         assert len(re.findall(r"notebook -> rank\d+", source)) == world_size  # one pipe each
         assert len(re.findall(r"forkserver -> rank\d+", source)) == 1  # to the group's box
+        # Issue 39: one dotted line per rank crossed the group's label and each other; the
+        # rendezvous line goes to the group's box too, and the label sits under the ranks.
+        assert len(re.findall(r"store -> rank\d+", source)) == 1
+        assert "labelloc=b" in source
         assert f"process group (gloo, world_size={world_size})" in source
 
 

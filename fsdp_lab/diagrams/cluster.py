@@ -25,7 +25,9 @@ def cluster_diagram(world_size: int, backend: str, devices: list[str] | None = N
     g.attr("node", shape="box", style="rounded,filled", fontname="Helvetica", fontsize="11")
     g.attr("edge", fontname="Helvetica", fontsize="9")
     g.node("notebook", "notebook process\\n(parent: Cluster)", fillcolor="#FCE8B2")
-    g.node("forkserver", "fork server\\n(torch imported once)", fillcolor="#F2F2F2")
+    g.node(
+        "forkserver", "fork server\\n(torch imported once;\\nforks every rank)", fillcolor="#F2F2F2"
+    )
     g.node(
         "store",
         "rendezvous file\\n(private temp folder)",
@@ -42,6 +44,7 @@ def cluster_diagram(world_size: int, backend: str, devices: list[str] | None = N
     with g.subgraph(name="cluster_group") as group, group.subgraph() as row:
         group.attr(
             label=f"process group ({backend}, world_size={world_size})",
+            labelloc="b",  # under the ranks, where no line from above crosses it
             style="rounded,dashed",
             color="#4C72B0",
             fontname="Helvetica",
@@ -59,9 +62,7 @@ def cluster_diagram(world_size: int, backend: str, devices: list[str] | None = N
             row.edge(f"rank{r}", f"rank{r + 1}", **style)
         if world_size > 2:
             row.edge(f"rank{world_size - 1}:s", "rank0:s", constraint="false", **style)
-    # Only the first pipe and the last rendezvous line are labelled: one label per edge is
-    # clutter. The store lines do not constrain the layout; if they did, dot would
-    # reorder the ranks to uncross them.
+    # Only the first pipe is labelled: one label per edge is clutter.
     for r in range(world_size):
         label = {"label": "pipes: calls ↓ replies, prints ↑"} if r == 0 else {}
         g.edge("notebook", f"rank{r}", dir="both", color="#B07A00", **label)
@@ -71,13 +72,12 @@ def cluster_diagram(world_size: int, backend: str, devices: list[str] | None = N
         "forkserver",
         f"rank{world_size - 1}",
         lhead="cluster_group",
-        label="forks every rank",
         style="dashed",
         color="#999999",
         constraint="false",
     )
-    for r in range(world_size):
-        label = {"label": "rendezvous"} if r == world_size - 1 else {}
-        style = {"style": "dotted", "dir": "none", "color": "#777777", "constraint": "false"}
-        g.edge("store", f"rank{r}", **style, **label)
+    # Every rank reads the rendezvous file: one line to the group's box, as for the fork server
+    # (one line per rank crossed the group's label and each other).
+    g.edge("store", f"rank{world_size - 1}", lhead="cluster_group",
+           style="dotted", dir="none", color="#777777", constraint="false")  # fmt: skip
     return Diagram(g.source)
