@@ -275,14 +275,15 @@ def trained_unlike(
                 ),
             ],  # fmt: skip
             hint=hint_for(r),
-            series=series_of(
-                f"loss per step, rank {r}",
-                "step",
-                "loss",
-                {"reference": exp["losses"], "yours": mine["losses"]},
-            ),
+            series=loss_curves(f"loss per step, rank {r}", mine, exp),
         )
     return None
+
+
+def loss_curves(title: str, got: dict[str, Any], expected: dict[str, Any]) -> dict[str, Any]:
+    """`Mismatch.series` of a run that trained: its loss per step beside the reference's."""
+    lines = {"reference": expected["losses"], "yours": got["losses"]}
+    return series_of(title, "step", "loss", lines)
 
 
 HINT_MARK = " | hint: "  # WrongOutput's message, then the hint: one line, as a traceback ends

@@ -41,7 +41,7 @@ from fsdp_lab.exercise import (
     WrongOutput,
     close,
     first_values,
-    series_of,
+    loss_curves,
 )
 from fsdp_lab.models import synthetic_batch
 from fsdp_lab.models.llama import Llama, LlamaConfig, RMSNorm
@@ -301,12 +301,7 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
                     ),
                 ],
                 hint=_hint(got),
-                series=series_of(
-                    f"loss on rank {r}, {STEPS} SGD steps",
-                    "step",
-                    "loss",
-                    {"reference": exp["losses"], "yours": got["losses"]},
-                ),
+                series=loss_curves(f"loss on rank {r}, {STEPS} SGD steps", got, exp),
             )
         if got["breaches"]:  # no symptom in this model: the next unit's own cast covered it
             return Mismatch(
