@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import MISSING, field, fields
+from dataclasses import MISSING, Field, field, fields
 from typing import Any
 
 
@@ -76,13 +76,12 @@ def check_fields(config: Any) -> None:
                 f"Fix: {f.name}={fix!r}"
             )
         if "range" in f.metadata:
-            _check_range(f.name, value, f.metadata["range"], "int" in str(f.type), f, fix)
+            _check_range(f, value, fix)
 
 
-def _check_range(
-    name: str, value: Any, bounds: tuple[float, float | None], integer: bool, f: Any, fix: Any
-) -> None:
-    low, high = bounds
+def _check_range(f: Field, value: Any, fix: Any) -> None:
+    """`value` of field `f` within its knob's (low, high), or a ValueError saying so."""
+    name, (low, high), integer = f.name, f.metadata["range"], "int" in str(f.type)
     values = value if isinstance(value, tuple) else (value,)
     wrong_type = not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
     if integer:
