@@ -436,6 +436,15 @@ def gpt_parameters(vocab: int, dim: int, layers: int, seq_len: int) -> int:
     return vocab * dim + seq_len * dim + layers * (12 * dim * dim + 13 * dim) + 2 * dim
 
 
+def gpt_host_bytes(params: int, copies: int, tokens: int, vocab: int) -> int:
+    """At least the host memory `copies` whole builds of a GPT of `params` parameters need when
+    they train on `tokens` tokens in all: fp32 weights, gradients and optimizer state, 16 bytes a
+    parameter per copy; the logits, their gradient and their softmax, 12 bytes per token and
+    vocabulary entry. Activations inside the blocks come on top: a lower bound, to refuse a run
+    the host cannot hold before any rank starts it."""
+    return 16 * params * copies + 12 * tokens * vocab
+
+
 # -- a plan at real size (`fsdp_lab.planning`): one rank's memory by category -------------------
 
 

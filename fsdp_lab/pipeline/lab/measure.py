@@ -57,14 +57,13 @@ from fsdp_lab.trace import MemoryTracker
 def preflight(config: PPSeedConfig) -> None:
     """What `fsdp-lab pp-seed` checks before starting any rank: its PipeGPT (and the widest of
     `grow_dims`) fits this host, built whole on every rank (seed checkpoint, one-process
-    reference), with gradients and optimizer state: 16 bytes a parameter; and at least the
-    logits, their gradient and their softmax, 12 bytes per token and vocabulary entry, over the
-    global batch on the ranks and again in the one process."""
+    reference) and trained on the global batch there and in one process
+    (`theory.gpt_host_bytes`)."""
     dim = max([config.dim, *config.grow_dims, config.scale_dim or 0])
     params = theory.gpt_parameters(config.vocab, dim, config.layers, config.seq_len)
-    tokens = 2 * config.global_batch * config.seq_len
+    tokens = 2 * config.global_batch * config.seq_len  # the ranks, then one process
     check_fits(
-        16 * params * (config.world_size + 1) + 12 * tokens * config.vocab,
+        theory.gpt_host_bytes(params, config.world_size + 1, tokens, config.vocab),
         f"vocab={config.vocab}, dim={dim}, layers={config.layers} ({params / 1e6:.0f}M "
         f"parameters), global_batch={config.global_batch} x seq_len={config.seq_len} on "
         f"{config.world_size} ranks",

@@ -156,8 +156,10 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
 
     def hint(r: int) -> str:
         got = got_all[r]["first_grad"]
-        if any(q != r and close(got, expected[q]["first_grad"]) for q in range(n)):
-            other = next(q for q in range(n) if q != r and close(got, expected[q]["first_grad"]))
+        other = next(
+            (q for q in range(n) if q != r and close(got, expected[q]["first_grad"])), None
+        )
+        if other is not None:
             return (
                 f"you returned rank {other}'s chunk: rank r keeps chunk r, "
                 "dist.get_rank(group) — which reduce_scatter_tensor hands each rank by itself."

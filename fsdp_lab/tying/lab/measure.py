@@ -43,14 +43,12 @@ from fsdp_lab.tying.lab.plans import (
 
 def preflight(config: TyingConfig) -> None:
     """What `fsdp-lab tying` checks before starting any rank: the spike's TinyGPT fits this
-    host (each rank and the one-process run build it whole: fp32 weights, gradients and SGD
-    momentum, 16 bytes a parameter with the gathered copy; and at least the logits, their
-    gradient and their softmax, 12 bytes per token and vocabulary entry, over the ranks' batches
-    and again in the one process that takes them all), and ``--model`` has a tie to shard."""
+    host (each rank and the one-process run build it whole and train it: `theory.gpt_host_bytes`),
+    and ``--model`` has a tie to shard."""
     params = theory.gpt_parameters(config.vocab, config.dim, config.layers, config.seq_len)
-    tokens = 2 * config.world_size * config.batch * config.seq_len
+    tokens = 2 * config.world_size * config.batch * config.seq_len  # the ranks, then one process
     check_fits(
-        16 * params * (config.world_size + 1) + 12 * tokens * config.vocab,
+        theory.gpt_host_bytes(params, config.world_size + 1, tokens, config.vocab),
         f"vocab={config.vocab}, dim={config.dim}, layers={config.layers} "
         f"({params / 1e6:.0f}M parameters), batch={config.batch} x seq_len={config.seq_len} "
         f"on {config.world_size} ranks",
