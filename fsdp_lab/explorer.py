@@ -147,6 +147,15 @@ def offered(name: str, value: Any, options: list[Any]) -> None:
     raise ValueError(f"{name}={value!r}: the explorer offers {values}. Fix: {name}={near!r}")
 
 
+def choice(
+    name: str, options: list[Any], value: Any, description: str, widget: type = W.Dropdown
+) -> W.Widget:
+    """`widget` (a dropdown, a selection slider) over `options`, set to `value` — which must be
+    one of them (`offered`)."""
+    offered(name, value, options)
+    return widget(options=options, value=value, description=description)
+
+
 def control(config: type, name: str, value: Any, description: str, **limits: Any) -> W.Widget:
     """A widget for the field `name` of a lab's `config`, from its `knob`: its choices as a
     dropdown, a bool as a checkbox, an int as a slider over the knob's range, narrowed by
@@ -154,8 +163,7 @@ def control(config: type, name: str, value: Any, description: str, **limits: Any
     slider that quietly moves it."""
     f = next(f for f in fields(config) if f.name == name)
     if "choices" in f.metadata:
-        offered(name, value, f.metadata["choices"])
-        return W.Dropdown(options=f.metadata["choices"], value=value, description=description)
+        return choice(name, f.metadata["choices"], value, description)
     if str(f.type) == "bool":
         offered(name, value, [True, False])
         return W.Checkbox(value=value, description=description)

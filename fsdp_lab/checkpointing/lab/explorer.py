@@ -9,7 +9,7 @@ from typing import Any
 import ipywidgets as W
 from IPython.display import Markdown
 
-from fsdp_lab.explorer import Explorer, offered
+from fsdp_lab.explorer import Explorer, choice
 
 
 class CheckpointExplorer(Explorer):
@@ -35,10 +35,7 @@ class CheckpointExplorer(Explorer):
         from fsdp_lab.checkpointing import schedules
 
         self.n = W.IntSlider(value=n, min=2, max=32, description="N layers")
-        offered("schedule", schedule, list(schedules.SCHEDULES))
-        self.schedule = W.Dropdown(
-            options=list(schedules.SCHEDULES), value=schedule, description="schedule"
-        )
+        self.schedule = choice("schedule", list(schedules.SCHEDULES), schedule, "schedule")
         self.arg = W.IntSlider(value=1, min=1, max=n, description="arg")
         self.dim, self.batch = dim, batch
         super().__init__([self.n, self.schedule, self.arg])

@@ -9,7 +9,7 @@ from typing import Any
 import ipywidgets as W
 
 from fsdp_lab.collectives.lab.config import CollectivesConfig
-from fsdp_lab.explorer import MAX_RANKS, Explorer, control, offered
+from fsdp_lab.explorer import MAX_RANKS, Explorer, choice, control
 
 
 class CollectivesExplorer(Explorer):
@@ -20,8 +20,7 @@ class CollectivesExplorer(Explorer):
             CollectivesConfig, "world_size", world_size, "ranks", max=MAX_RANKS
         )
         sizes = [("4 KiB", 1 << 10), ("256 KiB", 1 << 16), ("4 MiB", 1 << 20), ("16 MiB", 1 << 22)]
-        offered("numel", numel, sizes)
-        self.numel = W.SelectionSlider(options=sizes, value=numel, description="shard")
+        self.numel = choice("numel", sizes, numel, "shard", W.SelectionSlider)
         super().__init__([self.world_size, self.numel], backend)
         self.last_result: Any = None
 

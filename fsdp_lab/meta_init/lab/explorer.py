@@ -10,7 +10,7 @@ import ipywidgets as W
 from IPython.display import Markdown
 
 from fsdp_lab.cluster import Cluster
-from fsdp_lab.explorer import MAX_RANKS, Explorer, control, offered
+from fsdp_lab.explorer import MAX_RANKS, Explorer, choice, control
 from fsdp_lab.meta_init.lab.config import MetaInitConfig
 
 
@@ -44,8 +44,7 @@ class MetaInitExplorer(Explorer):
         backend: str = "auto",
         cluster: Cluster | None = None,
     ) -> None:
-        offered("model_mb", model_mb, list(self.SIZES))
-        self.model_mb = W.SelectionSlider(options=self.SIZES, value=model_mb, description="model")
+        self.model_mb = choice("model_mb", list(self.SIZES), model_mb, "model", W.SelectionSlider)
         self.world_size = control(MetaInitConfig, "world_size", world_size, "ranks", max=MAX_RANKS)
         self.seed = seed
         super().__init__([self.model_mb, self.world_size], backend, cluster)

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import ipywidgets as W
 from IPython.display import Markdown
 
 from fsdp_lab.cluster import Cluster
-from fsdp_lab.explorer import MAX_RANKS, Explorer, control, offered
+from fsdp_lab.explorer import MAX_RANKS, Explorer, choice, control
 from fsdp_lab.pipeline.lab.config import PPSeedConfig
 
 
@@ -39,8 +38,7 @@ class PPSeedExplorer(Explorer):
 
         self.stages = control(PPSeedConfig, "stages", stages, "S stages", max=MAX_RANKS)
         self.layers = control(PPSeedConfig, "layers", layers, "L layers", max=12)
-        offered("strategy", strategy, list(STRATEGIES))
-        self.strategy = W.Dropdown(options=list(STRATEGIES), value=strategy, description="init")
+        self.strategy = choice("strategy", list(STRATEGIES), strategy, "init")
         self.steps = steps
         super().__init__([self.stages, self.layers, self.strategy], backend, cluster)
         self.last_result: Any = None
