@@ -235,7 +235,7 @@ def _refuse_uneven(op: str, *tensors: torch.Tensor) -> None:
     """A collective over tensors whose sizes differ across ranks never completes on gloo (each
     rank waits for bytes the others will not send); NCCL may corrupt or hang. Refuse it here,
     on every rank alike — every rank holds a slice of the same parameter — before any message.
-    (A copy, ``p.grad.clone()``, has storage of its own and is not seen: see the README.)"""
+    (A copy, ``p.grad.clone()``, has storage of its own and is not seen: see docs/labs.md.)"""
     for t in tensors:
         mark = _mark_of(t)
         if mark is not None:

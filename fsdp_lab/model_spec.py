@@ -1,4 +1,4 @@
-"""``--model module:factory``: load the factory, and check the README's contract before sharding.
+"""``--model module:factory``: load the factory, and check its contract (docs/cli.md) before sharding.
 
 The contract: ``factory()``, called with no arguments, returns a `torch.nn.Module` that maps a
 LongTensor of token ids ``(batch, seq)`` to a tensor of logits ``(batch, seq, vocab)``; the labs
@@ -55,7 +55,7 @@ PROBE_BATCH = 2
 VOCAB_ORDER = "model.vocab_size, else model.config.vocab_size, else the logits' last dim"
 WRAPPER_FIX = (
     "return the logits tensor, or wrap the model in a module whose forward returns "
-    "self.inner(x).logits (the three-line `Logits` wrapper in the README, section --model)"
+    "self.inner(x).logits (the three-line `Logits` wrapper in docs/cli.md, section --model)"
 )
 
 

@@ -1,20 +1,20 @@
-"""The generated tables of the README and docs/: what each exercise is worth and catches, how
+"""The generated tables of docs/: what each exercise is worth and catches, how
 long its check takes (docs/teaching.md), every file of every topic folder with its lines and its
-role (docs/architecture.md), and the README's bytes per step of the HSDP lab — written from the
+role (docs/architecture.md), and the HSDP lab's bytes per step (docs/labs.md) — written from the
 code and from a run, never typed.
 
     python scripts/doc_tables.py            # rewrite the catalog and files blocks (from the code)
-    python scripts/doc_tables.py --run      # ... and the README's lab table (a fresh 4-rank run)
+    python scripts/doc_tables.py --run      # ... and the HSDP lab's table (a fresh 4-rank run)
     python scripts/doc_tables.py --times    # ... and measure the check times on this machine
     python scripts/doc_tables.py --check    # exit 1 if a block made from the code is stale
 
 Blocks live between `<!-- generated: NAME (python scripts/doc_tables.py) -->` and
 `<!-- end generated -->`. The catalog block (labs, points, cases, bugs) and the files block
 (each topic folder's files, their line counts, the first paragraph of each docstring) follow
-from the code, so the tests check they are current. The README's lab table holds only bytes
+from the code, so the tests check they are current. The HSDP lab's table holds only bytes
 counted at the collective call and formulas, so a fresh run reproduces it exactly
 (tests/test_readme.py runs it and compares); times and resident memory move with the machine's
-load and never appear in the README. The times block is a measurement: it says on what machine
+load and never appear in it. The times block is a measurement: it says on what machine
 and when; the test checks only that it covers every exercise.
 """
 
@@ -34,7 +34,7 @@ from fsdp_lab.course import LABS, ClusterPool, grade
 from fsdp_lab.markdown import table
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = (ROOT / "README.md", ROOT / "docs" / "teaching.md", ROOT / "docs" / "architecture.md")
+DOCS = tuple(ROOT / "docs" / f"{name}.md" for name in ("labs", "teaching", "architecture"))
 BLOCK = re.compile(
     r"(<!-- generated: (?P<name>[\w-]+) \(python scripts/doc_tables.py\) -->\n)"
     r"(?P<body>.*?)(<!-- end generated -->)",
@@ -134,7 +134,7 @@ def files() -> str:
 
 
 def hsdp_bytes() -> str:
-    """The README's table: the HSDP lab's bytes per step on rank 0, beside the formulas."""
+    """docs/labs.md's table: the HSDP lab's bytes per step on rank 0, beside the formulas."""
     from fsdp_lab.hsdp import lab as hsdp
     from fsdp_lab.hsdp.lab import report
 
@@ -156,13 +156,13 @@ def blocks(text: str) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0]
-        + " With no option, rewrites the blocks made from the code in README.md and docs/."
+        + " With no option, rewrites the blocks made from the code in docs/."
     )
     parser.add_argument(
         "--check", action="store_true", help="write nothing; exit 1 if a block is stale"
     )
     parser.add_argument(
-        "--run", action="store_true", help="also the README's lab table (a fresh 4-rank run)"
+        "--run", action="store_true", help="also docs/labs.md's HSDP table (a fresh 4-rank run)"
     )
     parser.add_argument(
         "--times", action="store_true", help="also measure every exercise's check time"

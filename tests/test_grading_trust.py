@@ -25,6 +25,10 @@ from fsdp_lab.course.sandbox import bwrap
 FSDP_LAB = [sys.executable, "-m", "fsdp_lab"]
 COLLECTIVES = FOLDER / notebook_name("collectives")
 MARK = "fsdp_lab_test_daemon_mark"  # in the command line of a process a submission leaves
+# A whole class graded in one run (one sandbox per file, 100 s here): an end-to-end run that CI
+# makes after the suite (`pytest -m e2e`); the sandbox, limits and replies are tested one by one
+# below, in the suite.
+CLASS_RUN = pytest.mark.e2e
 
 CORRECT = """\
 import torch.distributed as dist
@@ -281,6 +285,7 @@ def score(result: dict) -> int | None:
     return None if "error" in result else sum(v["score"] for v in result["verdicts"])
 
 
+@CLASS_RUN
 def test_grading_completes_with_one_row_per_file(graded):
     root, paths, proc, rows, _ = graded
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -290,6 +295,7 @@ def test_grading_completes_with_one_row_per_file(graded):
     assert score(honest["alice"]) == 2 and score(honest["zed"]) == 2
 
 
+@CLASS_RUN
 def test_no_attack_gets_points_it_did_not_earn(graded):
     _, _, proc, _, _ = graded
     got = by_student(proc)
@@ -305,6 +311,7 @@ def test_no_attack_gets_points_it_did_not_earn(graded):
     assert score(got["a_empty"]) is None and "defines none" in got["a_empty"]["error"]
 
 
+@CLASS_RUN
 def test_a_submission_cannot_change_another_students_row(graded):
     _, _, proc, rows, _ = graded
     students = [r["student"] for r in rows]
@@ -315,6 +322,7 @@ def test_a_submission_cannot_change_another_students_row(graded):
         p.info["cmdline"] or [])]  # fmt: skip
 
 
+@CLASS_RUN
 def test_odd_files_and_names_are_their_own_rows(graded):
     root, _, proc, rows, _ = graded
     got = by_student(proc)
@@ -330,6 +338,7 @@ def test_odd_files_and_names_are_their_own_rows(graded):
     assert "\u202e" not in proc.stdout + proc.stderr + (root / "grades.csv").read_text()
 
 
+@CLASS_RUN
 def test_the_course_folder_survives_a_submission_that_wipes_its_folder(graded):
     root, _, proc, _, _ = graded
     assert (root / "gradebook.db").read_text() == "the course's gradebook"
@@ -337,6 +346,7 @@ def test_the_course_folder_survives_a_submission_that_wipes_its_folder(graded):
     assert score(by_student(proc)["wiper"]) == 2
 
 
+@CLASS_RUN
 def test_limits_stop_a_loop_a_flood_and_a_hog(graded):
     _, _, proc, _, peak = graded
     got = by_student(proc)
@@ -595,6 +605,7 @@ def graded_again(tmp_path_factory):
     return root, proc
 
 
+@CLASS_RUN
 def test_a_lone_surrogate_costs_nothing_but_its_own_file(graded_again):
     root, proc = graded_again
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -609,6 +620,7 @@ def test_a_lone_surrogate_costs_nothing_but_its_own_file(graded_again):
     assert {"alice", "sur_top", "sur_rank", "sur_reply"} <= {r["student"] for r in rows}
 
 
+@CLASS_RUN
 def test_forged_figures_with_wrong_code_score_nothing(graded_again):
     _, proc = graded_again
     got = by_student(proc)
@@ -617,6 +629,7 @@ def test_forged_figures_with_wrong_code_score_nothing(graded_again):
         assert v["score"] == 0 and v["kind"] in ("wrong result", "invalid reply"), v
 
 
+@CLASS_RUN
 def test_what_a_submission_sends_is_its_own_row_never_the_graders_error(graded_again):
     _, proc = graded_again
     got = by_student(proc)
@@ -628,11 +641,13 @@ def test_what_a_submission_sends_is_its_own_row_never_the_graders_error(graded_a
     assert got["ivan"]["error"].startswith("the submission's process said: grader error")
 
 
+@CLASS_RUN
 def test_a_file_named_like_an_option_is_graded(graded_again):
     _, proc = graded_again
     assert score(by_student(proc)["dash"]) == 2
 
 
+@CLASS_RUN
 def test_the_sandbox_binds_no_folder_that_holds_submissions(graded_again):
     root, proc = graded_again
     got = by_student(proc)
@@ -642,6 +657,7 @@ def test_the_sandbox_binds_no_folder_that_holds_submissions(graded_again):
     assert seen["binds"] and not any(subs.startswith(b.rstrip("/") + "/") for b in seen["binds"])
 
 
+@CLASS_RUN
 def test_one_student_cannot_stall_the_class(graded_again):
     _, proc = graded_again
     results = json.loads(proc.stdout)["submissions"]

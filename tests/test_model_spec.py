@@ -1,5 +1,5 @@
 """The --model contract, in one process: where the vocab is read, the forward check and its
-errors, the README's wrapper, the current directory importable (issue 12, observation 9)."""
+errors, the documented wrapper, the current directory importable (issue 12, observation 9)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from fsdp_lab.model_spec import (
     vocab_size_of,
 )
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+CLI_DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 
 
 @dataclass
@@ -94,13 +94,13 @@ def test_an_output_object_is_refused_naming_the_logits_and_the_wrapper():
     assert "returned CausalLMOutput (an output object with .logits)" in error
     assert "expected a tensor of logits (batch, seq, vocab) = (2, 16, 24)" in error
     assert "vocab read from model.config.vocab_size" in error
-    assert "self.inner(x).logits" in fix and "README" in fix
+    assert "self.inner(x).logits" in fix and "docs/cli.md" in fix
     assert "\n" not in str(err.value)  # one line for the CLI
 
 
-def test_the_readme_wrapper_makes_an_output_object_model_fit():
-    # The three lines the README shows, run as they are written there.
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+def test_the_documented_wrapper_makes_an_output_object_model_fit():
+    # The three lines docs/cli.md shows, run as they are written there.
+    blocks = re.findall(r"```python\n(.*?)```", CLI_DOC.read_text(), re.S)
     (wrapper,) = [b for b in blocks if "class Logits" in b]
     assert len(wrapper.strip().splitlines()) == 3
     namespace: dict = {"nn": nn}

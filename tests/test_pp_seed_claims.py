@@ -1,6 +1,6 @@
 """Lab 05's sentences, each fed results that go each way: the course-note claims (init time
 over ranks, same seed and convergence), the init-time hump, and every comparison the notebook
-states about the four strategies. Also the learnable task's floor, the README table (nothing
+states about the four strategies. Also the learnable task's floor, the docs/labs.md table (nothing
 in it moves between runs) and the figures (no series hidden under another). No ranks here."""
 
 from __future__ import annotations
@@ -386,7 +386,7 @@ def test_growth_sentence_says_whose_rank_0_followed_the_model():
     assert "followed" not in report.growth_sentence(LabResult("pp-seed", data))
 
 
-# -- the README's table, and the figures ---------------------------------------------------------
+# -- docs/labs.md's table, and the figures -------------------------------------------------------
 
 
 def test_readme_table_does_not_move_with_times_or_peaks():

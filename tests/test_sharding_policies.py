@@ -220,7 +220,7 @@ BF16_OUT_FP32 = MixedPrecision(torch.bfloat16, torch.float32, output_dtype=torch
 NO_INPUT_CAST = MixedPrecision(torch.bfloat16, torch.float32, cast_forward_inputs=False)
 FP32_OUT_BF16 = MixedPrecision(torch.float32, torch.float32, output_dtype=torch.bfloat16)
 PRECISION_CASES = {
-    # The README's recipe: every Linear and Embedding in bf16, the root's norms in fp32 — each
+    # The recipe in docs/labs.md: every Linear and Embedding in bf16, the root's norms in fp32 — each
     # Linear's fp32 input (a norm's output) is cast to bf16 by cast_forward_inputs.
     "fp32-root": ((nn.Linear, nn.Embedding), BF16, {"": FP32}),
     "output_dtype": ((nn.Linear, nn.Embedding), BF16_OUT_FP32, {"": FP32}),
@@ -278,7 +278,7 @@ def _precision_pair(model_name: str, case: str):
 @pytest.mark.parametrize("case", list(PRECISION_CASES))
 @pytest.mark.parametrize("model_name", ["llama", "common"])
 def test_each_mixed_precision_field_matches_fully_shard(cluster_of, model_name, case):
-    """Issue 37: the README's recipe crashed on the lab's Llama (`float != c10::BFloat16`): a
+    """Issue 37: the documented recipe crashed on the lab's Llama (`float != c10::BFloat16`): a
     unit did not cast its inputs. Every field of FSDP2's policy, as fully_shard does it."""
     for ours, theirs in cluster_of(2).run(_precision_pair, model_name, case):
         if isinstance(theirs, tuple):  # fully_shard refuses this recipe: so must we, alike
@@ -543,7 +543,7 @@ with Cluster(2, backend="gloo", timeout=60, verbose=False) as cluster:
 
 
 def test_raw_collectives_over_uneven_slices_fail_at_once_under_the_documented_setting(tmp_path):
-    """What the README tells a learner whose own torch.distributed call would hang: with
+    """What docs/labs.md tells a learner whose own torch.distributed call would hang: with
     TORCH_DISTRIBUTED_DEBUG=DETAIL in the environment the ranks inherit, it fails at once."""
     import os
     import subprocess

@@ -368,7 +368,7 @@ def test_audit_paragraph_follows_a_torch_that_answers_otherwise():
     assert "- **accepted it; the tie could not be inspected**: **b** (tie check failed: x)." in text
 
 
-# -- tables and the README's spike table ----------------------------------------------------------
+# -- tables and docs/labs.md's spike table --------------------------------------------------------
 
 
 def test_tables_show_every_dict_as_rows():

@@ -1,4 +1,4 @@
-"""Lab 05, in words: every sentence and table the notebook, the CLI's summary and the README
+"""Lab 05, in words: every sentence and table the notebook, the CLI's summary and docs/labs.md
 show about a measurement is built here from the result, so that it says what this run measured
 (tests feed each one results that go each way): the sentences, the claims of the course notes
 judged against the run, the tables, and `summary`. The figures are in `figures.py`.
@@ -26,7 +26,7 @@ EXACT_SEEDING = ("rng_replay",)
 
 
 def label(strategy: str) -> str:
-    """The strategy with the letter the notebook and the README give it: (a) ... (d)."""
+    """The strategy with the letter the notebook and docs/labs.md give it: (a) ... (d)."""
     return f"({'abcd'[STRATEGIES.index(strategy)]}) {strategy}"
 
 
@@ -426,7 +426,7 @@ def refusals_table(refusals: list[tuple[dict[str, Any], str]]) -> str:
 
 
 def readme_table(result: LabResult) -> str:
-    """The README's table: only what does not move between runs of the same command (no times,
+    """docs/labs.md's table: only what does not move between runs of the same command (no times,
     no peaks) — bitwise equality, bytes and messages, loss equality."""
 
     def sent(s: str, row: dict[str, Any]) -> str:

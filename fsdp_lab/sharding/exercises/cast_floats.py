@@ -1,7 +1,7 @@
 """Exercise of the sharding lab: the cast at a unit's edges that lets one model compute in two
 precisions (`cast_floats`).
 
-The README's recipe keeps each norm of a bf16 (or fp16) Llama whole and in fp32: a unit of its
+The recipe in docs/labs.md keeps each norm of a bf16 (or fp16) Llama whole and in fp32: a unit of its
 own whose policy says `param_dtype=float32, output_dtype=bfloat16`, inside units that compute
 in bf16. That works only if every unit casts what crosses its edges — its floating-point
 inputs to its own `param_dtype` on the way in (FSDP2's `cast_forward_inputs`) and its output to

@@ -33,7 +33,7 @@ from fsdp_lab.trace import Timeline
 
 UNITS = (nn.Linear, nn.Embedding)
 STEPS, BATCH, LR, MAX_NORM = 2, 8, 1e-2, 0.5
-# The README's recipe: every Linear and Embedding computes in bf16; each norm is a unit of its
+# The recipe in docs/labs.md: every Linear and Embedding computes in bf16; each norm is a unit of its
 # own, whole on every rank, computing in fp32 — its bf16 input cast up on the way in
 # (`cast_forward_inputs`), its output cast back to bf16 on the way out (`output_dtype`).
 BF16 = MixedPrecision(torch.bfloat16, torch.float32)

@@ -1,6 +1,6 @@
 """Lab 03, told: the sentences that set the claims about tying beside what this run measured
 (the audit's verdict on "split ties break silently", the spike's plateau, peaks and cost, which
-units were freed after forward, the verification and to_empty verdicts), the README's spike
+units were freed after forward, the verification and to_empty verdicts), docs/labs.md's spike
 table, every table of the notebook, and the summary. Every number and every comparison is built
 from the result; the pictures are in `figures.py`.
 
@@ -235,7 +235,7 @@ def spike_paragraph(spike: dict[str, Any], system: str, rank: int = 0) -> str:
     return "\n".join(lines)
 
 
-_README_ROWS = {  # (system, wrapping) -> the README table's row name
+_DOC_ROWS = {  # (system, wrapping) -> docs/labs.md's row name
     ("fsdp_lab", "root_unit"): "ours, tied pair in the root unit",
     ("fsdp_lab", "joint_unit"): 'ours, joint unit `("tok_emb", "head")`',
     ("fsdp2", "root_unit"): "FSDP2, root unit",
@@ -266,12 +266,12 @@ def spike_caption(result: LabResult) -> str:
 
 
 def spike_table(result: LabResult) -> str:
-    """The README's spike table: bytes per phase (rank 0) for each system and wrapping that
+    """docs/labs.md's spike table: bytes per phase (rank 0) for each system and wrapping that
     ran. Deterministic: tensor bytes from `MemoryTracker`, no times."""
     spike = result["spike"]
     rows = [
         (name, *(format_bytes(spike[s][w][k][0]) for k in PHASES))
-        for (s, w), name in _README_ROWS.items()
+        for (s, w), name in _DOC_ROWS.items()
         if s in spike
     ]
     return table(("", *PHASES.values()), rows)
