@@ -545,7 +545,7 @@ def bugs_command(args: argparse.Namespace) -> dict[str, Any]:
     with ClusterPool() as pool:
         exhibits = gallery.run(pool, labs, progress)
     if not args.json:
-        print(gallery.text_report(exhibits))
+        print(gallery.text_report(exhibits, detail=args.labs is not None))
     payload = {"bugs": [e.to_dict() for e in exhibits]}
     if args.out is not None:
         from fsdp_lab.plots import save_figure

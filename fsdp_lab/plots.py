@@ -700,27 +700,33 @@ def plot_expected_got(series: dict[str, Any]) -> Figure:
     """Curves the reference produced beside the learner's (a check's verdict): a memory trace
     that never drops, a loss that drifts. `series`: {"title", "xlabel", "ylabel",
     "lines": {name: [values]}, "bytes": bool (y axis in bytes)}; the first line is the
-    reference, drawn solid, the others dashed over it. The x axis counts (steps, markers):
-    whole ticks only; the title wraps rather than runs off; the legend sits beside the axes."""
+    reference, drawn solid, the others dashed over it. The x axis counts (steps, events):
+    whole ticks only; bytes are drawn in one binary unit, named beside the y axis's name, so the
+    ticks fall on round numbers of it; the title wraps rather than runs off; the legend sits
+    beside the axes."""
     import textwrap
 
     fig = Figure(figsize=(8.0, 3.2), layout="constrained")
     ax = fig.add_subplot()
+    ylabel, scale = series.get("ylabel", ""), 1
+    if series.get("bytes"):
+        unit, scale = byte_unit(
+            max((max(v, default=0) for v in series["lines"].values()), default=0)
+        )
+        ylabel = f"{ylabel} ({unit})"
     for i, (name, values) in enumerate(series["lines"].items()):
         ax.plot(
             range(len(values)),
-            values,
+            [v / scale for v in values],
             label=name,
             color=_THEORY_COLORS[i % len(_THEORY_COLORS)] if i else "#4C72B0",
             linestyle="-" if i == 0 else "--",
             marker="o" if len(values) <= 20 else None,
         )
-    if series.get("bytes"):
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: format_bytes(v)))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(textwrap.fill(series.get("title", ""), 60), fontsize=10)
-    ax.set_xlabel(series.get("xlabel", ""))
-    ax.set_ylabel(series.get("ylabel", ""))
+    ax.set_xlabel(textwrap.fill(series.get("xlabel", ""), 80))
+    ax.set_ylabel(ylabel)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
     return fig
 

@@ -230,7 +230,7 @@ def test_the_gallery_ends_with_a_tally_and_names_where_pieces_came_from():
         gallery.Exhibit("shard", "x", bug, ok, Verdict("x", "raised", "boom", 2)),
         gallery.Exhibit("tying", "x", bug, ok, ok),  # the check missed it
     ]
-    text = gallery.text_report(exhibits)
+    text = gallery.text_report(exhibits, detail=True)
     assert text.endswith(
         "3 bugs in 2 labs: 2 caught by the checks, 1 not; 1 of them raised no error at all "
         "(only the comparison with the correct run shows them)."
@@ -239,5 +239,27 @@ def test_the_gallery_ends_with_a_tally_and_names_where_pieces_came_from():
     # Issue 39: a row for scale only (the store-all baseline) has no value with the bug, and
     # printed "... | with the bug " and nothing.
     scaled = Verdict("x", "wrong result", "grew", 2, rows=[("store-all, for scale", "9 KiB", "")])
-    text = gallery.text_report([gallery.Exhibit("checkpoint", "x", bug, ok, scaled)])
+    text = gallery.text_report([gallery.Exhibit("checkpoint", "x", bug, ok, scaled)], detail=True)
     assert "  store-all, for scale: 9 KiB\n" in text and "with the bug \n" not in text
+
+
+def test_the_whole_gallery_is_one_line_per_bug_and_a_lab_its_blocks():
+    """Issue 39: `fsdp-lab bugs` printed 273 lines (a block of rows per bug). The whole gallery is
+    one line per bug, with what was measured, then the tally; one lab (`--lab`) keeps each bug's
+    rows and fix."""
+    from fsdp_lab.course import gallery
+    from fsdp_lab.course.verdict import Verdict
+    from fsdp_lab.exercise import Bug
+
+    ok = Verdict("x", "passed", "", 2)
+    rows = [("gradient, first values", "0.5", "1.0"), ("loss after 3 steps", "1.2", "1.9")]
+    wrong = Verdict("x", "wrong result", "the gradient is 2x", 2, rows=rows, hint="divide by N")
+    bug = Bug("b", "SUM where the average was meant", lambda: None, "it shows")
+    exhibits = [gallery.Exhibit(lab, "x", bug, ok, wrong) for lab in ("shard", "shard", "tying")]
+    whole = gallery.text_report(exhibits).splitlines()
+    assert len(whole) == len(exhibits) + 3, whole  # + a blank line, the tally, where the rest is
+    assert whole[0] == "shard: SUM where the average was meant [x] — caught: the gradient is 2x"
+    assert whole[-1] == "each bug's measured rows and fix: fsdp-lab bugs --lab LAB"
+    one_lab = gallery.text_report(exhibits[:2], detail=True)
+    assert "  gradient, first values: correct 0.5 | with the bug 1.0" in one_lab
+    assert "  fix: divide by N" in one_lab

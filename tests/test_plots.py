@@ -349,3 +349,26 @@ def test_a_long_run_is_drawn_by_its_last_step_and_lanes_only_where_spans_are():
         "comm: moving bytes",
         "comm: waiting for other ranks",
     ]
+
+
+def test_a_verdicts_bytes_axis_has_round_ticks_in_one_unit_and_says_which():
+    """A memory curve in a verdict: ticks at round numbers of one binary unit, the unit in the
+    axis name (ticks of raw bytes read 1.95 / 3.91 / 5.86 KiB), whole ticks along x."""
+    from fsdp_lab.exercise import series_of
+    from fsdp_lab.plots import plot_expected_got
+
+    series = series_of(
+        "gathered",
+        "event, in order",
+        "memory",
+        {"reference": [0, 8000, 4000], "yours": [0, 8000, 8000]},
+        in_bytes=True,
+    )
+    fig = plot_expected_got(series)
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    assert ax.get_ylabel() == "memory (KiB)"
+    ticks = [float(t.get_text().replace("−", "-")) for t in ax.get_yticklabels() if t.get_text()]
+    assert ticks and all(t == round(t) for t in ticks), ticks
+    assert max(ax.lines[1].get_ydata()) == 8000 / 1024  # the values, in that unit
+    assert not problems(fig)

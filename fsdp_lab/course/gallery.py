@@ -179,12 +179,17 @@ def tally(exhibits: list[Exhibit]) -> str:
     )
 
 
-def text_report(exhibits: list[Exhibit]) -> str:
-    """For a terminal: one block per bug, then the tally."""
+def text_report(exhibits: list[Exhibit], detail: bool = False) -> str:
+    """For a terminal: one line per bug (what was measured), then the tally; with `detail` (one
+    lab asked for), a block per bug: its case, the measured rows beside the correct run's, the
+    fix."""
     lines = []
     for e in exhibits:
         b = e.buggy
         state = "caught" if e.caught else "NOT CAUGHT"
+        if not detail:
+            lines.append(f"{e.lab}: {e.bug.title} [{e.exercise}] — {state}: {b.summary}")
+            continue
         lines.append(f"{e.lab}: {e.bug.title} [{e.exercise}] — {state}, case: {b.case}")
         lines.append(f"  measured: {b.summary}")
         for what, exp, got in b.rows:  # a row for scale only (store-all) has no bug's value
@@ -194,4 +199,6 @@ def text_report(exhibits: list[Exhibit]) -> str:
         if b.hint:
             lines.append(f"  fix: {b.hint}")
     lines += ["", tally(exhibits)]
+    if not detail:
+        lines.append("each bug's measured rows and fix: fsdp-lab bugs --lab LAB")
     return "\n".join(lines)

@@ -156,8 +156,8 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
         hint=hint,
         series=series_of(
             "activation memory over one forward + backward",
-            "operation",
-            "activation bytes",
+            "tensor allocated or freed, in order: forward, then backward with its recomputes",
+            "activation memory",
             {
                 f"segments of {k} (reference)": exp["activation_bytes"],
                 "yours": got["activation_bytes"],

@@ -219,7 +219,7 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
                 series=series_of(
                     f"peak memory making each rank's piece of {name!r}",
                     "rank",
-                    "bytes",
+                    "peak memory",
                     peaks,
                     in_bytes=True,
                 ),

@@ -216,8 +216,8 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
                 "buffer.untyped_storage().resize_(0).",
                 series=series_of(
                     f"gathered parameters on rank {r}, {STEPS} steps",
-                    "memory marker",
-                    "bytes",
+                    "moment, in order: after each unit's forward, each step's forward and backward",
+                    "memory",
                     {
                         "reference": [b for _, b in exp["markers"]],
                         "yours": [b for _, b in got["markers"]],

@@ -230,8 +230,8 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
             hint=_hint(exp["forward_order"], got["picks"], exp["picks"]),
             series=series_of(
                 f"gathered parameters during backward, rank {r}",
-                "memory marker",
-                "bytes",
+                "event of backward, in order: each unit's all-gather, free and reduce-scatter",
+                "memory",
                 {"reference": exp["gathered_at_markers"], "yours": got["gathered_at_markers"]},
                 in_bytes=True,
             ),

@@ -175,10 +175,10 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
         rows=rows,
         hint=hint,
         series=series_of(
-            "memory of the sharded steps (rank 0)",
-            "sample",
-            "bytes",
-            {"reference plan": ref["memory"], "your plan": run["memory"]},
+            "memory of the sharded steps, with the reference's plan and with yours (rank 0)",
+            "tensor allocated or freed, in order",
+            "memory",
+            {"reference": ref["memory"], "yours": run["memory"]},
             in_bytes=True,
         ),
     )
