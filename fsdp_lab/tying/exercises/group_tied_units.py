@@ -175,7 +175,7 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
         rows=rows,
         hint=hint,
         series=series_of(
-            "memory of the sharded steps, with the reference's plan and with yours (rank 0)",
+            "memory of the sharded steps under each plan (rank 0)",
             "tensor allocated or freed, in order",
             "memory",
             {"reference": ref["memory"], "yours": run["memory"]},
