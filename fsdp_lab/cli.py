@@ -338,7 +338,11 @@ def prepare(name: str, args: argparse.Namespace, out: Path | None, tour: bool = 
     except ValueError as exc:
         raise usage_error(exc, where, config_cls) from None
 
-    # From here on torch is imported: the lab is going to run.
+    # From here on torch is imported: the lab is going to run. Its ranks' fork server starts
+    # first and imports torch beside this process (on two cores, seconds sooner up).
+    from fsdp_lab.cluster import launcher
+
+    launcher.warm_up()
     from fsdp_lab.cluster import resolve_placement
     from fsdp_lab.host import check_ranks_fit
 

@@ -129,6 +129,9 @@ def test_grade_refuses_an_exercise_that_does_not_exist(tmp_path):
     assert "did you mean 'all_reduce_mean'" in proc.stderr
 
 
+# nbgrader's whole pipeline (generate, then autograde in a kernel: 27 s here), end to end; the
+# notebooks' nbgrader metadata is tested in the suite (test_exercise_notebooks.py).
+@pytest.mark.e2e
 def test_nbgrader_generates_the_assignments_and_autogrades_a_submission(tmp_path):
     """nbgrader's own API (what its command line calls), in this process: one assignment per
     lab notebook, then autograde of one learner's submission."""

@@ -15,47 +15,21 @@ Modules, in the order a call travels:
                   shared_folder() for files every rank reads
 """
 
-# Importing this package starts nothing: the fork server ranks are forked from starts with the
-# first Cluster (`launcher.warm_up`), so a command that never starts ranks (`fsdp-lab grade`
-# before its first reference, `--help`) leaves no process behind.
-from fsdp_lab.cluster.driver import Cluster
-from fsdp_lab.cluster.protocol import RankError
-from fsdp_lab.cluster.torchrun import (
-    AttachedCluster,
-    borrow,
-    open_cluster,
-    shared_folder,
-    under_torchrun,
-)
-from fsdp_lab.cluster.where import (
-    BACKENDS,
-    Placement,
-    device,
-    in_rank_threads,
-    intra_op_threads,
-    rank,
-    rank_threads,
-    resolve_backend,
-    resolve_placement,
-    world_size,
-)
+# Importing this package starts nothing, and imports no torch: the fork server ranks are forked
+# from starts with the first Cluster (`launcher.warm_up`), so a command that never starts ranks
+# (`fsdp-lab grade` before its first reference, `--help`) leaves no process behind; and a command
+# about to start ranks can start the fork server (`launcher`, torch-free) before it imports
+# torch itself, the two imports side by side on two cores.
+from fsdp_lab.lazy import lazy_names
 
-__all__ = [
-    "BACKENDS",
-    "AttachedCluster",
-    "Placement",
-    "Cluster",
-    "RankError",
-    "borrow",
-    "shared_folder",
-    "device",
-    "in_rank_threads",
-    "intra_op_threads",
-    "open_cluster",
-    "rank",
-    "rank_threads",
-    "resolve_backend",
-    "resolve_placement",
-    "under_torchrun",
-    "world_size",
-]
+_TORCHRUN = ("AttachedCluster", "borrow", "open_cluster", "shared_folder", "under_torchrun")
+_WHERE = ("BACKENDS", "Placement", "device", "in_rank_threads", "intra_op_threads", "rank",
+          "rank_threads", "resolve_backend", "resolve_placement", "world_size")  # fmt: skip
+_PUBLIC = {
+    "Cluster": "fsdp_lab.cluster.driver",
+    "RankError": "fsdp_lab.cluster.protocol",
+    **dict.fromkeys(_TORCHRUN, "fsdp_lab.cluster.torchrun"),
+    **dict.fromkeys(_WHERE, "fsdp_lab.cluster.where"),
+}
+__all__ = sorted(_PUBLIC)
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, globals())

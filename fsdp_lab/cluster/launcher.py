@@ -25,8 +25,15 @@ from collections.abc import Iterator
 from typing import Any
 
 # What the fork server imports once, so that forked ranks need not: torch and the modules a
-# rank runs (its loop, the collectives' accounting).
-PRELOAD = ["torch", "torch.distributed", "cloudpickle", "fsdp_lab.cluster.rank_main"]
+# rank runs (its loop, the collectives' accounting); and torch._dynamo, which a rank's first
+# optimizer step or memory trace imports (about 2 s of CPU on each rank, otherwise).
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "cloudpickle",
+    "fsdp_lab.cluster.rank_main",
+]
 
 
 def context() -> Any:

@@ -50,7 +50,7 @@ class ClusterPool:
         self.time_limit = check_timeout("time_limit", time_limit)
         # Every rank of a check imports every exercise and takes an optimizer step: done once in
         # the fork server the ranks come from, when the pool is the first to start ranks.
-        launcher.preload("fsdp_lab.course.catalog", "torch._dynamo")
+        launcher.preload("fsdp_lab.course.catalog")
         self.backend, self.device = backend, device
         self._clusters: dict[int, Cluster] = {}
         # (exercise, case label) -> the reference solution's per-rank outcomes: the reference

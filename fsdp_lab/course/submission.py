@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     from fsdp_lab.cluster import launcher
 
     # The ranks' fork server imports torch and every exercise while the learner's code runs.
-    launcher.preload("fsdp_lab.course.catalog", "torch._dynamo")
+    launcher.preload("fsdp_lab.course.catalog")
     launcher.warm_up()
 
     def say(obj: dict[str, Any]) -> None:
