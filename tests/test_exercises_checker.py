@@ -4,6 +4,7 @@ for the next attempt, with no process left behind."""
 
 from __future__ import annotations
 
+import linecache
 import os
 import time
 
@@ -63,6 +64,63 @@ def test_a_raise_on_one_rank_names_the_rank_and_shows_the_learners_traceback(sho
     # The traceback starts at the learner's own code, and ends with the error.
     assert v.traceback.splitlines()[1].strip().startswith(f'File "{__file__}"')
     assert "in raises_on_rank_1" in v.traceback and "fsdp_lab/cluster" not in v.traceback
+
+
+def _cell(source: str, number: int) -> dict:
+    """What a notebook cell defines: a kernel compiles each cell under a made-up file name (no
+    file: its lines live in the kernel's linecache only) and a rank cannot show them."""
+    name = f"/tmp/ipykernel_{os.getpid()}/{number}.py"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    namespace = {"comm": comm, "rank": rank}
+    exec(compile(source, name, "exec"), namespace)
+    return namespace
+
+
+RAISES_IN_A_HELPER = """\
+def helper(t):
+    raise ValueError("my own mistake")
+"""
+CALLS_THE_HELPER = """\
+def all_reduce_mean(tensor, group):
+    out = tensor.clone()
+    helper(out)
+    return out
+"""
+WAITS_ON_RANK_0_ONLY = """\
+def all_reduce_mean(tensor, group):
+    out = tensor.clone()
+    if rank() == 0:
+        comm.all_reduce(out, group=group)
+    return out / 2
+"""
+
+
+def test_a_notebook_cells_code_is_said_as_your_cell_with_its_lines_first(short_pool):
+    """Issue 39: a verdict showed the learner's code by the kernel's made-up file name, without
+    its line, among the package's frames. Their frames come first, as "your cell, line N" with
+    the line itself, from whichever cell each function came from."""
+    fn = _cell(CALLS_THE_HELPER, 2)["all_reduce_mean"]
+    fn.__globals__["helper"] = _cell(RAISES_IN_A_HELPER, 1)["helper"]
+    v = course.grade("all_reduce_mean", fn, short_pool)
+    assert v.kind == "raised"
+    assert v.traceback.splitlines()[:5] == [
+        "Traceback (most recent call last):",
+        "  your cell, line 3, in all_reduce_mean",
+        "    helper(out)",
+        "  your cell, line 2, in helper",
+        '    raise ValueError("my own mistake")',
+    ]
+    hung = course.grade(
+        "all_reduce_mean", _cell(WAITS_ON_RANK_0_ONLY, 3)["all_reduce_mean"], short_pool
+    )
+    assert hung.kind == "hung"
+    lines = hung.traceback.splitlines()
+    assert lines[1:4] == [
+        "your code, most recent call first:",
+        "  your cell, line 4, in all_reduce_mean",
+        "    comm.all_reduce(out, group=group)",
+    ], hung.traceback
+    assert "ipykernel_" not in hung.traceback  # in the whole stack below too
 
 
 def test_a_hang_on_one_rank_is_reported_with_its_stack_and_the_ranks_come_back(short_pool):

@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import inspect
 import json
+import linecache
 import os
+import re
 import sys
+import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -117,7 +120,7 @@ def run_case(exercise: Exercise, fn: Any, case: Case, pool: ClusterPool) -> dict
             attempt, exercise.trial, fn, case, stack_file, pool.time_limit * DUMP_SHARE, record
         )
     except RankError as exc:
-        return {"failure": _rank_failure(exc, exercise, fn, stack_file, case)}
+        return {"failure": _rank_failure(exc, exercise, stack_file, case)}
     try:
         replies = [json.loads(t) for t in texts]
         run = {"outcomes": [r["outcome"] for r in replies]}
@@ -291,10 +294,9 @@ def _reported(failure: Any, verdict: Callable[..., Verdict]) -> Verdict:
 
 
 def _rank_failure(
-    exc: RankError, exercise: Exercise, fn: Any, stack_file: str, case: Case
+    exc: RankError, exercise: Exercise, stack_file: str, case: Case
 ) -> dict[str, Any]:
     """What went wrong on the ranks, as a failure record (kind, summary, rank, traceback, hint)."""
-    where = _code_file(fn)
 
     def failure(kind: str, summary: str, hint: str, traceback: str = "", rank: int = exc.rank):
         return {"kind": kind, "summary": summary, "hint": hint, "traceback": traceback,
@@ -327,9 +329,9 @@ def _rank_failure(
             "raised",
             f"your function raised on rank {exc.rank}: {last}",
             "Read the last lines of the traceback: the line of your code that raised.",
-            traceback=_cut(exc.remote_traceback, where),
+            traceback=_cut(exc.remote_traceback),
         )
-    rank, stack, waiting = _hung_rank(exc.rank, case.world_size, stack_file, where)
+    rank, stack, waiting = _hung_rank(exc.rank, case.world_size, stack_file)
     also = ("; " + ", ".join(waiting)) if waiting else ""
     return failure(
         "hung",
@@ -343,48 +345,85 @@ def _rank_failure(
     )
 
 
-def _code_file(fn: Any) -> str | None:
-    code = getattr(fn, "__code__", None)
-    return code.co_filename if code is not None else None
+# A frame line of a traceback ('File "f", line 3, in g') or of faulthandler's stack (no comma).
+FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<name>.+)$')
+# Where the learner's code is not: the standard library, installed packages, this package.
+NOT_LEARNERS = tuple(
+    {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}
+    | {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+)
 
 
-def _cut(tb: str, where: str | None) -> str:
-    """The traceback from the learner's first frame on (ours before it is noise to them)."""
+def _learners(frame: re.Match) -> bool:
+    return not frame["file"].startswith((*NOT_LEARNERS, "<frozen"))
+
+
+def _in_their_words(frame: re.Match, with_text: bool) -> list[str]:
+    """A frame of the learner's code as they know it. A notebook cell lives in the kernel, not in
+    a file: a rank prints its made-up file name and no line; said here as "your cell" with the
+    line, read where the function was written (linecache: the kernel's cells, a graded file's
+    blocks). A file on disk keeps its frame (and its line, `with_text`)."""
+    file, line = frame["file"], int(frame["line"])
+    on_disk = os.path.exists(file)
+    cell = not on_disk and (file.startswith("<") or "ipykernel_" in file)
+    said = frame.string.rstrip() if on_disk else f"  {'your cell' if cell else file}, line {line}"
+    said += "" if on_disk else f", in {frame['name']}"
+    text = linecache.getline(file, line).strip()
+    return [said] + ([f"    {text}"] if text and (with_text or not on_disk) else [])
+
+
+def _cut(tb: str) -> str:
+    """The traceback from the learner's first frame on (ours before it is noise to them), their
+    frames in their words."""
     lines = tb.rstrip().splitlines()
-    if where:
-        for i, line in enumerate(lines):
-            if line.strip().startswith(f'File "{where}"'):
-                lines = ["Traceback (most recent call last):", *lines[i:]]
-                break
+    frames = [FRAME.match(line) for line in lines]
+    first = next((i for i, m in enumerate(frames) if m and _learners(m)), None)
+    if first is not None:
+        lines, frames = lines[first:], frames[first:]
+        lines = ["Traceback (most recent call last):"] + [
+            said
+            for line, m in zip(lines, frames, strict=True)
+            for said in (_in_their_words(m, with_text=False) if m and _learners(m) else [line])
+        ]
     if len(lines) > MAX_TRACEBACK_LINES:
         lines = ["...", *lines[-MAX_TRACEBACK_LINES:]]
     return "\n".join(lines)
 
 
-def _hung_rank(
-    reported: int, world_size: int, stack_file: str, where: str | None
-) -> tuple[int, str, list[str]]:
+def _own_first(stack: str) -> str:
+    """A stack (most recent call first) led by the learner's own frames, in their words."""
+    own = [m for line in stack.splitlines() if (m := FRAME.match(line)) and _learners(m)]
+    if not own:
+        return stack
+    yours = [said for m in own for said in _in_their_words(m, with_text=True)]
+    whole = [
+        _in_their_words(m, with_text=False)[0]
+        if (m := FRAME.match(line)) and _learners(m)
+        else line
+        for line in stack.splitlines()
+    ]
+    return "\n".join(["your code, most recent call first:", *yours, "the whole stack:", *whole])
+
+
+def _hung_rank(reported: int, world_size: int, stack_file: str) -> tuple[int, str, list[str]]:
     """The rank stuck in the learner's own code (else the one `Cluster` reported), its stack,
     and one line per other rank that was waiting in a collective (for it, most likely)."""
     stacks = {r: _main_thread(_read(stack_file.format(rank=r))) for r in range(world_size)}
-    frames = {
-        r: [ln.strip() for ln in s.splitlines() if ln.strip().startswith("File ")]
-        for r, s in stacks.items()
-    }
+    frames = {r: [m for ln in s.splitlines() if (m := FRAME.match(ln))] for r, s in stacks.items()}
 
     def in_own_code(r: int) -> bool:  # the most recent frame is the learner's
-        return bool(where and frames[r] and frames[r][0].startswith(f'File "{where}"'))
+        return bool(frames[r] and _learners(frames[r][0]))
 
     own = [r for r in stacks if in_own_code(r)]
     rank = own[0] if own else reported
     waiting = []
     for r, fr in frames.items():
-        if r != rank and fr and "torch/distributed" in fr[0]:
-            waiting.append(f"rank {r} was waiting in {fr[0].rsplit(' in ', 1)[-1]}")
+        if r != rank and fr and "torch/distributed" in fr[0]["file"]:
+            waiting.append(f"rank {r} was waiting in {fr[0]['name']}")
     stack = ""
     if stacks.get(rank):
         stack = f"stack of rank {rank} just before the time limit (most recent call first):\n"
-        stack += stacks[rank]
+        stack += _own_first(stacks[rank])
     return rank, stack, waiting
 
 

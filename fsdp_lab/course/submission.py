@@ -27,6 +27,7 @@ import argparse
 import ast
 import contextlib
 import json
+import linecache
 import os
 import signal
 import sys
@@ -137,7 +138,10 @@ def learner_namespace(
     notes = []
     for i, block in enumerate(blocks, 1):
         try:
-            code = compile(block, f"{name or path.name} [cell {i}]", "exec")
+            where = f"{name or path.name} [cell {i}]"
+            # Its lines where a traceback can find them: a verdict shows the learner's own line.
+            linecache.cache[where] = (len(block), None, block.splitlines(True), where)
+            code = compile(block, where, "exec")
             with contextlib.redirect_stdout(sys.stderr), time_limit(seconds):
                 exec(code, namespace)  # the learner's own code: that is what grading runs
         except CellTimeout:
