@@ -1,7 +1,9 @@
 """One submitted file, run where it can harm nothing: the learner's side of grading.
 
 `fsdp-lab grade` runs this module once per file, inside the sandbox
-(`fsdp_lab.course.sandbox`): ``python -m fsdp_lab.course.submission FILE``. It reads the
+(`fsdp_lab.course.sandbox`), as ``python -m fsdp_lab.course.submission FILE`` with the ranks'
+fork server started first (`grading.RUN_SUBMISSION`: it imports torch and every exercise while
+the learner's code runs). It reads the
 file, runs the learner's code, and runs each exercise's trial with the learner's function on
 live ranks — nothing else. It never sees a reference outcome and never makes a verdict: its
 reply (JSON lines on file descriptor 3) says only what the learner's code did, and the grader,
@@ -195,11 +197,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default=None, help="the file's name in messages")
     args = parser.parse_args(argv)
     reply = os.fdopen(REPLY_FD, "w")
-    from fsdp_lab.cluster import launcher
-
-    # The ranks' fork server imports torch and every exercise while the learner's code runs.
-    launcher.preload("fsdp_lab.course.catalog")
-    launcher.warm_up()
 
     def say(obj: dict[str, Any]) -> None:
         reply.write(json.dumps(obj) + "\n")
