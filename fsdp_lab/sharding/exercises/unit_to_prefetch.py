@@ -156,6 +156,10 @@ def _extra(got: list[str], expected: list[str]) -> list[str]:
     return extra
 
 
+def _said(pick: Any) -> str:
+    return "nothing" if pick is None else str(pick)
+
+
 def _hint(order: list[str], picks: list[tuple], reference: list[tuple]) -> str:
     """Names the bug that explains every pick differing from the reference's, if one does."""
     rules = {
@@ -213,7 +217,7 @@ def judge(got_all: list[Any], expected: list[Any], case: Case) -> Mismatch | Non
                 f"the reference {_kib(exp['peak_gathered'])}"
             )
         rows = [
-            (f"prefetch when {unit} begins backward", str(right), str(chosen))
+            (f"prefetch when {unit} begins backward", _said(right), _said(chosen))
             for (unit, _, chosen), (*_, right) in zip(got["picks"], exp["picks"], strict=False)
         ]
         rows += [
