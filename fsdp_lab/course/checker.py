@@ -31,6 +31,7 @@ import os
 import re
 import sys
 import sysconfig
+import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -120,7 +121,7 @@ def run_case(exercise: Exercise, fn: Any, case: Case, pool: ClusterPool) -> dict
             attempt, exercise.trial, fn, case, stack_file, pool.time_limit * DUMP_SHARE, record
         )
     except RankError as exc:
-        return {"failure": _rank_failure(exc, exercise, stack_file, case)}
+        return {"failure": _rank_failure(exc, exercise, fn, stack_file, case)}
     try:
         replies = [json.loads(t) for t in texts]
         run = {"outcomes": [r["outcome"] for r in replies]}
@@ -294,9 +295,10 @@ def _reported(failure: Any, verdict: Callable[..., Verdict]) -> Verdict:
 
 
 def _rank_failure(
-    exc: RankError, exercise: Exercise, stack_file: str, case: Case
+    exc: RankError, exercise: Exercise, fn: Any, stack_file: str, case: Case
 ) -> dict[str, Any]:
     """What went wrong on the ranks, as a failure record (kind, summary, rank, traceback, hint)."""
+    files = _learner_files(fn)
 
     def failure(kind: str, summary: str, hint: str, traceback: str = "", rank: int = exc.rank):
         return {"kind": kind, "summary": summary, "hint": hint, "traceback": traceback,
@@ -329,9 +331,9 @@ def _rank_failure(
             "raised",
             f"your function raised on rank {exc.rank}: {last}",
             "Read the last lines of the traceback: the line of your code that raised.",
-            traceback=_cut(exc.remote_traceback),
+            traceback=_cut(exc.remote_traceback, files),
         )
-    rank, stack, waiting = _hung_rank(exc.rank, case.world_size, stack_file)
+    rank, stack, waiting = _hung_rank(exc.rank, case.world_size, stack_file, files)
     also = ("; " + ", ".join(waiting)) if waiting else ""
     return failure(
         "hung",
@@ -358,21 +360,54 @@ def _learners(frame: re.Match) -> bool:
     return not frame["file"].startswith((*NOT_LEARNERS, "<frozen"))
 
 
-def _in_their_words(frame: re.Match, with_text: bool) -> list[str]:
-    """A frame of the learner's code as they know it. A notebook cell lives in the kernel, not in
-    a file: a rank prints its made-up file name and no line; said here as "your cell" with the
-    line, read where the function was written (linecache: the kernel's cells, a graded file's
-    blocks). A file on disk keeps its frame (and its line, `with_text`)."""
-    file, line = frame["file"], int(frame["line"])
+def _learner_files(fn: Any) -> dict[str, str]:
+    """Function name -> the file its code was written in (a notebook cell, a graded file's
+    block, a script), for the learner's function, the functions inside it and those its globals
+    hold: a rank runs them as shipped by value, and cloudpickle (3.1 and later) names their file
+    '<dynamic-code>'."""
+    files: dict[str, str] = {}
+
+    def add(code: types.CodeType) -> None:
+        files.setdefault(code.co_name, code.co_filename)
+        for inner in code.co_consts:
+            if isinstance(inner, types.CodeType):
+                add(inner)
+
+    for obj in [fn, *getattr(fn, "__globals__", {}).values()]:
+        if isinstance(getattr(obj, "__code__", None), types.CodeType):
+            add(obj.__code__)
+    return files
+
+
+def _where(file: str) -> str:
+    """A file that is not on disk, as the learner knows it: a notebook cell ("your cell In[3]"),
+    a graded file's block ("ex.py [cell 2]"), else their code."""
+    if "ipykernel_" in file or file.startswith("<ipython-input"):
+        shell = sys.modules["IPython"].get_ipython() if "IPython" in sys.modules else None
+        count = getattr(getattr(shell, "compile", None), "_filename_map", {}).get(file)
+        return "your cell" if count is None else f"your cell In[{count}]"
+    return "your code" if file.startswith("<") else file
+
+
+def _in_their_words(frame: re.Match, files: dict[str, str], with_text: bool) -> list[str]:
+    """A frame of the learner's code, with its line. A rank runs the learner's functions shipped
+    by value: it knows neither the file (a cell lives in the kernel) nor, then, the line; both
+    are known here, where the function was written (linecache: the kernel's cells, a graded
+    file's blocks). A frame the rank could show keeps its line (`with_text`: add it)."""
+    file, line, name = frame["file"], int(frame["line"]), frame["name"]
+    shipped = file.startswith("<") and name in files
+    file = files[name] if shipped else file
     on_disk = os.path.exists(file)
-    cell = not on_disk and (file.startswith("<") or "ipykernel_" in file)
-    said = frame.string.rstrip() if on_disk else f"  {'your cell' if cell else file}, line {line}"
-    said += "" if on_disk else f", in {frame['name']}"
+    said = (
+        f'  File "{file}", line {line}, in {name}'
+        if on_disk
+        else f"  {_where(file)}, line {line}, in {name}"
+    )
     text = linecache.getline(file, line).strip()
-    return [said] + ([f"    {text}"] if text and (with_text or not on_disk) else [])
+    return [said] + ([f"    {text}"] if text and (with_text or shipped or not on_disk) else [])
 
 
-def _cut(tb: str) -> str:
+def _cut(tb: str, files: dict[str, str]) -> str:
     """The traceback from the learner's first frame on (ours before it is noise to them), their
     frames in their words."""
     lines = tb.rstrip().splitlines()
@@ -383,29 +418,29 @@ def _cut(tb: str) -> str:
         lines = ["Traceback (most recent call last):"] + [
             said
             for line, m in zip(lines, frames, strict=True)
-            for said in (_in_their_words(m, with_text=False) if m and _learners(m) else [line])
+            for said in (_in_their_words(m, files, False) if m and _learners(m) else [line])
         ]
     if len(lines) > MAX_TRACEBACK_LINES:
         lines = ["...", *lines[-MAX_TRACEBACK_LINES:]]
     return "\n".join(lines)
 
 
-def _own_first(stack: str) -> str:
+def _own_first(stack: str, files: dict[str, str]) -> str:
     """A stack (most recent call first) led by the learner's own frames, in their words."""
     own = [m for line in stack.splitlines() if (m := FRAME.match(line)) and _learners(m)]
     if not own:
-        return stack
-    yours = [said for m in own for said in _in_their_words(m, with_text=True)]
+        return "the stack, most recent call first:\n" + stack
+    yours = [said for m in own for said in _in_their_words(m, files, with_text=True)]
     whole = [
-        _in_their_words(m, with_text=False)[0]
-        if (m := FRAME.match(line)) and _learners(m)
-        else line
+        _in_their_words(m, files, False)[0] if (m := FRAME.match(line)) and _learners(m) else line
         for line in stack.splitlines()
     ]
     return "\n".join(["your code, most recent call first:", *yours, "the whole stack:", *whole])
 
 
-def _hung_rank(reported: int, world_size: int, stack_file: str) -> tuple[int, str, list[str]]:
+def _hung_rank(
+    reported: int, world_size: int, stack_file: str, files: dict[str, str]
+) -> tuple[int, str, list[str]]:
     """The rank stuck in the learner's own code (else the one `Cluster` reported), its stack,
     and one line per other rank that was waiting in a collective (for it, most likely)."""
     stacks = {r: _main_thread(_read(stack_file.format(rank=r))) for r in range(world_size)}
@@ -422,8 +457,8 @@ def _hung_rank(reported: int, world_size: int, stack_file: str) -> tuple[int, st
             waiting.append(f"rank {r} was waiting in {fr[0]['name']}")
     stack = ""
     if stacks.get(rank):
-        stack = f"stack of rank {rank} just before the time limit (most recent call first):\n"
-        stack += _own_first(stacks[rank])
+        stack = f"rank {rank}, just before the time limit:\n"
+        stack += _own_first(stacks[rank], files)
     return rank, stack, waiting
 
 
