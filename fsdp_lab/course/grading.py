@@ -35,7 +35,7 @@ from typing import Any
 
 from fsdp_lab.course import sandbox
 from fsdp_lab.course.roster import MAX_FILES_PER_STUDENT, Submission, fair_order, submissions
-from fsdp_lab.course.verdict import printable
+from fsdp_lab.course.verdict import printable, rows_text
 
 # A file's wall clock: start-up (interpreter, torch, ranks), then the per-case limit for its
 # top-level code and once per exercise it defines (a check stops at the first case that hangs).
@@ -359,6 +359,7 @@ def text_report(results: list[dict[str, Any]]) -> str:
             )
             if not v["passed"]:
                 lines.append(f"      {v['summary']}")
+                lines += rows_text(v.get("rows") or [], "      ")
                 if v.get("hint"):
                     lines.append(f"      hint: {v['hint']}")
         for note in r.get("notes", []):

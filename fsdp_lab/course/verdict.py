@@ -59,6 +59,15 @@ def printable(text: str, keep_newlines: bool = False) -> str:
     )
 
 
+def rows_text(rows: list, indent: str) -> list[str]:
+    """A verdict's rows for a terminal: what, expected | got, aligned."""
+    if not rows:
+        return []
+    width = max(len(r[0]) for r in rows)
+    head = [f"{indent}{'':{width}}  expected | got"]
+    return head + [f"{indent}{what:{width}}  {exp} | {got}" for what, exp, got in rows]
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The outcome of checking one function against one exercise.
@@ -123,10 +132,7 @@ class Verdict:
         parts = [self.headline(), "  " + self.summary]
         if self.passed_cases and not self.passed:
             parts.append("  passed before it: " + "; ".join(self.passed_cases))
-        if self.rows:
-            width = max(len(r[0]) for r in self.rows)
-            parts += [f"  {'':{width}}  expected | got"]
-            parts += [f"  {what:{width}}  {exp} | {got}" for what, exp, got in self.rows]
+        parts += rows_text(self.rows, "  ")
         if self.hint:
             parts.append("  hint: " + self.hint)
         if self.traceback:
