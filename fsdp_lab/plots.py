@@ -709,6 +709,7 @@ def plot_expected_got(series: dict[str, Any]) -> Figure:
     fig = Figure(figsize=(8.0, 3.2), layout="constrained")
     ax = fig.add_subplot()
     ylabel, scale = series.get("ylabel", ""), 1
+    marked = max((len(v) for v in series["lines"].values()), default=0) <= 20  # all lines, or none
     if series.get("bytes"):
         unit, scale = byte_unit(
             max((max(v, default=0) for v in series["lines"].values()), default=0)
@@ -721,7 +722,7 @@ def plot_expected_got(series: dict[str, Any]) -> Figure:
             label=name,
             color=_THEORY_COLORS[i % len(_THEORY_COLORS)] if i else "#4C72B0",
             linestyle="-" if i == 0 else "--",
-            marker="o" if len(values) <= 20 else None,
+            marker="o" if marked else None,
         )
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(textwrap.fill(series.get("title", ""), 60), fontsize=10)

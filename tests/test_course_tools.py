@@ -263,6 +263,10 @@ def test_the_whole_gallery_is_one_line_per_bug_and_a_lab_its_blocks():
     assert len(whole) == len(exhibits) + 3, whole  # + a blank line, the tally, where the rest is
     assert whole[0] == "shard: SUM where the average was meant [x] — caught: the gradient is 2x"
     assert whole[-1] == "each bug's measured rows and fix: fsdp-lab bugs --lab LAB"
+    # A verdict speaks to a learner; in the gallery it is said of the bug (a hostile review).
+    yours = Verdict("x", "wrong result", "Your segments take more memory than yours should", 2)
+    line = gallery.text_report([gallery.Exhibit("checkpoint", "x", bug, ok, yours)]).splitlines()[0]
+    assert line.endswith("caught: The segments take more memory than the bug's should"), line
     one_lab = gallery.text_report(exhibits[:2], detail=True)
     assert "  gradient, first values: correct 0.5 | with the bug 1.0" in one_lab
     assert "  fix: divide by N" in one_lab

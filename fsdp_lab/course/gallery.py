@@ -16,6 +16,7 @@ none is).
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,13 @@ def run(
     return exhibits
 
 
+def measured(e: Exhibit) -> str:
+    """What the check measured on the bug, said of the bug: a verdict speaks to a learner
+    ("your segments take more memory"), and in the gallery nothing is a learner's."""
+    text = re.sub(r"\byours\b", "the bug's", e.buggy.summary)
+    return re.sub(r"\b([Yy])our\b", lambda m: "The" if m[1] == "Y" else "the", text)
+
+
 def summary_table(exhibits: list[Exhibit]) -> str:
     """Markdown: one row per bug — where it shows and what was measured."""
     rows = [
@@ -95,7 +103,7 @@ def summary_table(exhibits: list[Exhibit]) -> str:
             e.bug.title,
             f"`{e.exercise}`",
             e.buggy.case or "—",
-            e.buggy.summary if e.caught else "**not caught** by the check",
+            measured(e) if e.caught else "**not caught** by the check",
         )
         for e in exhibits
     ]
@@ -127,7 +135,7 @@ def exhibit_markdown(e: Exhibit, exercise: Exercise | None = None) -> str:
     parts = [
         f"### {e.bug.title}",
         f"*Step:* `{e.exercise}` ({e.lab} lab). *What courses see:* {e.bug.symptom}.",
-        f"*Measured here, on the case “{b.case}”* ({correct}): {b.summary}",
+        f"*Measured here, on the case “{b.case}”* ({correct}): {measured(e)}",
     ]
     if b.rows:
         parts.append(table(["", "correct run", "with the bug"], [list(r) for r in b.rows]))
@@ -188,10 +196,10 @@ def text_report(exhibits: list[Exhibit], detail: bool = False) -> str:
         b = e.buggy
         state = "caught" if e.caught else "NOT CAUGHT"
         if not detail:
-            lines.append(f"{e.lab}: {e.bug.title} [{e.exercise}] — {state}: {b.summary}")
+            lines.append(f"{e.lab}: {e.bug.title} [{e.exercise}] — {state}: {measured(e)}")
             continue
         lines.append(f"{e.lab}: {e.bug.title} [{e.exercise}] — {state}, case: {b.case}")
-        lines.append(f"  measured: {b.summary}")
+        lines.append(f"  measured: {measured(e)}")
         for what, exp, got in b.rows:  # a row for scale only (store-all) has no bug's value
             lines.append(
                 f"  {what}: correct {exp} | with the bug {got}" if got else f"  {what}: {exp}"
