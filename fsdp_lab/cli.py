@@ -47,8 +47,9 @@ from fsdp_lab.labs.registry import LABS, PLANNED
 
 DEFAULT_OUT = "fsdp_lab_out"
 LAB_LINE = (
-    "Runs the lab on live ranks and prints what it measured; --out DIR also writes its figures "
-    "and JSON, --json prints one JSON object."
+    "Runs the lab on live ranks, prints what it measured and writes its figures and JSON to "
+    f"{DEFAULT_OUT}/<lab>/ (--out DIR: there instead); --json prints one JSON object, and "
+    "writes files only with --out."
 )
 COMMANDS = ("tour", "grade", "bugs", "plan")  # beside the labs
 INTERRUPTED = "interrupted — ranks stopped"
@@ -146,7 +147,9 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _common(p: argparse.ArgumentParser, world_size: int | None = None) -> None:
+def _common(
+    p: argparse.ArgumentParser, world_size: int | None = None, takes_model: bool = True
+) -> None:
     ranks = "number of ranks" + (f" (default {world_size})" if world_size else "")
     p.add_argument("--world-size", type=_positive_int, default=None, help=ranks)
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="process-group backend")
@@ -162,8 +165,12 @@ def _common(p: argparse.ArgumentParser, world_size: int | None = None) -> None:
         "--model",
         default=None,
         metavar="module:factory",
+        # A lab that builds its own models keeps the option (to refuse it, naming the labs that
+        # take one) but does not offer it in its --help.
         help="a factory returning an nn.Module: token ids (batch, seq) -> logits (batch, seq, "
-        "vocab); a module in the current directory works (labs that train a model)",
+        "vocab); a module in the current directory works (labs that train a model)"
+        if takes_model
+        else argparse.SUPPRESS,
     )
     p.add_argument(
         "--out", default=None, help=f"folder for figures and JSON (default {DEFAULT_OUT}/)"
@@ -178,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, lab in LABS.items():
         p = sub.add_parser(name, help=lab.title, description=f"{lab.title.rstrip('.')}. {LAB_LINE}")
         field = lab.config_class.__dataclass_fields__.get("world_size")  # not built: no torch
-        _common(p, field.default if field is not None else None)
+        takes_model = "model" in lab.config_class.__dataclass_fields__
+        _common(p, field.default if field is not None else None, takes_model)
         add_config_arguments(p, lab.config_class)
     tour = sub.add_parser("tour", help="run every lab headless; write figures and a summary")
     _common(tour)
@@ -200,10 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="start no file after this long; the files left get a row saying so",
     )  # fmt: skip
     grade.add_argument("--json", action="store_true", help="print exactly one JSON object")
-    bugs = sub.add_parser("bugs", help="the bug gallery: classic bugs beside the correct run")
-    bugs.add_argument(
-        "--lab", dest="labs", action="append", default=None, help="only this lab (repeatable)"
+    bugs = sub.add_parser(
+        "bugs",
+        help="the bug gallery: classic bugs beside the correct run",
+        description="The bug gallery: each classic bug switched on in the real mechanism, run "
+        "beside the correct one. Prints one line per bug and the tally; with --lab, each of that "
+        "lab's bugs with its measured rows and the fix.",
     )
+    bugs.add_argument(
+        "--lab", dest="labs", action="append", default=None, metavar="LAB",
+        help=f"only this lab (repeatable): {', '.join(LABS)}",
+    )  # fmt: skip
     bugs.add_argument("--out", type=Path, default=None, help="folder for figures and bugs.json")
     bugs.add_argument("--json", action="store_true", help="print exactly one JSON object")
     _plan_arguments(

@@ -725,7 +725,7 @@ def plot_expected_got(series: dict[str, Any]) -> Figure:
             marker="o" if marked else None,
         )
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title(textwrap.fill(series.get("title", ""), 60), fontsize=10)
+    ax.set_title(textwrap.fill(series.get("title", ""), 75), fontsize=10)
     ax.set_xlabel(textwrap.fill(series.get("xlabel", ""), 80))
     ax.set_ylabel(ylabel)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)

@@ -182,4 +182,4 @@ def test_the_readme_is_a_first_screen_and_links_the_rest():
     assert commands[0].startswith("python3 -m venv"), commands  # the venv before set-up
     assert any("jupyter lab notebooks/" in c for c in commands)
     docs = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))
-    assert [d for d in docs if f"`{d}`" not in readme] == []
+    assert [d for d in docs if f"[{d}]({d})" not in readme] == []  # links, clickable
