@@ -193,6 +193,7 @@ def test_bad_input_is_a_clear_error(capfd, args, message):
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+@pytest.mark.e2e  # whole runs under torchrun: test_multinode.py's too (CI runs both)
 def test_the_same_lab_runs_under_torchrun():
     proc = subprocess.run(
         ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "fsdp_lab", "collectives"]

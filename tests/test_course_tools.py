@@ -54,6 +54,10 @@ def run(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProc
     )
 
 
+# A whole `fsdp-lab grade` of three files (20 s here): the graded classes (test_grading_trust.py,
+# e2e too) grade correct, wrong and broken files beside the attacks; the suite keeps one
+# multi-file grade (a grader error on one file).
+@pytest.mark.e2e
 def test_grade_scores_a_correct_a_buggy_and_a_broken_submission(tmp_path):
     subs = tmp_path / "submitted"
     for who in ("alice", "bob", "carol", "dan"):
@@ -188,6 +192,9 @@ def test_nbgrader_generates_the_assignments_and_autogrades_a_submission(tmp_path
         assert gb.find_submission(stem, "mallory").score == 0
 
 
+# The whole gallery of one lab from the command line (10 s here): each bug is caught in its
+# exercise's tests, the report's text is tested below; the whole run is end-to-end.
+@pytest.mark.e2e
 def test_bugs_lists_every_bug_caught_beside_the_correct_run(tmp_path):
     proc = run("bugs", "--lab", "collectives", "--json", "--out", "gallery", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
