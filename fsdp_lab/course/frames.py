@@ -48,9 +48,12 @@ def learner_files(fn: Any) -> dict[str, str]:
             if isinstance(inner, types.CodeType):
                 add(inner)
 
-    for obj in [fn, *getattr(fn, "__globals__", {}).values()]:
-        if isinstance(getattr(obj, "__code__", None), types.CodeType):
-            add(obj.__code__)
+    # Plain functions only, by their type: nothing of the learner's runs here (an object's
+    # __getattr__ would, and a hostile one may raise anything).
+    if type(fn) is types.FunctionType:
+        for obj in [fn, *fn.__globals__.values()]:
+            if type(obj) is types.FunctionType:
+                add(obj.__code__)
     return files
 
 
