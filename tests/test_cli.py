@@ -270,6 +270,7 @@ def test_checkpoint_json_has_per_schedule_figures(capfd):
     assert per_schedule["every(2)"]["forward_calls"] == 8 - 4 + 2 * (4 * 5 // 2)
 
 
+@pytest.mark.e2e  # the run test_tying_cli.py checks section by section: a whole run, e2e too
 def test_tying_json_has_the_issue_keys_and_out_writes_diagrams(fsdp_lab_cli):
     # The run test_tying_cli checks section by section: --json and --out together.
     proc, out = fsdp_lab_cli(*TYING_ARGS)

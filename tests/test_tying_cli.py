@@ -15,6 +15,9 @@ from fsdp_lab.tying.lab.report import SECTIONS
 
 SIZES = {"vocab": 768, "dim": 48, "layers": 3, "heads": 2, "seq_len": 12, "batch": 3}
 # The command test_cli also checks (its JSON keys, its diagrams in --out): one run for both.
+# A whole run from the command line (13 s here): the lab's sections are tested in process by
+# test_tying_lab.py and test_tying_analysis.py; CI makes this run after the suite (-m e2e).
+pytestmark = pytest.mark.e2e
 ARGS = (
     *("tying", "--world-size", "2", *(f"--{k.replace('_', '-')}={v}" for k, v in SIZES.items())),
     *("--steps", "2", "--spike-steps", "1", "--json", "--out", "{out}"),
