@@ -185,8 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, lab in LABS.items():
         p = sub.add_parser(name, help=lab.title, description=f"{lab.title.rstrip('.')}. {LAB_LINE}")
         field = lab.config_class.__dataclass_fields__.get("world_size")  # not built: no torch
-        takes_model = "model" in lab.config_class.__dataclass_fields__
-        _common(p, field.default if field is not None else None, takes_model)
+        _common(p, field.default if field is not None else None, name in model_labs())
         add_config_arguments(p, lab.config_class)
     tour = sub.add_parser("tour", help="run every lab headless; write figures and a summary")
     _common(tour)
@@ -322,7 +321,8 @@ def prepare(name: str, args: argparse.Namespace, out: Path | None, tour: bool = 
     where = f"fsdp-lab {name}"
     if out is not None:
         check_out(out, where)
-    if args.model is not None and "model" in LABS[name].config_class.__dataclass_fields__:
+    takes_model = name in model_labs()
+    if args.model is not None and takes_model:
         from fsdp_lab.model_spec import check_model_apart
 
         try:  # first, apart: the config below imports the module in this process
@@ -338,7 +338,6 @@ def prepare(name: str, args: argparse.Namespace, out: Path | None, tour: bool = 
         overrides["world_size"] = args.world_size
     if under_torchrun() and "world_size" in config_cls.__dataclass_fields__:
         overrides["world_size"] = int(os.environ["WORLD_SIZE"])  # the job's size is given
-    takes_model = "model" in config_cls.__dataclass_fields__
     if args.model is not None and takes_model:
         overrides["model"] = args.model
     elif args.model is not None and not tour:  # the tour gives --model to the labs that take it

@@ -105,13 +105,15 @@ def cut(tb: str, files: dict[str, str]) -> str:
 
 def _own_first(stack: str, files: dict[str, str]) -> str:
     """A stack (most recent call first) led by the learner's own frames, in their words."""
-    own = [m for line in stack.splitlines() if (m := FRAME.match(line)) and _learners(m)]
+    lines = stack.splitlines()
+    frames = [FRAME.match(line) for line in lines]
+    own = [m for m in frames if m and _learners(m)]
     if not own:
         return "the stack, most recent call first:\n" + stack
     yours = [said for m in own for said in _in_their_words(m, files, with_text=True)]
     whole = [
-        _in_their_words(m, files, False)[0] if (m := FRAME.match(line)) and _learners(m) else line
-        for line in stack.splitlines()
+        _in_their_words(m, files, False)[0] if m and _learners(m) else line
+        for line, m in zip(lines, frames, strict=True)
     ]
     return "\n".join(["your code, most recent call first:", *yours, "the whole stack:", *whole])
 
