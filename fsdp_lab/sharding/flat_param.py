@@ -139,6 +139,8 @@ class FlatParameter:
         # Replicated, not cast, not offloaded: the parameter itself is the unsharded buffer (DDP).
         self.aliased = shard_size == 1 and self.compute_dtype == dtype and not offload
         self.split_node: torch.autograd.graph.Node | None = None  # set by `views()`
+        self._views: list[torch.Tensor] | None = None  # kept across steps (`views()`)
+        self._views_version = 0  # the buffer's version counter when they were made
         if self.aliased:
             self.unsharded: torch.Tensor = self.shard
         else:
@@ -176,17 +178,31 @@ class FlatParameter:
 
     # -- views ---------------------------------------------------------------------------------
 
-    def views(self) -> list[torch.Tensor]:
-        """The original parameters as views into the unsharded buffer (autograd flows back)."""
+    def views(self, fresh: bool = False) -> list[torch.Tensor]:
+        """The original parameters as views into the unsharded buffer (autograd flows back).
+
+        Made once and kept across steps: freeing resizes the buffer's storage and gathering
+        refills the same storage, so a view made once is a view of every later gather — no
+        operator per step. New ones are made when `fresh` (a second forward graph before the
+        first one's backward gets views of its own, so each graph's split builds its own
+        gradient), and when autograd is wanted of views made without it."""
+        if not self.segments:
+            return []
+        wants_grad = torch.is_grad_enabled() and self.unsharded.requires_grad
+        kept = self._views is not None and (self.split_node is not None or not wants_grad)
+        # Gathers write through `.data`, unseen by autograd; an aliased buffer (the shard
+        # itself) is changed in place by the optimizer, which autograd forbids under a split.
+        if kept and not fresh and self._views_version == self.unsharded._version:
+            return self._views  # type: ignore[return-value]
         # One split, not a slice per parameter: autograd then builds the unit's gradient with
         # a single cat (SplitWithSizesBackward) instead of a zero-filled full-size buffer per
         # parameter (SliceBackward) summed into the accumulator — as FSDP1 does.
-        if not self.segments:
-            return []
         sizes = [s.numel for s in self.segments]
         parts = torch.split(self.unsharded, sizes + [self.padding] if self.padding else sizes)
         self.split_node = parts[0].grad_fn  # builds the unit's gradient (None: no autograd)
-        return [part.view(s.shape) for part, s in zip(parts, self.segments, strict=False)]
+        self._views = [part.view(s.shape) for part, s in zip(parts, self.segments, strict=False)]
+        self._views_version = self.unsharded._version
+        return self._views
 
     def _fill(self, shard: torch.Tensor, values: SliceValues) -> None:
         """Copy into `shard` the part of each parameter that falls in this rank's range."""

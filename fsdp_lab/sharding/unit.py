@@ -120,6 +120,20 @@ class ShardedUnit:
         if flat.aliased and params is not None and bucket_bytes > 0 and one_group:
             each = (state.groups.shard_size, bucket_bytes, self.label, self._all_gradients_sent)
             self.buckets = GradBuckets(params, state.group, *each, self.reduce_dtype)
+        # DDP's way — each module computes with its own registered parameters, autograd fills
+        # their .grad — with buckets to send, or in a world of one with nothing to gather, cast
+        # or send: the step then runs the plain model's operators.
+        self.world = state.groups.shard_size * state.groups.replicas
+        alone = flat.aliased and params is not None and self.world == 1
+        self.own_parameters = self.buckets is not None or alone
+        # The views set while the unit runs (`_use_views`), made once by `flat.views()`.
+        self._views_made: list[torch.Tensor] | None = None
+        self._views_set: list[torch.Tensor] = []
+        self._split_hooked = False  # the split of `_views_made` has its pre-hook
+        # Per parameter, how much of it this rank's shard holds, then the padding: one split
+        # of the gradient shard hands every parameter its piece (`_hand_out`).
+        local = [b - a for a, b in map(flat.local_range, flat.segments)]
+        self._shard_lengths = [*local, flat.shard_numel - sum(local)]
         # Hooks live on the C++ side, unseen by Python's cycle collector: a bound method there
         # (buffer -> hook -> unit -> buffer) would keep the model alive. So: the unit, weakly.
         unit = weakref.ref(self)
@@ -153,11 +167,13 @@ class ShardedUnit:
                 # Offload: the shard comes from host memory first, cast on its way.
                 if flat.offload:
                     inp = comm.host_to_device(flat.shard.detach(), flat.device, flat.compute_dtype)
+                elif flat.shard_size == 1:  # copied below, cast on the way: one operator
+                    inp = flat.shard
                 else:
                     inp = flat.shard.detach().to(flat.compute_dtype)
             # Written through `.data`: a refill for backward must not bump the version counter
             # autograd checks on the views it saved in forward (same storage, same values).
-            if not self.strategy.sharded:  # replicated but cast: a local copy, no message
+            if flat.shard_size == 1:  # replicated, or a group of one: a local copy, no message
                 flat.unsharded.data.copy_(inp)
                 return
             self._gather_input = inp
@@ -195,15 +211,20 @@ class ShardedUnit:
                     setattr(module, attr, stand_in)
         mark(f"free {self.label}")
 
-    def _use_views(self) -> None:
-        if self.buckets is not None:
+    def _use_views(self, fresh: bool = False) -> None:
+        if self.own_parameters:
             return  # DDP's way: each module computes with its own parameters (`policy.py`)
-        unit = weakref.ref(self)
-        for i, (view, owners) in enumerate(zip(self.flat.views(), self.owners, strict=True)):
-            if self.frozen[i]:
-                view = view.detach()  # no gradient is computed for a frozen parameter
-            elif self.params is not None and view.requires_grad:
-                view.register_hook(_GotGrad(unit, i))
+        views = self.flat.views(fresh)
+        if views is not self._views_made:  # new views: prepared once, kept with them
+            self._views_made, self._views_set, self._split_hooked = views, [], False
+            unit = weakref.ref(self)
+            for i, view in enumerate(views):
+                if self.frozen[i]:
+                    view = view.detach()  # no gradient is computed for a frozen parameter
+                elif self.params is not None and view.requires_grad:
+                    view.register_hook(_GotGrad(unit, i))
+                self._views_set.append(view)
+        for view, owners in zip(self._views_set, self.owners, strict=True):
             for module, attr in owners:  # tied: every owner gets the very same view
                 if self.params is not None:  # what module.parameters() yields, as in FSDP2
                     module._parameters[attr] = view  # type: ignore[assignment]
@@ -212,7 +233,7 @@ class ShardedUnit:
 
     def _use_sharded(self) -> None:
         """Per-parameter views: each attribute is its registered slice again (see the Note)."""
-        if self.params is None or self.buckets is not None:  # (buckets: none were set)
+        if self.params is None or self.own_parameters:  # (none were set)
             return
         for param, owners in zip(self.params, self.owners, strict=True):
             for module, attr in owners:
@@ -235,7 +256,7 @@ class ShardedUnit:
         self.training_state = TrainingState.FORWARD
         self.unshard()
         self.wait_unshard()
-        self._use_views()
+        self._use_views(fresh=self._graphs > 0)  # a graph still owns the views: new ones
         self._free_before_the_gradient_is_built()
         if state.prefetch:  # the next unit's all-gather overlaps this unit's compute
             nxt = state.next_in_forward(self)
@@ -271,9 +292,12 @@ class ShardedUnit:
         forwards before one backward only the last graph frees; a unit of several modules
         frees after each member's (see the Note above)."""
         node = self.flat.split_node
-        if node is None or not self.strategy.reshard_after_backward or self.buckets is not None:
-            return
+        if node is None or not torch.is_grad_enabled() or self.own_parameters:
+            return  # no graph is built through the views
         self._graphs += 1
+        if self._split_hooked:  # views kept from an earlier step: their split has its hook
+            return
+        self._split_hooked = True
         unit = weakref.ref(self)
 
         def before_cat(grad_outputs: Any) -> None:
@@ -281,6 +305,8 @@ class ShardedUnit:
             if alive is None or alive._graphs == 0:
                 return
             alive._graphs -= 1
+            if not alive.strategy.reshard_after_backward:
+                return
             between = alive.grouped and alive.reshard_after_forward
             if alive._graphs == 0 or between:
                 alive.reshard()
@@ -324,7 +350,7 @@ class ShardedUnit:
         """A compute span on the timeline, from this unit's pre-hook to now. Not the root's
         unless it is DDP's one unit: its span would enclose the others'."""
         timeline = active_timeline()
-        if timeline is not None and (self is not self.state.root or self.buckets is not None):
+        if timeline is not None and (self is not self.state.root or self.own_parameters):
             timeline.add(
                 "compute", f"{phase} {self.label}", self._compute_start, time.perf_counter()
             )
@@ -342,9 +368,9 @@ class ShardedUnit:
         if self._grad_ready:  # ZeRO-1 kept the full gradient until here
             self._grad_ready = False
             self.reduce_grad()
+        if self.own_parameters and self.training_state is TrainingState.PRE_BACKWARD:
+            self._record_compute("backward")  # a bucket never filled, or none to fill
         if self.buckets is not None:
-            if self.training_state is TrainingState.PRE_BACKWARD:  # a bucket never filled
-                self._record_compute("backward")
             if self.buckets.finish():  # the all-reduces sent during backward, waited for here
                 mark(f"all-reduce {self.label}")
         self.wait_unshard()
@@ -360,8 +386,7 @@ class ShardedUnit:
         Hybrid: reduce-scattered inside the shard group, then the shard's gradient all-reduced
         across the replicas (FSDP1's HYBRID_SHARD and FSDP2's 2-D mesh do the same two steps).
         """
-        flat, groups = self.flat, self.state.groups
-        world = groups.shard_size * groups.replicas  # every rank's gradient is in the average
+        flat, groups, world = self.flat, self.state.groups, self.world  # all in the average
         reduce_shard = self.state.steps.reduce_grad_shard
         full_grad = flat.unsharded.grad
         if full_grad is None or flat.padded_numel == 0:
@@ -369,18 +394,21 @@ class ShardedUnit:
         with torch.no_grad(), comm.tagged(self.label):
             if flat.aliased:  # DDP (or S = 1): all-reduce the parameter's gradient in place
                 grad = full_grad.to(self.reduce_dtype)  # itself, unless reduced in another dtype
-                if groups.shard_size > 1 or groups.replicate_group is None:  # S = 1: nothing to add
+                if groups.shard_size > 1:  # (S = 1: a group of one has nothing to add)
                     comm.all_reduce(grad, group=self.state.group)
                 if groups.replicate_group is not None:
                     comm.all_reduce(grad, group=groups.replicate_group)
-                full_grad.copy_(grad.div_(world))  # (a no-op copy when it is itself)
+                if world > 1:  # (a no-op copy when it is itself)
+                    full_grad.copy_(grad.div_(world))
                 if self.params is not None:
                     flat.shard.grad = None  # handed to the parameters below
                     self._hand_out(full_grad)
                 return
             with category("gradients"):
                 grad = full_grad.to(self.reduce_dtype)
-                if self.strategy.sharded:  # and, hybrid, the shard across the replicas
+                if world == 1:  # nothing to send, nothing to average
+                    out = grad
+                elif self.strategy.sharded:  # and, hybrid, the shard across the replicas
                     out = reduce_shard(grad, self.state.group, groups.replicate_group)
                 else:  # replicated, cast for the reduction: the whole gradient
                     comm.all_reduce(grad, group=self.state.group)
@@ -405,12 +433,14 @@ class ShardedUnit:
     def _hand_out(self, grad: torch.Tensor) -> None:
         """Give each parameter that got a gradient its slice of the unit's shard gradient."""
         assert self.params is not None
-        for i, (segment, param) in enumerate(zip(self.flat.segments, self.params, strict=True)):
+        pieces = grad.split(self._shard_lengths)  # one operator for every parameter's piece
+        for i, (piece, param) in enumerate(zip(pieces, self.params, strict=False)):
             got, self._got_grad[i] = self._got_grad[i], False
             if self.frozen[i] or not got:
                 continue  # stays None: no optimizer touches it (weight decay included)
-            a, b = self.flat.local_range(segment)
-            piece = comm.same_marks(grad[a:b].view(param.shape), param)
+            if piece.shape != param.shape:  # replicated: the parameter's own shape
+                piece = piece.view(param.shape)
+            piece = comm.same_marks(piece, param)
             if param.grad is None:
                 param.grad = piece  # a view: the unit's gradient is one allocation
             else:  # gradient accumulation over several backwards
