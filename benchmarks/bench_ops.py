@@ -213,7 +213,9 @@ def print_extra_operators(res: dict[str, Any], precision: str) -> None:
     """Where ours' operators differ from the plain model's, by name."""
     ours = collections.Counter(res[precision]["ours"]["ops"]["by_name"])
     ours.subtract(res[precision]["plain"]["ops"]["by_name"])
-    diff = ", ".join(f"{name} {n:+d}" for name, n in sorted(ours.items(), key=lambda kv: -kv[1]) if n)
+    diff = ", ".join(
+        f"{name} {n:+d}" for name, n in sorted(ours.items(), key=lambda kv: -kv[1]) if n
+    )
     print(f"ours - plain, {precision}, by operator: {diff or 'none'}")
 
 
@@ -224,7 +226,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     for name, default in SMALL.items():
         parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores // N)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads per rank (0: cores // N)"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the numbers here")
     args = parser.parse_args()
     if args.steps <= WARMUP:

@@ -139,8 +139,7 @@ class FlatParameter:
         # Replicated, not cast, not offloaded: the parameter itself is the unsharded buffer (DDP).
         self.aliased = shard_size == 1 and self.compute_dtype == dtype and not offload
         self.split_node: torch.autograd.graph.Node | None = None  # set by `views()`
-        self._views: list[torch.Tensor] | None = None  # kept across steps (`views()`)
-        self._views_version = 0  # the buffer's version counter when they were made
+        self._views: list[torch.Tensor] | None = None  # the last ones made (`views()`)
         if self.aliased:
             self.unsharded: torch.Tensor = self.shard
         else:
@@ -178,22 +177,18 @@ class FlatParameter:
 
     # -- views ---------------------------------------------------------------------------------
 
-    def views(self, fresh: bool = False) -> list[torch.Tensor]:
+    def views(self, fresh: bool = True) -> list[torch.Tensor]:
         """The original parameters as views into the unsharded buffer (autograd flows back).
 
-        Made once and kept across steps: freeing resizes the buffer's storage and gathering
-        refills the same storage, so a view made once is a view of every later gather — no
-        operator per step. New ones are made when `fresh` (a second forward graph before the
-        first one's backward gets views of its own, so each graph's split builds its own
-        gradient), and when autograd is wanted of views made without it."""
+        `fresh=False`: the views made last, if they can serve — backward sets again the views
+        its forward made (no operator), unless they were made without the autograd it wants
+        now. A forward makes new ones: autograd runs ready nodes newest first, so a split kept
+        from an earlier step would build its gradient only after the whole backward."""
         if not self.segments:
             return []
         wants_grad = torch.is_grad_enabled() and self.unsharded.requires_grad
-        kept = self._views is not None and (self.split_node is not None or not wants_grad)
-        # Gathers write through `.data`, unseen by autograd; an aliased buffer (the shard
-        # itself) is changed in place by the optimizer, which autograd forbids under a split.
-        if kept and not fresh and self._views_version == self.unsharded._version:
-            return self._views  # type: ignore[return-value]
+        if not fresh and self._views is not None and (self.split_node or not wants_grad):
+            return self._views
         # One split, not a slice per parameter: autograd then builds the unit's gradient with
         # a single cat (SplitWithSizesBackward) instead of a zero-filled full-size buffer per
         # parameter (SliceBackward) summed into the accumulator — as FSDP1 does.
@@ -201,7 +196,6 @@ class FlatParameter:
         parts = torch.split(self.unsharded, sizes + [self.padding] if self.padding else sizes)
         self.split_node = parts[0].grad_fn  # builds the unit's gradient (None: no autograd)
         self._views = [part.view(s.shape) for part, s in zip(parts, self.segments, strict=False)]
-        self._views_version = self.unsharded._version
         return self._views
 
     def _fill(self, shard: torch.Tensor, values: SliceValues) -> None:
@@ -229,6 +223,12 @@ class FlatParameter:
         a = min(max(segment.offset - start, 0), self.shard_numel)
         b = min(max(segment.offset + segment.numel - start, 0), self.shard_numel)
         return a, b
+
+    def pieces(self, shard_like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A shard-sized tensor cut into each segment's part on this rank, then the padding:
+        one split (one operator), 1-D parts (maybe empty)."""
+        local = [b - a for a, b in map(self.local_range, self.segments)]
+        return shard_like.split([*local, self.shard_numel - sum(local)])
 
     def slice_lengths(self, segment: Segment) -> list[int]:
         """How many of `segment`'s elements each rank of the shard group holds."""

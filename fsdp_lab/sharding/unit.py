@@ -1,5 +1,9 @@
 """One wrap unit's life in a training step, in the order it happens.
 
+(Over 450 lines on purpose: a unit's hooks are one state machine — gather, views, free,
+reduction and the states between them call each other in the order a step runs them, read
+top to bottom as one step.)
+
     forward     pre-forward   unshard: all-gather the shards into the unsharded buffer,
                               point the module's parameters at views of it
                               (and start gathering the next unit: prefetch)
@@ -124,16 +128,12 @@ class ShardedUnit:
         # their .grad — with buckets to send, or in a world of one with nothing to gather, cast
         # or send: the step then runs the plain model's operators.
         self.world = state.groups.shard_size * state.groups.replicas
-        alone = flat.aliased and params is not None and self.world == 1
+        same_dtype = self.reduce_dtype == flat.shard.dtype
+        alone = flat.aliased and params is not None and self.world == 1 and same_dtype
         self.own_parameters = self.buckets is not None or alone
-        # The views set while the unit runs (`_use_views`), made once by `flat.views()`.
+        # The views set while the unit runs: made by each forward, set again by its backward.
         self._views_made: list[torch.Tensor] | None = None
         self._views_set: list[torch.Tensor] = []
-        self._split_hooked = False  # the split of `_views_made` has its pre-hook
-        # Per parameter, how much of it this rank's shard holds, then the padding: one split
-        # of the gradient shard hands every parameter its piece (`_hand_out`).
-        local = [b - a for a, b in map(flat.local_range, flat.segments)]
-        self._shard_lengths = [*local, flat.shard_numel - sum(local)]
         # Hooks live on the C++ side, unseen by Python's cycle collector: a bound method there
         # (buffer -> hook -> unit -> buffer) would keep the model alive. So: the unit, weakly.
         unit = weakref.ref(self)
@@ -211,12 +211,12 @@ class ShardedUnit:
                     setattr(module, attr, stand_in)
         mark(f"free {self.label}")
 
-    def _use_views(self, fresh: bool = False) -> None:
+    def _use_views(self, fresh: bool = True) -> None:
         if self.own_parameters:
             return  # DDP's way: each module computes with its own parameters (`policy.py`)
         views = self.flat.views(fresh)
         if views is not self._views_made:  # new views: prepared once, kept with them
-            self._views_made, self._views_set, self._split_hooked = views, [], False
+            self._views_made, self._views_set = views, []
             unit = weakref.ref(self)
             for i, view in enumerate(views):
                 if self.frozen[i]:
@@ -256,7 +256,7 @@ class ShardedUnit:
         self.training_state = TrainingState.FORWARD
         self.unshard()
         self.wait_unshard()
-        self._use_views(fresh=self._graphs > 0)  # a graph still owns the views: new ones
+        self._use_views()
         self._free_before_the_gradient_is_built()
         if state.prefetch:  # the next unit's all-gather overlaps this unit's compute
             nxt = state.next_in_forward(self)
@@ -292,12 +292,9 @@ class ShardedUnit:
         forwards before one backward only the last graph frees; a unit of several modules
         frees after each member's (see the Note above)."""
         node = self.flat.split_node
-        if node is None or not torch.is_grad_enabled() or self.own_parameters:
-            return  # no graph is built through the views
-        self._graphs += 1
-        if self._split_hooked:  # views kept from an earlier step: their split has its hook
+        if node is None or not self.strategy.reshard_after_backward or self.own_parameters:
             return
-        self._split_hooked = True
+        self._graphs += 1
         unit = weakref.ref(self)
 
         def before_cat(grad_outputs: Any) -> None:
@@ -305,8 +302,6 @@ class ShardedUnit:
             if alive is None or alive._graphs == 0:
                 return
             alive._graphs -= 1
-            if not alive.strategy.reshard_after_backward:
-                return
             between = alive.grouped and alive.reshard_after_forward
             if alive._graphs == 0 or between:
                 alive.reshard()
@@ -327,7 +322,7 @@ class ShardedUnit:
             self.wait_unshard()
             # Live again for a rerun (checkpointing), in grad mode as in forward: a view that
             with torch.enable_grad():  # wants no gradient makes ``x * weight`` save no x
-                self._use_views()
+                self._use_views(fresh=False)  # forward's, unless made without autograd
             if self.state.prefetch:
                 nxt = self.state.next_in_backward(self)
                 if nxt is not None:
@@ -370,9 +365,8 @@ class ShardedUnit:
             self.reduce_grad()
         if self.own_parameters and self.training_state is TrainingState.PRE_BACKWARD:
             self._record_compute("backward")  # a bucket never filled, or none to fill
-        if self.buckets is not None:
-            if self.buckets.finish():  # the all-reduces sent during backward, waited for here
-                mark(f"all-reduce {self.label}")
+        if self.buckets is not None and self.buckets.finish():  # sent during backward, waited
+            mark(f"all-reduce {self.label}")  # for here
         self.wait_unshard()
         if self.strategy.reshard_after_backward:
             self.reshard()
@@ -398,8 +392,10 @@ class ShardedUnit:
                     comm.all_reduce(grad, group=self.state.group)
                 if groups.replicate_group is not None:
                     comm.all_reduce(grad, group=groups.replicate_group)
-                if world > 1:  # (a no-op copy when it is itself)
-                    full_grad.copy_(grad.div_(world))
+                if world > 1:
+                    grad.div_(world)
+                if grad is not full_grad:  # reduced in another dtype
+                    full_grad.copy_(grad)
                 if self.params is not None:
                     flat.shard.grad = None  # handed to the parameters below
                     self._hand_out(full_grad)
@@ -433,8 +429,7 @@ class ShardedUnit:
     def _hand_out(self, grad: torch.Tensor) -> None:
         """Give each parameter that got a gradient its slice of the unit's shard gradient."""
         assert self.params is not None
-        pieces = grad.split(self._shard_lengths)  # one operator for every parameter's piece
-        for i, (piece, param) in enumerate(zip(pieces, self.params, strict=False)):
+        for i, (piece, param) in enumerate(zip(self.flat.pieces(grad), self.params, strict=False)):
             got, self._got_grad[i] = self._got_grad[i], False
             if self.frozen[i] or not got:
                 continue  # stays None: no optimizer touches it (weight decay included)
@@ -453,10 +448,9 @@ class ShardedUnit:
         if all(p.grad is None for p in self.params):
             return None
         grad = torch.zeros_like(self.flat.shard)
-        for segment, param in zip(self.flat.segments, self.params, strict=True):
+        for piece, param in zip(self.flat.pieces(grad), self.params, strict=False):
             if param.grad is not None:
-                a, b = self.flat.local_range(segment)
-                grad[a:b] = param.grad.reshape(-1)
+                piece.copy_(param.grad.reshape(-1))
         return grad
 
     def shard_grads(self) -> list[torch.Tensor]:
