@@ -6,23 +6,26 @@
 
 The defaults are the 111M-parameter TinyGPT of issue 29: bf16 compute with fp32 gradient
 reduction, Adam. At 1 rank one GPU per rank (NCCL); at 2 and 4 the ranks share the GPU (gloo
-on CUDA tensors, `Cluster(n, device="cuda")`). Systems, the same model, seed and data:
+on CUDA tensors, `Cluster(n, device="cuda")`). Systems (`bench_ops.build`), the same model,
+seed and data, `--batch` sequences per rank:
 
-    plain   the model alone under torch.autocast(bf16), fp32 weights (1 rank only: with
-            several ranks it would not be one training run)
-    ours    fsdp_lab.shard(model, units={Block}, strategy="full",
-                           mixed_precision=MixedPrecision(bfloat16, float32))
-    fsdp2   fully_shard on every Block and the root, MixedPrecisionPolicy(bfloat16, float32)
+    plain         the model alone under torch.autocast(bf16), fp32 weights (1 rank only: with
+                  several ranks it would not be one training run)
+    ours          fsdp_lab.shard(model, units={Block}, strategy="full",
+                                 mixed_precision=MixedPrecision(bfloat16, float32))
+    ours+offload  the same with offload=True: every shard in (pinned) host memory
+    fully_shard   fully_shard on every Block and the root, MixedPrecisionPolicy(bfloat16, float32)
 
-Repeats are interleaved (plain, ours, fsdp2, plain, ...). A step is timed between
+Repeats are interleaved (plain, ours, ..., plain, ...). A step is timed between
 `torch.cuda.synchronize()` calls on every rank, the slowest rank counts, the median over the
 steps after the first two (lazy init, optimizer state), then the median over repeats. Peak
-memory: `torch.cuda.max_memory_allocated` over the run, the highest rank. `--profile` adds
-PyTorch's profiler over 3 steps of plain and ours at 1 rank: the operators ours adds, by
-self time — where the time over the plain model goes. On a machine without a GPU,
-`--device cpu` runs the same code on CPU ranks (no peak memory; for trying it).
+memory: `torch.cuda.max_memory_allocated` over the run, the highest rank. At 1 rank also the
+operators per step (`bench_ops.count_ops`) and, with `--profile`, PyTorch's profiler over 3
+steps of plain, ours and ours+offload: the operators by device time — where ours' time over the
+plain model goes — and offload's host<->device copies (CUDA time per step). On a machine
+without a GPU, `--device cpu` runs the same code on CPU ranks (no peak memory; for trying it).
 
-No assertion: a benchmark reports, tests assert behaviour.
+No assertion: a benchmark reports, tests assert behaviour. The goals are printed, met or not.
 """
 
 from __future__ import annotations
@@ -33,92 +36,86 @@ import statistics
 import time
 from typing import Any
 
+import bench_ops
+import cloudpickle
 import torch
+from bench_ops import WARMUP, build, count_ops, train_step
 
 from fsdp_lab import Cluster
 
-WARMUP = 2  # steps left out of each run's median
+cloudpickle.register_pickle_by_value(bench_ops)  # the ranks have no benchmarks/ on their path
+
+SYSTEMS = ("plain", "ours", "ours+offload", "fully_shard")
+PROFILED = ("plain", "ours", "ours+offload")
+PROFILED_STEPS = 3
 MiB = 2**20
 
 
 def on_rank(system: str, cfg: dict[str, Any], profile: bool = False) -> dict[str, Any]:
     """Build `system`, train `cfg["steps"]` steps; per-step times, peak memory (or a profile)."""
     import torch.distributed as dist
-    from torch import nn
 
-    from fsdp_lab import MixedPrecision, reference
     from fsdp_lab.cluster.where import device as placed_device
-    from fsdp_lab.models import Block, GPTConfig, TinyGPT
+    from fsdp_lab.models import synthetic_batch
 
     device = placed_device()
     cuda = device.type == "cuda"
-    torch.manual_seed(0)
-    shape = GPTConfig(cfg["vocab"], cfg["seq"], cfg["dim"], cfg["layers"], cfg["heads"])
-    model: nn.Module = TinyGPT(shape)
-    if system == "plain":
-        model = _Autocast(model.to(device), device.type)
-    elif system == "ours":
-        precision = MixedPrecision(torch.bfloat16, torch.float32)
-        model = reference.wrap(model, "ours:full", (Block,), mixed_precision=precision)
-    else:  # the same policy, FSDP2's own
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        model = reference.wrap(model.to(device), "fully_shard", (Block,), mp_policy=policy)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    batch = dict(
-        global_batch=cfg["batch"] * dist.get_world_size(),
-        seq_len=cfg["seq"],
-        rank=dist.get_rank(),
-        world=dist.get_world_size(),
-        device=device,
-        vocab_size=cfg["vocab"],
-    )
+    model, optimizer = build(system, cfg, "bf16", device)
+    batches = [
+        tuple(t.to(device) for t in synthetic_batch(cfg["vocab"], cfg["batch"], cfg["seq"], s))
+        for s in range(cfg["steps"])
+    ]
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     if profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as profiler
-
-        reference.train_steps(model, optimizer, WARMUP, **batch)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profiler(activities=activities) as prof:
-            reference.train_steps(model, optimizer, 3, **batch)
-        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-        return {"table": prof.key_averages().table(sort_by=sort, row_limit=25)}
-    stamps: list[float] = []
-
-    def stamp(_step: int) -> None:
+        return _profile(model, optimizer, batches, cuda)
+    times = []
+    dist.barrier()
+    for batch in batches:
+        start = time.perf_counter()
+        train_step(model, optimizer, batch)
         if cuda:
             torch.cuda.synchronize(device)
-        stamps.append(time.perf_counter())
-
-    dist.barrier()
-    stamp(-1)
-    reference.train_steps(model, optimizer, cfg["steps"], on_step=stamp, **batch)
+        times.append(time.perf_counter() - start)
     return {
-        "step_s": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
+        "step_s": times,
         "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
     }
 
 
-class _Autocast(torch.nn.Module):
-    """The plain model's mixed precision: fp32 weights, bf16 compute (torch.autocast)."""
+def _profile(model: Any, optimizer: Any, batches: list, cuda: bool) -> dict[str, Any]:
+    """The profiler's table over `PROFILED_STEPS` steps, and the host<->device copies' device
+    time per step (CPU offload's traffic; none for the others)."""
+    from torch.profiler import ProfilerActivity, profile
 
-    def __init__(self, inner: torch.nn.Module, device_type: str) -> None:
-        super().__init__()
-        self.inner, self.device_type = inner, device_type
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(self.device_type, dtype=torch.bfloat16):
-            return self.inner(x)
+    for batch in batches[:WARMUP]:
+        train_step(model, optimizer, batch)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for batch in batches[WARMUP : WARMUP + PROFILED_STEPS]:
+            train_step(model, optimizer, batch)
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    copies = {"HtoD": 0.0, "DtoH": 0.0}
+    for event in events:
+        for way in copies:
+            if event.key.startswith(f"Memcpy {way}"):
+                copies[way] += event.device_time_total / 1e3 / PROFILED_STEPS  # us -> ms
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return {"table": events.table(sort_by=sort, row_limit=25), "copy_ms_per_step": copies}
 
 
 def measure(n: int, args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
-    systems = ("plain", "ours", "fsdp2") if n == 1 else ("ours", "fsdp2")
+    systems = SYSTEMS if n == 1 else SYSTEMS[1:]
     times: dict[str, list[float]] = {s: [] for s in systems}
     peaks: dict[str, int | None] = {}
     with Cluster(n, device=args.device, verbose=True) as cluster:
+        ops = (
+            {s: cluster.run(count_ops, s, cfg, "bf16")[0]["total"] for s in systems}
+            if n == 1
+            else {}
+        )
         for repeat in range(args.repeats):
             for system in systems:
                 per_rank = cluster.run(on_rank, system, cfg)
@@ -128,7 +125,7 @@ def measure(n: int, args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, 
                 peaks[system] = None if None in rank_peaks else max(rank_peaks)
             print(f"  {n} rank(s), repeat {repeat + 1}/{args.repeats} done", flush=True)
         profiles = (
-            {s: cluster.run(on_rank, s, cfg, True)[0]["table"] for s in ("plain", "ours")}
+            {s: cluster.run(on_rank, s, cfg, True)[0] for s in PROFILED}
             if args.profile and n == 1
             else {}
         )
@@ -136,24 +133,44 @@ def measure(n: int, args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, 
         "step_s": {s: statistics.median(t) for s, t in times.items()},
         "step_s_repeats": times,
         "peak_bytes": peaks,
+        "ops_per_step": ops,
         "profiles": profiles,
     }
 
 
 def print_table(n: int, measured: dict[str, Any]) -> None:
-    step, peak = measured["step_s"], measured["peak_bytes"]
+    step, peak, ops = measured["step_s"], measured["peak_bytes"], measured["ops_per_step"]
     print(f"\n{n} rank(s): median step over {len(measured['step_s_repeats']['ours'])} repeat(s)")
-    print("| system | ms/step | / plain | / fsdp2 | peak MiB |")
-    print("|---|---|---|---|---|")
+    print("| system | ms/step | / plain | / fully_shard | peak MiB | operators per step |")
+    print("|---|---|---|---|---|---|")
     for system, seconds in step.items():
         vs_plain = f"{seconds / step['plain']:.2f}" if "plain" in step else "-"
         mib = f"{peak[system] / MiB:,.0f}" if peak[system] is not None else "-"
         print(
-            f"| {system} | {seconds * 1e3:.1f} | {vs_plain} | {seconds / step['fsdp2']:.2f} "
-            f"| {mib} |"
+            f"| {system} | {seconds * 1e3:.1f} | {vs_plain} | {seconds / step['fully_shard']:.2f} "
+            f"| {mib} | {ops.get(system, '-')} |"
         )
-    for system, table in measured["profiles"].items():
-        print(f"\nprofile, {system}, 1 rank, 3 steps (self time):\n{table}")
+    if peak["ours"] is not None:
+        saved = (peak["ours"] - peak["ours+offload"]) / MiB
+        print(f"offload: device memory saved at the peak {saved:,.0f} MiB (ours - ours+offload)")
+    for system, profiled in measured["profiles"].items():
+        copies = ", ".join(f"{k} {v:.2f} ms" for k, v in profiled["copy_ms_per_step"].items())
+        print(f"\nprofile, {system}, 1 rank, {PROFILED_STEPS} steps; copies per step: {copies}")
+        print(profiled["table"])
+
+
+def print_goals(results: dict[int, dict[str, Any]]) -> None:
+    """The issue's goals on the table's own medians, met or not."""
+    if 1 in results:
+        step = results[1]["step_s"]
+        ratio = step["ours"] / step["plain"]
+        print(f"ours / plain at 1 rank ≤ 1.10: {ratio:.2f} {'met' if ratio <= 1.10 else 'not met'}")
+    fsdp2 = ", ".join(
+        f"{n}: {r['step_s']['ours'] / r['step_s']['fully_shard']:.2f}"
+        + (" met" if r["step_s"]["ours"] <= r["step_s"]["fully_shard"] else " not met")
+        for n, r in results.items()
+    )
+    print(f"ours / fully_shard ≤ 1.00 by ranks: {fsdp2}")
 
 
 def main() -> None:
@@ -174,6 +191,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", help="also write the medians here")
     args = parser.parse_args()
+    if args.steps < WARMUP + PROFILED_STEPS:
+        parser.error(f"--steps {args.steps}: expected at least {WARMUP + PROFILED_STEPS}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -186,6 +205,8 @@ def main() -> None:
     for n in args.world_sizes:
         results[n] = measure(n, args, cfg)
         print_table(n, results[n])
+    print()
+    print_goals(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": cfg, "device": args.device, "results": results}, f, indent=1)

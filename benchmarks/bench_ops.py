@@ -76,7 +76,8 @@ class Autocast(torch.nn.Module):
 def build(
     system: str, cfg: dict[str, Any], precision: str, device: torch.device
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """`system` (one of `SYSTEMS`) around the same seeded TinyGPT, with Adam."""
+    """`system` (one of `SYSTEMS`, or "ours+offload") around the same seeded TinyGPT, with
+    Adam, on `device`."""
     from fsdp_lab import MixedPrecision, reference
     from fsdp_lab.models import Block, GPTConfig, TinyGPT
 
@@ -87,8 +88,9 @@ def build(
     if system == "plain":
         model = model.to(device)
         model = Autocast(model, device.type) if bf16 else model
-    elif system == "ours":
+    elif system in ("ours", "ours+offload"):  # offload: every shard in host memory
         options = {"mixed_precision": MixedPrecision(torch.bfloat16, torch.float32)} if bf16 else {}
+        options["offload"] = system == "ours+offload"
         model = reference.wrap(model, "ours:full", (Block,), **options)
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -240,25 +240,42 @@ def test_bench_grade_prints_seconds_per_file_and_the_points_given():
 def test_bench_gpu_runs_on_cpu_ranks_and_prints_ours_beside_plain_and_fully_shard(tmp_path):
     # On a GPU machine scripts/gpu_check.sh runs it at full size; here the same code, tiny.
     out = tmp_path / "gpu.json"
+    tiny = "--steps 5 --repeats 1 --dim 16 --layers 1 --heads 2 --vocab 32 --seq 8 --batch 2"
+    proc = _run_benchmark(
+        "bench_gpu.py", "--device", "cpu", "--world-sizes", "1", "2", *tiny.split(),
+        "--profile", "--json", str(out),
+    )  # fmt: skip
+    one, two = proc.stdout.split("1 rank(s): median")[1].split("2 rank(s): median")
+    row = r"^\| {} \| [\d.]+ \| {} \| [\d.]+ \| - \| {} \|$"
+    for system in ("plain", "ours", r"ours\+offload", "fully_shard"):
+        assert re.search(row.format(system, r"[\d.]+", r"\d+"), one, re.M), one
+    assert re.search(row.format("ours", "-", "-"), two, re.M) and "| plain |" not in two, two
+    assert "profile, ours+offload, 1 rank, 3 steps; copies per step: HtoD" in one
+    assert (
+        "ours / plain at 1 rank ≤ 1.10:" in two and "ours / fully_shard ≤ 1.00 by ranks: 1:" in two
+    )
+    saved = json.loads(out.read_text())["results"]
+    assert saved["1"]["step_s"]["plain"] > 0
+    assert set(saved["2"]["step_s"]) == {"ours", "ours+offload", "fully_shard"}
+
+
+@E2E
+def test_bench_ops_counts_and_times_ours_beside_plain_and_fully_shard(tmp_path):
+    out = tmp_path / "ops.json"
     tiny = "--steps 3 --repeats 1 --dim 16 --layers 1 --heads 2 --vocab 32 --seq 8 --batch 2"
     proc = _run_benchmark(
-        "bench_gpu.py",
-        "--device",
-        "cpu",
-        "--world-sizes",
-        "1",
-        "2",
-        *tiny.split(),
-        "--json",
-        str(out),
+        "bench_ops.py", "--world-sizes", "1", "2", *tiny.split(), "--json", str(out)
     )
-    one, two = proc.stdout.split("1 rank(s): median")[1].split("2 rank(s): median")
-    row = r"^\| {} \| [\d.]+ \| {} \| [\d.]+ \| - \|$"
-    for system in ("plain", "ours", "fsdp2"):
-        assert re.search(row.format(system, r"[\d.]+"), one, re.M), one
-    assert re.search(row.format("ours", "-"), two, re.M) and "| plain |" not in two, two
+    ratio = r"[\d.]+ \([\d.]+-[\d.]+\)"
+    for n in (1, 2):
+        section = proc.stdout.split(f"\n{n} rank(s), gloo on the CPU")[1]
+        for precision in ("fp32", "bf16"):
+            for system in ("plain", "ours", "fully_shard"):
+                line = rf"^\| {precision} \| {system} \| \d+ \| [\d.]+ \| [\d.]+ \| {ratio} \| {ratio} \| {ratio} \|$"
+                assert re.search(line, section, re.M), (n, precision, system, section)
+    assert "ours - plain, bf16, by operator:" in proc.stdout
     saved = json.loads(out.read_text())["results"]
-    assert saved["1"]["step_s"]["plain"] > 0 and set(saved["2"]["step_s"]) == {"ours", "fsdp2"}
+    assert saved["1"]["fp32"]["ours"]["ops"]["total"] > 0
 
 
 @E2E

@@ -44,7 +44,11 @@ def test_cpu_parameters_under_nccl_are_refused_before_any_collective():
         check_model(nn.Linear(2, 2), backend="nccl")  # meta: shards land on the GPU
 
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+_no_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def needs_gpu(test):  # (`pytest -m gpu`: what scripts/gpu_check.sh runs)
+    return pytest.mark.gpu(_no_gpu(test))
 
 
 def _lab_on_the_gpu(lab: str, tmp_path, *options: str) -> tuple[dict, str]:
@@ -72,14 +76,27 @@ def test_every_lab_runs_on_one_gpu_over_nccl(lab, tmp_path):
 
 
 @needs_gpu
+@pytest.mark.parametrize("world", [pytest.param(n, id=f"{n}ranks") for n in (2, 4)])
 @pytest.mark.parametrize("lab", list(LABS))
-def test_every_lab_runs_with_two_ranks_sharing_one_gpu(lab, tmp_path):
+def test_every_lab_runs_with_ranks_sharing_one_gpu(lab, world, tmp_path):
     """The shared-GPU mode (issue 29): `--device cuda` with more ranks than GPUs puts them all
-    on cuda:0, gloo carrying CUDA tensors. Untested until a GPU runs this file."""
-    result, stderr = _lab_on_the_gpu(lab, tmp_path, "--world-size", "2", "--device", "cuda")
+    on cuda:0, gloo carrying CUDA tensors. The shard lab there trains as one process and as
+    fully_shard do, and states each rank's allocator reserve and CUDA context."""
+    options = ("--world-size", str(world), "--device", "cuda")
+    result, stderr = _lab_on_the_gpu(lab, tmp_path, *options)
     if torch.cuda.device_count() == 1:
-        assert "2 ranks sharing cuda:0 (gloo on CUDA tensors)" in stderr
-    print(lab, {k: v for k, v in result.items() if "diff" in k or "matches" in k})
+        assert f"{world} ranks sharing cuda:0 (gloo on CUDA tensors)" in stderr
+    print(lab, world, {k: v for k, v in result.items() if "diff" in k or "matches" in k})
+    if lab == "shard":
+        assert result["max_abs_diff_vs_single_process"] < 1e-4
+        assert result["max_abs_diff_vs_fsdp2"] < 1e-4
+        traces = result["memory_traces"]
+        assert len(traces) == world and all(t["device"].startswith("cuda") for t in traces)
+        for rank, trace in enumerate(traces):
+            cuda = trace["cuda"]  # the allocator's reserve and the rank's own CUDA context
+            assert cuda["peak_reserved_bytes"] >= trace["peak_bytes"] > 0, rank
+            print(f"rank {rank}: reserved {cuda['reserved_bytes']}, context "
+                  f"{cuda['context_bytes']} ({cuda['context_source']})")  # fmt: skip
 
 
 def _staged_ring() -> list[float]:

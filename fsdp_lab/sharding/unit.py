@@ -21,8 +21,10 @@ the units call through their state's `ShardingSteps`, so a course exercise runs 
 version of one inside this very mechanism, passed to `shard(..., steps=...)`.
 
 A replicated unit computes with its own parameters and sends its gradients in DDP's buckets
-while backward runs (`policy.py`); an offloaded unit copies its shard from host memory before
-each gather and its gradient shard back after the reduction (`policy.py`).
+while backward runs (`policy.py`) — and so does every uncast unit in a world of one, with
+nothing to send: one rank then runs the plain model's operators. An offloaded unit copies its
+shard from host memory before each gather and its gradient shard back after the reduction
+(`policy.py`).
 
 The names are FSDP2's (`unshard`, `reshard`, `TrainingState`); every collective goes through
 `fsdp_lab.comm` (counted) and every gather/free is a marker on the memory trace.
