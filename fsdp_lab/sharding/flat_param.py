@@ -187,7 +187,8 @@ class FlatParameter:
         if not self.segments:
             return []
         wants_grad = torch.is_grad_enabled() and self.unsharded.requires_grad
-        if not fresh and self._views is not None and (self.split_node or not wants_grad):
+        usable = self.split_node is not None or not wants_grad
+        if not fresh and usable and self._views is not None:
             return self._views
         # One split, not a slice per parameter: autograd then builds the unit's gradient with
         # a single cat (SplitWithSizesBackward) instead of a zero-filled full-size buffer per

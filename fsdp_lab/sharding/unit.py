@@ -345,9 +345,9 @@ class ShardedUnit:
 
     def _record_compute(self, phase: str) -> None:
         """A compute span on the timeline, from this unit's pre-hook to now. Not the root's
-        unless it is DDP's one unit: its span would enclose the others'."""
+        unless it is the one unit (DDP's): its span would enclose the others'."""
         timeline = active_timeline()
-        if timeline is not None and (self is not self.state.root or self.own_parameters):
+        if timeline is not None and (self is not self.state.root or len(self.state.units) == 1):
             timeline.add(
                 "compute", f"{phase} {self.label}", self._compute_start, time.perf_counter()
             )
