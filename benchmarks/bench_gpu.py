@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -60,6 +61,8 @@ def on_rank(system: str, cfg: dict[str, Any], profile: bool = False) -> dict[str
 
     device = placed_device()
     cuda = device.type == "cuda"
+    if not cuda:  # CPU ranks share the cores, as bench_ops' do
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     model, optimizer = build(system, cfg, "bf16", device)
     batches = [
         tuple(t.to(device) for t in synthetic_batch(cfg["vocab"], cfg["batch"], cfg["seq"], s))
@@ -191,6 +194,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", help="also write the medians here")
     args = parser.parse_args()
+    bench_ops.check_args(parser, args)
     if args.steps < WARMUP + PROFILED_STEPS:
         parser.error(f"--steps {args.steps}: expected at least {WARMUP + PROFILED_STEPS}")
     if args.device == "auto":

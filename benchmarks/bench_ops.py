@@ -83,10 +83,9 @@ def build(
 
     torch.manual_seed(0)
     shape = GPTConfig(cfg["vocab"], cfg["seq"], cfg["dim"], cfg["layers"], cfg["heads"])
-    model: torch.nn.Module = TinyGPT(shape)
+    model: torch.nn.Module = TinyGPT(shape).to(device)  # ours shards where the model is
     bf16 = precision == "bf16"
     if system == "plain":
-        model = model.to(device)
         model = Autocast(model, device.type) if bf16 else model
     elif system in ("ours", "ours+offload"):  # offload: every shard in host memory
         options = {"mixed_precision": MixedPrecision(torch.bfloat16, torch.float32)} if bf16 else {}
@@ -97,7 +96,7 @@ def build(
 
         policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
         options = {"mp_policy": policy} if policy else {}
-        model = reference.wrap(model.to(device), "fully_shard", (Block,), **options)
+        model = reference.wrap(model, "fully_shard", (Block,), **options)
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
@@ -221,6 +220,22 @@ def print_extra_operators(res: dict[str, Any], precision: str) -> None:
     print(f"ours - plain, {precision}, by operator: {diff or 'none'}")
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any rank starts, what would fail (or measure nothing) later."""
+    positive = ("repeats", "dim", "layers", "heads", "vocab", "seq", "batch")
+    for name in positive:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} {getattr(args, name)}: expected 1 or more")
+    if min(args.world_sizes) < 1:
+        parser.error(f"--world-sizes {args.world_sizes}: expected ranks, 1 or more each")
+    if args.dim % args.heads:
+        parser.error(f"--dim {args.dim} does not split into --heads {args.heads}")
+    if args.steps <= WARMUP:
+        parser.error(f"--steps {args.steps}: expected more than the {WARMUP} warm-up steps")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json {args.json}: no such folder to write it in")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
@@ -233,8 +248,9 @@ def main() -> None:
     )
     parser.add_argument("--json", metavar="PATH", help="also write the numbers here")
     args = parser.parse_args()
-    if args.steps <= WARMUP:
-        parser.error(f"--steps {args.steps}: expected more than the {WARMUP} warm-up steps")
+    check_args(parser, args)
+    if args.threads < 0:
+        parser.error(f"--threads {args.threads}: expected 0 (cores // N) or more")
     for n in args.world_sizes:
         if args.batch % n:
             parser.error(f"--batch {args.batch} does not split evenly over {n} ranks")

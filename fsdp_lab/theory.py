@@ -281,7 +281,7 @@ def sharded_optimizer_step(
         "largest_share_over_even_split": max(owned_numel_per_rank) / (psi / n),
         "comm_bytes": {
             "all_reduce": collective_bytes("all_reduce", psi * b, n),
-            "broadcast": trainable_numel * b,
+            "broadcast": collective_bytes("broadcast", trainable_numel * b, n),  # 0 alone
         },
     }
 

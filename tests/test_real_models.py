@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from parity_models import WithUnused, nonuniform_req_grad
 
 import fsdp_lab
 from fsdp_lab import comm, reference
 from fsdp_lab.cluster import intra_op_threads
+from fsdp_lab.models import Block, tiny_gpt
 from fsdp_lab.sharding import shard
 from fsdp_lab.sharding.wrap import MinParams, build_plan
 
@@ -261,3 +263,30 @@ def test_optimizer_groups_by_parameter_name_match_fully_shard(cluster_of, n):
             _train_and_gather, WithUnused, how, units, _no_decay_groups, 4
         ):
             _assert_same(params, single, how)
+
+
+@ONE_THREAD
+def _freeze_after_wrap(how: str) -> dict[str, torch.Tensor]:
+    """Two Adam steps, then `blocks.0` frozen (its `requires_grad` set after the wrap), two more."""
+    model = reference.wrap(tiny_gpt(), how, (Block,) if how != "single" else ())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    reference.train_steps(model, opt, 2, rank=dist.get_rank(), world=dist.get_world_size())
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith("blocks.0."))
+    before = {k: v.detach().clone() for k, v in reference.full_parameters(model).items()}
+    reference.train_steps(model, opt, 2, rank=dist.get_rank(), world=dist.get_world_size())
+    after = reference.full_parameters(model)
+    return {k: after[k] - before[k] for k in after}
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_parameter_frozen_after_the_wrap_stops_moving_as_under_fully_shard(cluster_of, n):
+    """Read at each forward, as FSDP2 does: on main `requires_grad` was read once, at the wrap,
+    so a block frozen afterwards kept its gradients and Adam kept moving it (by 0.02)."""
+    moved = {
+        how: cluster_of(n).run(_freeze_after_wrap, how)[0] for how in ("ours:full", "fully_shard")
+    }
+    for how, steps in moved.items():
+        frozen = {k: v.abs().max().item() for k, v in steps.items() if k.startswith("blocks.0.")}
+        assert frozen and max(frozen.values()) == 0.0, (how, frozen)
+        assert all(v.abs().max() > 0 for k, v in steps.items() if not k.startswith("blocks.0."))

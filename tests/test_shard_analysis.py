@@ -304,3 +304,15 @@ def test_peak_explanations_say_what_the_table_shows_both_ways():
     assert "prefetched" not in text
     odd = {**full, "comm_buffers": 12704 * 4 + 7}
     assert "the root unit" not in peak_explanations({"full": _run_at_peak("full", 2, odd)})
+
+
+def test_one_rank_sends_nothing_and_that_matches_the_formulas():
+    """One rank calls no collective at all (nothing to gather, reduce or broadcast): its empty
+    ledger matches formulas of 0 bytes — the lab said "False" beside 0 B = 0 B tables."""
+    from fsdp_lab import theory
+    from fsdp_lab.sharding.lab.analysis import same_bytes
+
+    alone = theory.sharded_optimizer_step([100], 100, 4, "adam", 1)["comm_bytes"]
+    assert alone == {"all_reduce": 0.0, "broadcast": 0.0}
+    assert same_bytes({}, alone) and same_bytes({"all_gather": 0.0}, {})
+    assert not same_bytes({"all_gather": 8.0}, {}) and not same_bytes({}, {"broadcast": 8.0})

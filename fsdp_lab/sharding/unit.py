@@ -219,6 +219,8 @@ class ShardedUnit:
         views = self.flat.views(fresh)
         if views is not self._views_made:  # new views: prepared once, kept with them
             self._views_made, self._views_set = views, []
+            if self.params is not None:  # frozen or unfrozen since the wrap, as in FSDP2
+                self.frozen = [not p.requires_grad for p in self.params]
             unit = weakref.ref(self)
             for i, view in enumerate(views):
                 if self.frozen[i]:
