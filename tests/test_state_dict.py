@@ -88,6 +88,27 @@ def test_full_state_dict_is_the_unsharded_state_dict(cluster_of, n, strategy):
         assert all(p > 0 for p in results[0]["padding"])
 
 
+def _flat_round_trip() -> dict:
+    """FSDP1's view (`use_orig_params=False`): the full state dict, then loaded back."""
+    model = shard(tiny_gpt(), units={Block}, use_orig_params=False)
+    sd = full_state_dict(model, rank0_only=False)
+    mine = {n: p.detach().clone() for n, p in model.named_parameters()}  # this rank's shards
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    load_full_state_dict(model, sd)
+    return {"sd": sd, "same_shards": _equal(mine, dict(model.named_parameters()))}
+
+
+def test_the_flat_view_saves_and_loads_the_original_names(cluster_of):
+    """On main the units' flat shards went in as extra keys ("flat_param", …: each rank's own),
+    a plain model's dict was refused, and a round trip gave rank 1 rank 0's shards."""
+    expected = tiny_gpt().state_dict()
+    for res in cluster_of(2).run(_flat_round_trip):
+        assert list(res["sd"]) == list(expected) and _equal(res["sd"], expected)
+        assert res["same_shards"]
+
+
 # -- load_full_state_dict -----------------------------------------------------------------------
 
 

@@ -221,7 +221,9 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def ignored_params(model: nn.Module, state: ShardingState) -> list[tuple[str, nn.Parameter]]:
     """The parameters no unit holds (`shard(ignored_params=...)`): whole, this rank's own."""
     held = {name for unit in state.units for names in unit.aliases for name in names}
-    return [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if n not in held]
+    flats = {id(unit.flat.shard) for unit in state.units}  # use_orig_params=False: the shards
+    named = model.named_parameters(remove_duplicate=False)
+    return [(n, p) for n, p in named if n not in held and id(p) not in flats]
 
 
 def state_device(state: ShardingState) -> torch.device:
