@@ -34,13 +34,12 @@ import argparse
 import json
 import os
 import statistics
-import time
 from typing import Any
 
 import bench_ops
 import cloudpickle
 import torch
-from bench_ops import WARMUP, build, count_ops, train_step
+from bench_ops import WARMUP, batches, build, count_ops, timed, train_step
 
 from fsdp_lab import Cluster
 
@@ -57,45 +56,34 @@ def on_rank(system: str, cfg: dict[str, Any], profile: bool = False) -> dict[str
     import torch.distributed as dist
 
     from fsdp_lab.cluster.where import device as placed_device
-    from fsdp_lab.models import synthetic_batch
 
     device = placed_device()
     cuda = device.type == "cuda"
     if not cuda:  # CPU ranks share the cores, as bench_ops' do
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     model, optimizer = build(system, cfg, "bf16", device)
-    batches = [
-        tuple(t.to(device) for t in synthetic_batch(cfg["vocab"], cfg["batch"], cfg["seq"], s))
-        for s in range(cfg["steps"])
-    ]
+    world = {**cfg, "batch": cfg["batch"] * dist.get_world_size()}  # `--batch` per rank
+    steps = batches(world, cfg["steps"], device)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     if profile:
-        return _profile(model, optimizer, batches, cuda)
-    times = []
-    dist.barrier()
-    for batch in batches:
-        start = time.perf_counter()
-        train_step(model, optimizer, batch)
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+        return _profile(model, optimizer, steps, cuda)
     return {
-        "step_s": times,
+        "step_s": timed(model, optimizer, steps),
         "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
     }
 
 
-def _profile(model: Any, optimizer: Any, batches: list, cuda: bool) -> dict[str, Any]:
+def _profile(model: Any, optimizer: Any, steps: list, cuda: bool) -> dict[str, Any]:
     """The profiler's table over `PROFILED_STEPS` steps, and the host<->device copies' device
     time per step (CPU offload's traffic; none for the others)."""
     from torch.profiler import ProfilerActivity, profile
 
-    for batch in batches[:WARMUP]:
+    for batch in steps[:WARMUP]:
         train_step(model, optimizer, batch)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        for batch in batches[WARMUP : WARMUP + PROFILED_STEPS]:
+        for batch in steps[WARMUP : WARMUP + PROFILED_STEPS]:
             train_step(model, optimizer, batch)
         if cuda:
             torch.cuda.synchronize()

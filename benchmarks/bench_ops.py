@@ -100,8 +100,9 @@ def build(
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
-def _batches(cfg: dict[str, Any], steps: int, device: torch.device) -> list[tuple]:
-    """This rank's share of each step's global batch, made before any step is counted."""
+def batches(cfg: dict[str, Any], steps: int, device: torch.device) -> list[tuple]:
+    """This rank's share of each step's global batch (`cfg["batch"]`), made before any step is
+    counted or timed."""
     import torch.distributed as dist
 
     from fsdp_lab.models import synthetic_batch
@@ -133,31 +134,39 @@ def count_ops(system: str, cfg: dict[str, Any], precision: str) -> dict[str, Any
 
     device = placed_device()
     model, optimizer = build(system, cfg, precision, device)
-    batches = _batches(cfg, WARMUP + 1, device)
-    for batch in batches[:WARMUP]:
+    steps = batches(cfg, WARMUP + 1, device)
+    for batch in steps[:WARMUP]:
         train_step(model, optimizer, batch)
     with OperatorCount() as count:
-        train_step(model, optimizer, batches[WARMUP])
+        train_step(model, optimizer, steps[WARMUP])
     return {"total": count.total, "by_name": dict(count.by_name)}
+
+
+def timed(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: list[tuple]
+) -> list[float]:
+    """This rank's time of each step, from a common start (on CUDA, to the GPU's end of it)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    times = []
+    for batch in steps:
+        start = time.perf_counter()
+        train_step(model, optimizer, batch)
+        if batch[0].is_cuda:  # (offloaded parameters live on the host: ask the batch)
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def time_steps(system: str, cfg: dict[str, Any], precision: str) -> list[float]:
     """On a rank: this rank's time of each of `cfg["steps"]` steps, no dispatch mode."""
-    import torch.distributed as dist
-
     from fsdp_lab.cluster.where import device as placed_device
 
     torch.set_num_threads(cfg["threads"])
     device = placed_device()
     model, optimizer = build(system, cfg, precision, device)
-    batches = _batches(cfg, cfg["steps"], device)
-    dist.barrier()
-    times = []
-    for batch in batches:
-        start = time.perf_counter()
-        train_step(model, optimizer, batch)
-        times.append(time.perf_counter() - start)
-    return times
+    return timed(model, optimizer, batches(cfg, cfg["steps"], device))
 
 
 def measure(n: int, cfg: dict[str, Any], repeats: int) -> dict[str, Any]:
