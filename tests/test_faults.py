@@ -7,6 +7,7 @@ pid that no process it started survives it (the `no_leftovers` fixture).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -439,3 +440,222 @@ def test_the_interpreters_own_tools_come_first_on_path():
     assert os.environ["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
     if (Path(sys.executable).parent / "alembic").exists():  # nbgrader's, where it is installed
         assert shutil.which("alembic") == str(Path(sys.executable).parent / "alembic")
+
+
+# -- 5. a channel carries replies or fails the call; a rank's descendants die with it ---------
+# [Issue 51, class "ranks"] Bytes on a rank's channel are not trusted: anything but a
+# well-formed reply to the call in flight fails that call within its timeout, naming the rank,
+# and Ctrl-C interrupts any call. Every process a rank starts dies with the rank.
+
+
+def _channel_fd() -> int:
+    """The rank's end of its call pipe (what a learner's code could write into)."""
+    import gc
+    import multiprocessing.connection as mpc
+
+    (conn,) = [o for o in gc.get_objects() if type(o) is mpc.Connection and not o.closed
+               and o.readable and o.writable]  # fmt: skip
+    return conn.fileno()
+
+
+def _frame(payload_bytes: int) -> bytes:
+    import struct
+
+    return struct.pack("!i", payload_bytes)
+
+
+def _writes_a_header_then_returns() -> str:
+    if fsdp_lab.rank() == 0:  # a header that promises 1 GiB, then the real reply
+        os.write(_channel_fd(), _frame(1 << 30) + b"xx")
+    return "done"
+
+
+def _dies_mid_reply_while_a_child_holds_the_pipe(flag: str) -> str:
+    if fsdp_lab.rank() == 0:
+        if os.fork() == 0:  # the child keeps the pipe open: the driver never sees its end
+            Path(flag).write_text(str(os.getpid()))
+            time.sleep(600)
+            os._exit(0)
+        while not Path(flag).exists():
+            time.sleep(0.01)
+        os.write(_channel_fd(), _frame(100) + b"half a reply")
+        os._exit(3)
+    return "done"
+
+
+def _forges_a_reply_after_its_own(call_id: int, flag: str) -> str:
+    import pickle
+
+    from fsdp_lab.cluster.protocol import Reply, encode_plain
+
+    def forge() -> None:  # once this call's reply is out: a well-formed reply to the next one
+        time.sleep(0.5)
+        forged = pickle.dumps(("reply", call_id, Reply(ok=True, result=encode_plain("forged"))))
+        os.write(_channel_fd(), _frame(len(forged)) + forged)
+        Path(flag).touch()
+
+    if fsdp_lab.rank() == 0:
+        threading.Thread(target=forge).start()
+    return "done"
+
+
+def _within(seconds: float, fn, *args):
+    """fn(*args) on a thread; (finished, its result or exception): a hang is a failed test, not
+    a stuck suite (a bound on a hang, not a measured time)."""
+    box: dict = {}
+
+    def go() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 (handed to the test)
+            box["value"] = exc
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive(), box.get("value")
+
+
+def test_stray_bytes_on_a_channel_fail_the_call_within_its_timeout():
+    with Cluster(2, backend="gloo", timeout=5, verbose=False) as cluster:
+        old = cluster.pids
+        finished, got = _within(60, cluster.run, _writes_a_header_then_returns)
+        assert finished, "Cluster.run blocked on a rank's half-sent message"
+        assert isinstance(got, RankError) and got.rank == 0, got
+        assert "not a well-formed reply" in str(got)
+        assert _alive(old) == []  # a channel out of step is never reused
+        assert cluster.run(fsdp_lab.rank) == [0, 1]
+
+
+def test_a_rank_dying_mid_reply_is_reported_and_its_child_dies_with_it(tmp_path):
+    flag = tmp_path / "child"
+    with Cluster(2, backend="gloo", timeout=5, verbose=False) as cluster:
+        finished, got = _within(60, cluster.run, _dies_mid_reply_while_a_child_holds_the_pipe,
+                                str(flag))  # fmt: skip
+        assert finished, "Cluster.run blocked on a dead rank's pipe held by its child"
+        assert isinstance(got, RankError) and got.rank == 0 and "exit code 3" in str(got), got
+        assert _alive([int(flag.read_text())]) == []
+        assert cluster.run(fsdp_lab.rank) == [0, 1]
+
+
+def test_a_reply_to_a_call_not_yet_sent_fails_the_next_call(tmp_path):
+    flag = tmp_path / "forged"
+    with Cluster(2, backend="gloo", timeout=5, verbose=False) as cluster:
+        assert cluster.run(_forges_a_reply_after_its_own, 2, str(flag)) == ["done", "done"]
+        while not flag.exists():
+            time.sleep(0.02)
+        with pytest.raises(RankError, match="not a well-formed reply") as info:
+            cluster.run(lambda: "real")  # call 2: never answered by the forged bytes
+        assert info.value.rank == 0
+        assert cluster.run(lambda: "again") == ["again", "again"]
+
+
+def _half_a_message_then_waits(flag: str) -> str:
+    if fsdp_lab.rank() == 0:
+        os.write(_channel_fd(), _frame(1 << 20) + b"some")
+        Path(flag).touch()
+    time.sleep(600)
+    return "done"
+
+
+def test_ctrl_c_interrupts_a_call_whose_reply_is_half_sent(tmp_path):
+    with Cluster(2, backend="gloo", timeout=300, verbose=False) as cluster:
+        old = cluster.pids
+        _sigint_me_when(tmp_path / "inside")
+        # A bound on a hang, not a time: a driver deaf to Ctrl-C is freed by killing its ranks
+        # (then the call ends in a RankError, not the KeyboardInterrupt this test expects).
+        freed = threading.Timer(90, lambda: [os.kill(p, signal.SIGKILL) for p in _alive(old)])
+        freed.start()
+        try:
+            with pytest.raises(KeyboardInterrupt, match="all ranks were stopped"):
+                cluster.run(_half_a_message_then_waits, str(tmp_path / "inside"))
+        finally:
+            freed.cancel()
+        assert _alive(old) == []
+
+
+def _starts_descendants(folder: str) -> list[int]:
+    import subprocess
+
+    pids = [subprocess.Popen(["sleep", "600"]).pid]
+    child = os.fork()
+    if child == 0:
+        time.sleep(600)
+        os._exit(0)
+    pids.append(child)
+    # One that leaves the rank's process group and session, then orphans itself.
+    escaped = subprocess.Popen(
+        [sys.executable, "-c", "import os, subprocess, sys, time\n"
+         "p = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+         f"open({folder!r} + '/escaped.' + str(os.getppid()), 'w').write(str(p.pid))\n"],
+    )  # fmt: skip
+    escaped.wait()
+    pids.append(int(Path(folder, f"escaped.{os.getpid()}").read_text()))
+    return pids
+
+
+def _descendants_of(pid: int) -> list[int]:
+    with contextlib.suppress(psutil.Error):
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    return []
+
+
+def test_processes_a_rank_starts_die_when_the_cluster_closes(tmp_path):
+    with Cluster(2, backend="gloo", timeout=60, verbose=False) as cluster:
+        started = [pid for pids in cluster.run(_starts_descendants, str(tmp_path)) for pid in pids]
+        ranks = cluster.pids
+        forked = [pid for r in ranks for pid in _descendants_of(r)]
+    assert len(started) == 6 and _alive(started) == [], "a rank's child outlived close()"
+    assert _alive(forked) == []
+
+
+def test_a_killed_ranks_children_die_when_its_cluster_restarts(tmp_path):
+    with Cluster(2, backend="gloo", timeout=60, verbose=False) as cluster:
+        started = [pid for pids in cluster.run(_starts_descendants, str(tmp_path)) for pid in pids]
+        os.kill(cluster.pids[1], signal.SIGKILL)
+        with pytest.raises(RankError, match="SIGKILL"):
+            cluster.run(fsdp_lab.rank)
+        assert _alive(started) == [], "a dead rank's children outlived its replacement"
+
+
+LEFT_BEHIND = """
+import os, subprocess, sys, time
+import fsdp_lab
+from fsdp_lab import Cluster
+from fsdp_lab.cluster import launcher
+
+def spawn():
+    subprocess.Popen(["sleep", "600"])
+    if os.fork() == 0:
+        time.sleep(600)
+        os._exit(0)
+    return os.getpid()
+
+cluster = Cluster(2, verbose=False)
+cluster.run(spawn)
+from multiprocessing import resource_tracker
+print(launcher.server_pid(), resource_tracker._resource_tracker._pid, flush=True)
+{ending}
+"""
+
+
+@pytest.mark.parametrize("ending", ["cluster.close()", "os.kill(os.getpid(), 15)", "pass"])
+def test_nothing_a_cluster_started_outlives_the_process_that_made_it(tmp_path, ending):
+    """closed, killed by SIGTERM, or left open at exit: the fork server, the resource tracker,
+    every rank and everything the ranks started are gone, and so is the ranks' store."""
+    import subprocess
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", LEFT_BEHIND.format(ending=ending)],
+                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    server, tracker = (int(x) for x in proc.stdout.split())
+    deadline = time.monotonic() + 30
+    while _alive([server, tracker]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _alive([server, tracker]) == [], proc.stderr
+    sleepers = [p for p in psutil.process_iter(["cmdline", "environ"])
+                if p.info["cmdline"] == ["sleep", "600"]
+                and (p.info["environ"] or {}).get("TMPDIR") == str(tmp_path)]  # fmt: skip
+    assert sleepers == []
+    # No store, no folder of ours (torch._dynamo, which the fork server imports, makes its cache).
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("torchinductor")] == []

@@ -56,7 +56,14 @@ import psutil
 
 from fsdp_lab.cluster import launcher
 from fsdp_lab.cluster.output import RankOutput
-from fsdp_lab.cluster.protocol import RankError, Reply, decode_plain, read_message
+from fsdp_lab.cluster.protocol import (
+    Channel,
+    ChannelBroken,
+    RankError,
+    Reply,
+    decode_plain,
+    read_message,
+)
 from fsdp_lab.cluster.rank_main import RankSpec, rank_label, rank_main
 from fsdp_lab.cluster.where import resolve_placement
 from fsdp_lab.cores import OversubscribedWarning, available_cores, too_many_ranks
@@ -73,7 +80,7 @@ INTERRUPT_GRACE = 5.0
 class _Rank:
     index: int
     proc: Any  # multiprocessing.Process
-    conn: Any  # the driver's end of the call pipe
+    channel: Channel  # the driver's end of the call pipe
     output: RankOutput
 
 
@@ -162,7 +169,8 @@ class Cluster:
         t0 = time.perf_counter()
         # The rendezvous is a file in a folder only this user can open (mkdtemp: mode 0700):
         # no TCP store, so nothing listens on the network.
-        folder = tempfile.mkdtemp(prefix="fsdp_lab-")
+        launcher.warm_up()
+        folder = tempfile.mkdtemp(prefix="cluster-", dir=launcher.session_folder())
         environ = dict(os.environ)
         ranks: list[_Rank] = []
         self._ranks = ranks
@@ -187,7 +195,7 @@ class Cluster:
                 )
                 for child_end in (theirs, out_w, err_w):
                     child_end.close()
-                ranks.append(_Rank(r, proc, ours, RankOutput(r, out_fd, err_fd)))
+                ranks.append(_Rank(r, proc, Channel(ours), RankOutput(r, out_fd, err_fd)))
             call = _Call(ranks, 0, "start", self.plain_results)
             call.wait(time.monotonic() + self.start_timeout)
         except BaseException:  # Ctrl-C while starting, or a failed fork: leave nothing behind
@@ -206,6 +214,11 @@ class Cluster:
             )
 
     def _start_error(self, call: _Call) -> RankError:
+        if call.broken:
+            r, why = next(iter(call.broken.items()))
+            return RankError(
+                r, f"its channel carried what no rank of ours sends while starting: {why}"
+            )
         if call.failures:
             r = call.failures[0]
             return RankError(r, "failed to join the process group", call.replies[r].traceback)
@@ -266,8 +279,9 @@ class Cluster:
         self._ensure_live_ranks()
         call = _Call(self._ranks, next(self._calls), what, self.plain_results)
         try:
-            call.send(payload)
-            call.wait(time.monotonic() + self.timeout, grace=self.failure_grace)
+            deadline = time.monotonic() + self.timeout
+            call.send(payload, deadline)
+            call.wait(deadline, grace=self.failure_grace)
         except KeyboardInterrupt:
             # The learner sees one line, at the end of the KeyboardInterrupt it pressed for.
             raise KeyboardInterrupt(self._after_interrupt(call)) from None
@@ -283,6 +297,17 @@ class Cluster:
                 )
             self._start()
             return
+        for rk in self._ranks:  # between calls a rank says nothing: bytes now are strays
+            rk.channel.read()
+            if rk.channel.buffer or rk.channel.ended and not _has_died(rk):
+                self._teardown(grace=0)
+                raise RankError(
+                    rk.index,
+                    f"its channel carried {len(rk.channel.buffer)} bytes between calls, which "
+                    "is not a well-formed reply to any call (a rank's own code writing to it, "
+                    "or a process it started). All ranks were stopped; the next run() starts "
+                    "fresh ones.",
+                )
         dead = [rk for rk in self._ranks if _has_died(rk)]
         if not dead:
             return
@@ -304,8 +329,9 @@ class Cluster:
         """The results in rank order, or one RankError that says what happened to whom."""
         if not call.failed:
             return [call.results[r] for r in range(self.world_size)]
-        broken = bool(call.deaths or call.pending)
+        broken = bool(call.deaths or call.pending or call.broken)
         codes = {r: self._ranks[r].proc.exitcode for r in call.deaths}
+        halves = {r: len(self._ranks[r].channel.buffer) for r in sorted(call.pending)}
         if broken:
             self._teardown(grace=0)
         after = (
@@ -330,6 +356,14 @@ class Cluster:
                 exitcode=codes[r],
                 others=others,
             )
+        if call.broken:
+            r, why = next(iter(call.broken.items()))
+            others = [f"rank {b} {w}" for b, w in list(call.broken.items())[1:]] + others
+            raise RankError(
+                r, f"its channel carried what is not a well-formed reply to {call.what}: {why}"
+                f" (a rank's own code writing to it, or a process it started).{after}",
+                others=others,
+            )  # fmt: skip
         if call.failures:
             r = call.failures[0]
             reply = call.replies[r]
@@ -337,6 +371,14 @@ class Cluster:
                 r, f"{call.what} {reply.error}.{after}", reply.traceback, others=others[1:]
             )
         stuck = sorted(call.pending)
+        if any(halves.values()):  # past the deadline with half a message
+            r = next(r for r, n in halves.items() if n)
+            raise RankError(
+                r, f"its channel carried what is not a well-formed reply to {call.what}: "
+                f"{halves[r]} bytes of a message that never completed "
+                f"within timeout={self.timeout:g} s (a rank's own code writing to it, or a "
+                f"process it started).{after}",
+            )  # fmt: skip
         raise RankError(
             stuck[0],
             f"ranks {stuck} did not finish {call.what} within timeout={self.timeout:g} s — most "
@@ -357,13 +399,15 @@ class Cluster:
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(self._ranks[r].proc.pid, signal.SIGINT)
                     call.wait(min(deadline, time.monotonic() + 0.5), grace=INTERRUPT_GRACE)
-        if call.sent_all and not call.pending and not call.deaths and call.in_step():
+        if call.sent_all and not (call.pending or call.deaths or call.broken) and call.in_step():
             return (
                 f"fsdp_lab: interrupted {call.what}; every rank stopped it and is kept, its "
                 "state intact (process groups in step). The cluster is ready for the next run()."
             )
         why = (
-            f"rank(s) {sorted(call.pending)} could not stop (inside a collective or native code)"
+            f"rank(s) {sorted(call.broken)} broke their channel"
+            if call.broken
+            else f"rank(s) {sorted(call.pending)} could not stop (inside a collective or native code)"
             if call.pending
             else "the ranks stopped at different collectives"
             if call.sent_all
@@ -386,19 +430,23 @@ class _Call:
         self.results: dict[int, Any] = {}
         self.failures: list[int] = []  # ranks whose reply is an error, in arrival order
         self.deaths: list[int] = []  # ranks that died, in the order noticed
+        self.broken: dict[int, str] = {}  # ranks whose channel carried what no reply is
         self.sent_all = False
 
     @property
     def failed(self) -> bool:
-        return bool(self.failures or self.deaths or self.pending)
+        return bool(self.failures or self.deaths or self.pending or self.broken)
 
-    def send(self, payload: bytes) -> None:
+    def send(self, payload: bytes, deadline: float) -> None:
         message = pickle.dumps(("call", self.call_id, payload))
         with _sigint_held():  # every rank gets the call, or (Ctrl-C before) none does
-            for rk in self.ranks:
-                # A rank that died just now: its sentinel will say how, in wait().
-                with contextlib.suppress(BrokenPipeError, OSError):
-                    rk.conn.send_bytes(message)
+            for r, rk in enumerate(self.ranks):
+                try:
+                    rk.channel.send(message, deadline)
+                except TimeoutError:
+                    self._broke(r, "did not take the call (it stopped reading its channel)")
+                except OSError:  # a rank that died just now: its sentinel says how, in wait()
+                    pass
             self.sent_all = True
 
     def in_step(self) -> bool:
@@ -415,11 +463,11 @@ class _Call:
         """Take replies, output and deaths as they come, until all answered or the deadline."""
         grace_deadline: float | None = None
         while self.pending:
-            if (self.failures or self.deaths) and grace_deadline is None:
+            if (self.failures or self.deaths or self.broken) and grace_deadline is None:
                 grace_deadline = time.monotonic() + grace
             limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
             outputs = [fd for rk in self.ranks for fd in rk.output.fds]
-            watched = [self.ranks[r].conn for r in self.pending]
+            watched = [self.ranks[r].channel for r in self.pending]
             watched += [self.ranks[r].proc.sentinel for r in self.pending]
             ready = mpc.wait(watched + outputs, timeout=max(0.0, limit - time.monotonic()))
             if not ready:
@@ -429,31 +477,48 @@ class _Call:
                     rk.output.read(fd)
             for r in sorted(self.pending):
                 rk = self.ranks[r]
-                if rk.conn in ready or (rk.proc.sentinel in ready and rk.conn.poll()):
-                    self._receive(r)
-                elif rk.proc.sentinel in ready:
+                if rk.channel in ready or rk.proc.sentinel in ready:
+                    self._take(r)
+                if r in self.pending and (rk.proc.sentinel in ready or rk.channel.ended):
                     self._died(r)
         for rk in self.ranks:
             rk.output.drain()
 
-    def _receive(self, r: int) -> None:
+    def _take(self, r: int) -> None:
+        """Every whole message rank `r`'s channel holds now (its reply, late replies to calls
+        given up on); anything else breaks the channel."""
+        channel = self.ranks[r].channel
         try:
             with _sigint_held():
-                message = read_message(self.ranks[r].conn.recv_bytes())
-        except (EOFError, OSError):
-            self._died(r)
-            return
+                channel.read()
+            while r in self.pending and (data := channel.message()) is not None:
+                self._receive(r, data)
+        except ChannelBroken as exc:
+            self._broke(r, str(exc))
+
+    def _receive(self, r: int, data: bytes) -> None:
+        try:
+            message = read_message(data)
         except pickle.UnpicklingError as exc:  # not a message a rank of ours sends
             message = ("reply", self.call_id, Reply(ok=False, error=f"sent {exc}"))
-        kind = message[0]
-        if kind == "reply" and message[1] != self.call_id:
-            return  # the late answer to a call that was given up on: dropped, never returned
-        if kind == "ready":
-            reply = Reply(ok=True, collectives={})
-        elif kind == "failed":
-            reply = Reply(ok=False, error="failed to join the process group", traceback=message[1])
-        else:
+        except Exception as exc:  # not a pickle at all
+            raise ChannelBroken(f"{len(data)} bytes that are no message ({exc!r:.100})") from None
+        kind = message[0] if isinstance(message, tuple) and message else None
+        starting = self.call_id == 0
+        if kind == "reply" and len(message) == 3 and isinstance(message[2], Reply):
+            if isinstance(message[1], int) and message[1] < self.call_id and not starting:
+                return  # the late answer to a call that was given up on: dropped, never returned
+            if message[1] != self.call_id:
+                raise ChannelBroken(f"a reply to call {message[1]!r} while call "
+                                    f"{self.call_id} is the one in flight")  # fmt: skip
             reply = message[2]
+        elif starting and kind == "ready":
+            reply = Reply(ok=True, collectives={})
+        elif starting and kind == "failed":
+            tb = message[1] if len(message) > 1 and isinstance(message[1], str) else ""
+            reply = Reply(ok=False, error="failed to join the process group", traceback=tb)
+        else:
+            raise ChannelBroken(f"a message of kind {kind!r:.40}")
         if reply.ok and kind == "reply":
             try:
                 blob = reply.result
@@ -466,6 +531,10 @@ class _Call:
         self.pending.discard(r)
         if not reply.ok:
             self.failures.append(r)
+
+    def _broke(self, r: int, why: str) -> None:
+        self.pending.discard(r)
+        self.broken.setdefault(r, why)
 
     def _died(self, r: int) -> None:
         rk = self.ranks[r]
@@ -559,21 +628,24 @@ def _death_hint(code: int | None) -> str:
 
 
 def _stop_ranks(ranks: list[_Rank], folder: str, grace: float = 5.0) -> None:
-    """Ask every rank to stop, wait `grace`, kill what is left; close pipes; remove the store."""
+    """Ask every rank to stop (a rank that stops kills what it started), wait `grace`, then
+    end each rank with everything below it; orphans of ranks that died are killed too; close
+    pipes; remove the store."""
+    stop = pickle.dumps(("stop",))
     for rk in ranks:
         with contextlib.suppress(Exception):
-            rk.conn.send_bytes(pickle.dumps(("stop",)))
+            rk.channel.send(stop, time.monotonic() + 0.5)
     deadline = time.monotonic() + grace
     for rk in ranks:
         rk.proc.join(max(0.0, deadline - time.monotonic()))
     for rk in ranks:
-        if rk.proc.is_alive():
-            rk.proc.kill()
-            rk.proc.join(2.0)
+        launcher.end_process(rk.proc)
+    if ranks:
+        launcher.reap_orphans()
     for rk in ranks:
         with contextlib.suppress(Exception):
             rk.output.drain()
         rk.output.close()
         with contextlib.suppress(Exception):
-            rk.conn.close()
+            rk.channel.close()
     shutil.rmtree(folder, ignore_errors=True)

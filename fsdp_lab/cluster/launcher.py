@@ -10,9 +10,19 @@ after a failure is then nearly free, which the failure policy relies on.
                                                  ├── fork ─▶ rank 0
                                                  └── fork ─▶ rank 1 ...
 
-Lifetimes: the fork server exits when the driver process does (it watches a pipe only the
-driver holds), and each rank dies with the fork server (PR_SET_PDEATHSIG). Neither is tied to
-the *thread* that made a `Cluster`, so a cluster created in a worker thread outlives it.
+Lifetimes: the fork server exits when the driver process does, however it ends (it watches a
+pipe only the driver holds: each rank closes its inherited copy first thing), and each rank
+dies with the fork server (PR_SET_PDEATHSIG). Neither is tied to the *thread* that made a
+`Cluster`, so a cluster created in a worker thread outlives it.
+
+[Note: nothing a cluster starts outlives it] Every process a rank starts dies with the rank:
+a rank is a child subreaper, so whatever its children leave orphaned stays below it; a rank
+that stops kills everything below it (`rank_main`), and a rank the driver stops is killed with
+everything below it and its process group (`end_process`). A rank that died on its own leaves
+its orphans to the fork server, itself a subreaper (`fork_server`): the driver kills every
+child of the server that is no live rank (`reap_orphans`). When the driver is gone, the server
+kills everything below it and removes the driver's session folder (where the ranks' stores
+are), also after a SIGKILL of the driver, which runs no code of ours.
 """
 
 from __future__ import annotations
@@ -20,7 +30,10 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import signal
 import sys
+import tempfile
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +41,7 @@ from typing import Any
 # rank runs (its loop, the collectives' accounting); and torch._dynamo, which a rank's first
 # optimizer step or memory trace imports (about 2 s of CPU on each rank, otherwise).
 PRELOAD = [
+    "fsdp_lab.cluster.fork_server",  # first: the server's own set-up (subreaper, clean exit)
     "torch",
     "torch.distributed",
     "torch._dynamo",
@@ -56,6 +70,14 @@ def preload(*modules: str) -> None:
 # Set in the fork server's environment (and so in every rank forked from it): those
 # processes import this package too, and must not start a fork server of their own.
 IN_LAUNCHER_ENV = "FSDP_LAB_IN_LAUNCHER"
+SESSION_ENV = "FSDP_LAB_SESSION_DIR"  # the folder the fork server removes when it exits
+
+# One fork server per process (multiprocessing's own, module-level), so its bookkeeping is
+# per process too: the folder it removes at its exit, and the ranks alive now (a child of the
+# server that is none of them is an orphan). The lock keeps a rank being forked in one thread
+# from being taken for an orphan in another.
+_server: dict[str, Any] = {"session": None, "ranks": {}}
+_lock = threading.Lock()
 
 
 def warm_up() -> None:
@@ -72,12 +94,23 @@ def warm_up() -> None:
     if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
         return
     context()
-    os.environ[IN_LAUNCHER_ENV] = "1"  # inherited by the server when it starts, not kept here
+    starting = server_pid() is None
+    if starting:
+        _server["session"] = tempfile.mkdtemp(prefix="fsdp_lab-")
+    # Inherited by the server when it starts, not kept here.
+    os.environ.update({IN_LAUNCHER_ENV: "1", SESSION_ENV: _server["session"] or ""})
     try:
         with _main_module_hidden():
             forkserver.ensure_running()
     finally:
-        del os.environ[IN_LAUNCHER_ENV]
+        del os.environ[IN_LAUNCHER_ENV], os.environ[SESSION_ENV]
+
+
+def session_folder() -> str | None:
+    """A private folder (mode 0700) the fork server removes when it exits, however this
+    process ends: where clusters keep their stores. None before the server started."""
+    folder = _server["session"]
+    return folder if folder and os.path.isdir(folder) else None
 
 
 def server_pid() -> int | None:
@@ -114,9 +147,72 @@ def start_process(target: Any, args: tuple, name: str) -> Any:
     warm_up()
     ctx = context()
     proc = ctx.Process(target=target, args=args, daemon=True, name=name)
-    with _main_module_hidden():
+    with _lock, _main_module_hidden():
         proc.start()
+        _server["ranks"][proc.pid] = proc
     return proc
+
+
+def end_process(proc: Any) -> None:
+    """Kill `proc` (started by `start_process`) and every process below it and in its process
+    group (a rank's children stay in its group unless they leave it), then reap it."""
+    import psutil
+
+    with _lock:
+        _server["ranks"].pop(proc.pid, None)
+        if proc.is_alive():
+            with contextlib.suppress(OSError):
+                os.kill(proc.pid, signal.SIGSTOP)  # frozen, it starts nothing while we kill
+            with contextlib.suppress(psutil.Error):
+                kill_below(psutil.Process(proc.pid))
+            proc.kill()
+        proc.join(5.0)
+        if proc.exitcode is not None:  # its pid is free again only after this: the group's
+            with contextlib.suppress(OSError):  # members, not a later process, are killed
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def reap_orphans() -> None:
+    """Kill every process that came back to the fork server orphaned (its rank died) and
+    everything below it: each child of the server that is no live rank."""
+    import psutil
+
+    pid = server_pid()
+    if pid is None:
+        return
+    with _lock, contextlib.suppress(psutil.Error):
+        orphans = [c for c in psutil.Process(pid).children() if c.pid not in _server["ranks"]]
+        for child in orphans:
+            with contextlib.suppress(psutil.Error):
+                child.send_signal(signal.SIGSTOP)
+            kill_below(child)
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        psutil.wait_procs(orphans, timeout=5)
+
+
+def kill_below(top: Any) -> None:
+    """SIGKILL every process below `top` (a psutil.Process), again until none is left, and
+    wait until they are gone: each pass stops them first, so none forks a new one between the
+    listing and the kill."""
+    import psutil
+
+    killed: list[Any] = []
+    for _ in range(20):
+        try:
+            below = top.children(recursive=True)
+        except psutil.Error:
+            break
+        if not below:
+            break
+        for p in below:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGSTOP)
+        for p in below:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        killed += below
+    psutil.wait_procs(killed, timeout=5)
 
 
 def pipe() -> tuple[Any, Any]:

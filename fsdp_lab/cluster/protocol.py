@@ -13,6 +13,14 @@ Every reply echoes the id of the call it answers, so a reply of a call the drive
 The result travels as its own cloudpickle inside the reply, so a result the driver cannot
 unpickle (a class that exists only on the ranks) is an error of *that* call, not a broken pipe.
 
+[Note: the driver trusts no byte on a channel] The driver reads a channel without ever
+blocking (`Channel`): it takes what the pipe holds when the OS says it is readable and parses
+a message only once it is whole. A rank that sends half a message, a header promising a
+gigabyte, a reply to a call not yet sent, or anything while no call is in flight cannot hold
+the driver past the call's deadline nor keep Ctrl-C from it: that call fails with a
+`RankError` naming the rank, and a channel out of step is never used again (its ranks are
+restarted).
+
 Unpickling runs code the pickle names. The driver therefore reads a rank's *messages* with
 `read_message`, which builds tuples, strings, numbers and `Reply` and refuses anything else;
 and a `Cluster(plain_results=True)` reads *results* with `torch.load(weights_only=True)`
@@ -27,7 +35,11 @@ reaches the learner.
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import select
+import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,3 +125,80 @@ def decode_plain(blob: bytes) -> Any:
     import torch
 
     return torch.load(io.BytesIO(blob), weights_only=True)
+
+
+# multiprocessing.Connection's framing, which the ranks' plain Connection writes: a signed
+# 4-byte length, or -1 and then an 8-byte length for a message of 2 GiB or more.
+_SHORT, _LONG = struct.Struct("!i"), struct.Struct("!Q")
+
+
+class ChannelBroken(Exception):
+    """What a rank wrote on its channel is not a message of ours (or the channel closed)."""
+
+
+class Channel:
+    """The driver's end of one rank's call pipe, read and written without blocking.
+
+    `read()` takes whatever the pipe holds now; `message()` returns the next whole message, or
+    None while it is incomplete. So no read ever waits for bytes a rank promised and never
+    sent: the caller's deadline (and Ctrl-C) stays in charge.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn  # owns the file descriptor
+        self.fd = conn.fileno()
+        os.set_blocking(self.fd, False)
+        self.buffer = bytearray()
+        self.ended = False  # the rank's end is closed: nothing more will come
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def read(self) -> None:
+        """Everything the pipe holds now, appended to the buffer."""
+        while not self.ended:
+            try:
+                chunk = os.read(self.fd, 1 << 20)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.ended = True
+            self.buffer += chunk
+
+    def message(self) -> bytes | None:
+        """The next whole message read so far (None: not whole yet); ChannelBroken if the
+        bytes cannot be one."""
+        if len(self.buffer) < _SHORT.size:
+            return None
+        (size,), start = _SHORT.unpack_from(self.buffer), _SHORT.size
+        if size == -1:
+            if len(self.buffer) < start + _LONG.size:
+                return None
+            (size,), start = _LONG.unpack_from(self.buffer, start), start + _LONG.size
+        elif size < 0:
+            raise ChannelBroken(f"a message header of {size} bytes")
+        if len(self.buffer) < start + size:
+            return None
+        data = bytes(self.buffer[start : start + size])
+        del self.buffer[: start + size]
+        return data
+
+    def send(self, data: bytes, deadline: float) -> None:
+        """One message, written as the pipe takes it; TimeoutError if the rank has not taken
+        it all by `deadline` (a rank that stopped reading)."""
+        size = len(data)
+        header = _SHORT.pack(size) if size <= 0x7FFFFFFF else _SHORT.pack(-1) + _LONG.pack(size)
+        for part in (header, data):
+            view = memoryview(part)
+            while view:
+                try:
+                    view = view[os.write(self.fd, view) :]
+                except BlockingIOError:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not select.select([], [self.fd], [], left)[1]:
+                        raise TimeoutError("the rank did not take the message") from None
+
+    def close(self) -> None:
+        self.conn.close()

@@ -1,9 +1,12 @@
 """What runs inside one rank process: join the process group, then answer calls in order.
 
 A rank is forked from the launcher (`fsdp_lab.cluster.launcher`) and lives until the driver
-says "stop" or goes away. Four things make it safe to leave running under a notebook:
+says "stop" or goes away. Five things make it safe to leave running under a notebook:
 
 - it dies with its parent (PR_SET_PDEATHSIG), and the launcher dies with the driver;
+- what it starts dies with it: it is a child subreaper (whatever its children orphan stays
+  below it), kills everything below it when it stops, and holds no copy of the pipe that
+  keeps the launcher alive;
 - it sits in its own process group: Ctrl-C in a terminal reaches the driver only, and the
   driver decides to forward it (SIGINT) to the ranks that are running a call;
 - SIGINT interrupts the learner's function only; while idle, or while sending a reply (a
@@ -54,6 +57,7 @@ class RankSpec:
 def rank_main(spec: RankSpec, conn: Any, stdout: Any, stderr: Any) -> None:
     """Entry point of a rank process: set up, join the group, serve calls until "stop"."""
     _die_with_parent()
+    _keep_descendants_below()
     # The launcher was started once, with the environment of that moment: take the driver's
     # current one, so NCCL_*/TORCH_* variables set in a notebook cell reach the ranks.
     os.environ.clear()
@@ -83,6 +87,11 @@ def rank_main(spec: RankSpec, conn: Any, stdout: Any, stderr: Any) -> None:
 
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
+    import psutil
+
+    from fsdp_lab.cluster.launcher import kill_below
+
+    kill_below(psutil.Process())  # nothing this rank started outlives it
 
 
 def _answer(payload: bytes, plain_results: bool) -> Any:
@@ -188,6 +197,21 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def _keep_descendants_below() -> None:
+    """Orphans of this rank's children come back to it (not to init), to die with it; and the
+    launcher's alive pipe, inherited from the fork server, is closed: a child of this rank
+    holding it would keep the launcher alive after the driver is gone."""
+    from multiprocessing import forkserver
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
 
 
 def _send(conn: Any, message: tuple) -> None:
