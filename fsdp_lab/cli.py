@@ -41,7 +41,7 @@ from typing import Any, NoReturn
 # only (importing torch took 4-18 s); torch comes in when a lab is about to run.
 from fsdp_lab.choices import BACKENDS, DEVICE_ENV, DEVICES
 from fsdp_lab.cores import OversubscribedWarning, available_cores, too_many_ranks
-from fsdp_lab.host import under_torchrun
+from fsdp_lab.host import forget_stale_launcher_env, torchrun_rank, under_torchrun
 from fsdp_lab.labs.options import add_config_arguments, config_overrides, to_flags
 from fsdp_lab.labs.registry import LABS, PLANNED
 
@@ -84,8 +84,12 @@ def usage_error(
 
 
 def _is_main_process() -> bool:
-    # Under torchrun every rank runs this CLI; only global rank 0 prints and writes files.
-    return int(os.environ.get("RANK", "0")) == 0
+    # Under torchrun every rank runs this CLI; only global rank 0 prints and writes files
+    # (`_run` checked torchrun's RANK first: an error here would cost the JSON object).
+    try:
+        return torchrun_rank() == 0
+    except ValueError:
+        return True
 
 
 # -- the parser ------------------------------------------------------------------------------
@@ -617,6 +621,15 @@ def _run(argv: list[str]) -> tuple[int, dict[str, Any]]:
     """Parse, validate, run; (exit code, the JSON payload: the result or the error object)."""
     where = "fsdp-lab"
     try:
+        stale = forget_stale_launcher_env()
+        if stale:
+            kept = ", ".join(f"{k}={v!r}" for k, v in stale.items())
+            print(f"fsdp-lab: ignoring {kept}: inherited from the shell, not set by a running "
+                  "torchrun (unset them to silence this line)", file=sys.stderr)  # fmt: skip
+        try:
+            torchrun_rank()
+        except ValueError as exc:
+            raise usage_error(exc) from None
         check_lab_name(argv)
         args = build_parser().parse_args(argv)
         where = f"fsdp-lab {args.lab}"

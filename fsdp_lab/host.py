@@ -7,6 +7,7 @@ ranks or letting the kernel's out-of-memory killer choose a victim. Torch-free.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import psutil
@@ -45,6 +46,60 @@ def check_fits(need: int, what: str, fix: str) -> None:
         )
 
 
+# [Note: an environment is a launcher's only while the launcher lives] torchrun hands each
+# worker its rank in environment variables, but a shell keeps them: a `RANK=1` left exported,
+# or a job's whole set copied into a terminal, made every command a "rank 1" that printed
+# nothing, or waited forever for peers that were never started. So the variables count only
+# when torchrun's own run id is set and a torchrun agent is this process's parent (or one
+# level above: `torchrun --no-python` through a wrapper); otherwise a command drops them,
+# saying so in one line (`forget_stale_launcher_env`).
+RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARS = (*RENDEZVOUS_VARS, "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "TORCHELASTIC_RUN_ID")  # fmt: skip
+AGENTS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+
 def under_torchrun() -> bool:
-    """True when this process was started by torchrun (env:// rendezvous variables set)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    """True in a worker of a live torchrun job: its rendezvous variables and run id set, and a
+    torchrun agent above this process (a shell that kept a job's variables is none)."""
+    wanted = (*RENDEZVOUS_VARS, "TORCHELASTIC_RUN_ID")
+    return all(k in os.environ for k in wanted) and _agent_above()
+
+
+@functools.cache
+def _agent_above() -> bool:
+    try:
+        parent = psutil.Process().parent()
+        for _ in range(2):
+            if parent is None:
+                return False
+            command = parent.cmdline()[:3]  # `torchrun ...`, `python -m torch.distributed.run`
+            if any(os.path.basename(part) in AGENTS for part in command):
+                return True
+            parent = parent.parent()
+    except psutil.Error:
+        return False
+    return False
+
+
+def forget_stale_launcher_env() -> dict[str, str]:
+    """The launcher variables this process inherited without being a worker of a live torchrun
+    job, removed from its environment (nothing it starts sees them); {} under torchrun."""
+    if under_torchrun():
+        return {}
+    return {k: os.environ.pop(k) for k in LAUNCHER_VARS if k in os.environ}
+
+
+def torchrun_rank() -> int:
+    """This worker's global rank under torchrun (0 elsewhere); a ValueError naming the variable
+    if torchrun's RANK and WORLD_SIZE are not a rank of its world."""
+    if not under_torchrun():
+        return 0
+    rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
+    if not (rank.isdigit() and world.isdigit() and int(rank) < int(world)):
+        raise ValueError(
+            f"RANK={rank!r}, WORLD_SIZE={world!r}: expected 0 <= RANK < WORLD_SIZE, integers, "
+            "as torchrun sets them. Fix: start the command with torchrun, and do not set RANK "
+            "or WORLD_SIZE yourself"
+        )
+    return int(rank)

@@ -780,3 +780,66 @@ def test_every_labs_help_reads_as_plain_text_with_its_defaults():
         assert "turn off:" not in text and "on by default. This flag" not in text
     shard = " ".join(subs.choices["shard"].format_help().split())
     assert "--no-fsdp2 by default the lab does this: also train PyTorch's fully_shard" in shard
+
+
+# -- an inherited launcher environment (issue 51, class "environment") -------------------------
+# A command not started by a live torchrun drops RANK/WORLD_SIZE/MASTER_*/... in one line;
+# --json prints exactly one object whatever the environment holds.
+
+STALE = {"RANK": "1"}
+STALE_TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": "29511", "TORCHELASTIC_RUN_ID": "none", "LOCAL_RANK": "0"}  # fmt: skip
+
+
+def _one_object(proc: subprocess.CompletedProcess) -> dict:
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, (proc.stdout, proc.stderr)
+    return json.loads(lines[0])
+
+
+@pytest.mark.parametrize("stale", [STALE, {"RANK": "abc"}, STALE_TORCHRUN], ids=["rank1", "abc",
+                                                                               "torchrun"])  # fmt: skip
+def test_a_stale_launcher_environment_is_ignored_in_one_line(stale):
+    proc = fsdp_lab("plan", "--json", env={**ENV, **stale})
+    assert proc.returncode == 0, proc.stderr
+    assert _one_object(proc)["fits"] is True
+    said = [line for line in proc.stderr.splitlines() if "ignoring" in line]
+    assert len(said) == 1 and "RANK=" in said[0] and "not set by a running torchrun" in said[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_grade_json_under_a_stale_rank_prints_its_object_and_writes_the_csv(tmp_path):
+    (tmp_path / "alice.py").write_text("x = 1\n")
+    proc = fsdp_lab("grade", str(tmp_path / "alice.py"), "--csv", str(tmp_path / "g.csv"),
+                    "--json", env={**ENV, **STALE})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert _one_object(proc)["submissions"][0]["student"] == "alice"
+    assert (tmp_path / "g.csv").exists()
+
+
+@pytest.mark.e2e  # a whole lab run: the plan and grade cases above hold the class in the suite
+def test_a_lab_under_a_stale_torchrun_environment_runs_on_its_own_ranks():
+    """Before: `collectives` waited silently for a rank 1 nobody started."""
+    proc = fsdp_lab("collectives", "--world-size", "2", "--numel", "64", "--json",
+                    env={**ENV, **STALE_TORCHRUN}, timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert _one_object(proc)["lab"] == "collectives"
+
+
+STALE_NOTEBOOK = """
+import os
+os.environ.update({env!r})
+import fsdp_lab
+from fsdp_lab import Cluster
+with Cluster(2, verbose=False) as cluster:
+    print(cluster.run(fsdp_lab.rank), cluster.run(lambda: os.environ.get("RANK")))
+"""
+
+
+def test_a_notebook_cluster_under_a_stale_environment_starts_its_own_ranks():
+    """The library too: a Cluster made where RANK, WORLD_SIZE and MASTER_* linger forks its
+    ranks as anywhere else (it used to skip starting its fork server)."""
+    proc = subprocess.run([sys.executable, "-c", STALE_NOTEBOOK.format(env=STALE_TORCHRUN)],
+                          capture_output=True, text=True, env=ENV, timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("]")[0] == "[0, 1"

@@ -89,9 +89,9 @@ def warm_up() -> None:
     """
     from multiprocessing import forkserver
 
-    if IN_LAUNCHER_ENV in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
-        return
-    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+    from fsdp_lab.host import under_torchrun
+
+    if IN_LAUNCHER_ENV in os.environ or under_torchrun():
         return
     context()
     starting = server_pid() is None
