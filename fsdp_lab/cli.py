@@ -44,6 +44,7 @@ from fsdp_lab.cores import OversubscribedWarning, available_cores, too_many_rank
 from fsdp_lab.host import forget_stale_launcher_env, torchrun_rank, under_torchrun
 from fsdp_lab.labs.options import add_config_arguments, config_overrides, to_flags
 from fsdp_lab.labs.registry import LABS, PLANNED
+from fsdp_lab.outputs import write_file
 
 DEFAULT_OUT = "fsdp_lab_out"
 LAB_LINE = (
@@ -397,7 +398,7 @@ def _save(lab: Any, result: Any, out: Path) -> list[Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     written = [out / f"{result.lab}.json"]
-    written[0].write_text(result.to_json(indent=1))
+    write_file(written[0], result.to_json(indent=1))
     for stem, fig in lab.figures(result).items():
         if isinstance(fig, Diagram):  # SVG, or its DOT source where graphviz's `dot` is missing
             written.append(fig.save(out / stem))
@@ -439,8 +440,8 @@ def tour(args: argparse.Namespace) -> dict[str, Any]:
         markdown += [f"## {p.name} ({seconds:.1f} s)", "", LABS[p.name].report(result), ""]
         print(f"[{i}/{len(LABS)}] {p.name} done in {seconds:.1f} s -> {p.out}/", file=sys.stderr)
     if _is_main_process():
-        (out / "summary.md").write_text("\n".join(markdown))
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        write_file(out / "summary.md", "\n".join(markdown))
+        write_file(out / "summary.json", json.dumps(summary, indent=1))
         print(f"summary: {out / 'summary.md'}, {out / 'summary.json'}", file=sys.stderr)
     return summary
 
@@ -576,7 +577,7 @@ def bugs_command(args: argparse.Namespace) -> dict[str, Any]:
             fig = gallery.figure(e)
             if fig is not None:
                 save_figure(fig, args.out / f"{e.exercise}-{e.bug.slug}.png")
-        (args.out / "bugs.json").write_text(json.dumps(payload, indent=1))
+        write_file(args.out / "bugs.json", json.dumps(payload, indent=1))
         print(f"figures and bugs.json written to {args.out}/", file=sys.stderr)
     else:
         print(

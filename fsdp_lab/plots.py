@@ -30,6 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from fsdp_lab.outputs import write_file
 from fsdp_lab.sizes import byte_unit, format_bytes
 from fsdp_lab.trace.memory import MODEL_STATE
 
@@ -539,7 +540,7 @@ def save_figure(fig: Figure, path: str | os.PathLike) -> pathlib.Path:
     if not path.suffix:
         path = path.with_suffix(".png")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, format="png", bbox_inches="tight")
+    write_file(path, lambda f: fig.savefig(f, dpi=110, format="png", bbox_inches="tight"))
     return path
 
 

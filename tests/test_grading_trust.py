@@ -870,3 +870,80 @@ def test_a_typo_in_a_grade_option_points_at_grades_own_help(tmp_path):
     assert proc.returncode == 2
     assert "--time-limt -> --time-limit" in proc.stderr
     assert "fsdp-lab grade --help" in proc.stderr
+
+
+# -- outputs: the gradebook is written new, whole and the grader's own (issue 51) --------------
+
+ROWS = [{"file": "a.py", "student": "alice", "verdicts": [
+    {"exercise": "all_reduce_mean", "score": 2, "points": 2}]}]  # fmt: skip
+
+
+def _written(path: Path) -> os.stat_result:
+    info = path.lstat()
+    assert path.is_file() and not path.is_symlink()
+    assert info.st_uid == os.geteuid()
+    assert oct(info.st_mode & 0o777) == oct(0o666 & ~_umask()), "not the mode open() gives"
+    assert "alice" in path.read_text()
+    return info
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_link_planted_at_the_gradebooks_temporary_name_is_never_written_through(tmp_path):
+    """Item 2: the CSV overwrote the target of a link planted at `.grades.csv.partial`."""
+    from fsdp_lab.course.grading import write_csv
+
+    victim = tmp_path / "gradebook.db"
+    victim.write_text("precious")
+    (tmp_path / ".grades.csv.partial").symlink_to(victim)
+    write_csv(ROWS, tmp_path / "grades.csv")
+    assert victim.read_text() == "precious"
+    _written(tmp_path / "grades.csv")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root (CI grades as root)")
+def test_a_file_planted_by_another_user_never_becomes_the_gradebook(tmp_path):
+    """Item 2: another user's 0666 file at the temporary name became grades.csv, theirs."""
+    from fsdp_lab.course.grading import write_csv
+
+    planted = tmp_path / ".grades.csv.partial"
+    planted.write_text("")
+    os.chmod(planted, 0o666)
+    os.chown(planted, 4242, 4242)
+    write_csv(ROWS, tmp_path / "grades.csv")
+    _written(tmp_path / "grades.csv")
+
+
+def test_a_folder_planted_at_the_temporary_name_costs_no_gradebook(tmp_path):
+    """Own case: the write at the end of grading failed (a folder where the temporary file
+    went), after the whole class was graded."""
+    from fsdp_lab.course.grading import write_csv
+
+    (tmp_path / ".grades.csv.partial").mkdir()
+    write_csv(ROWS, tmp_path / "grades.csv")
+    _written(tmp_path / "grades.csv")
+
+
+def test_a_lab_output_planted_as_a_link_is_replaced_not_written_through(tmp_path):
+    """Own case: `--out`: a link planted at a lab's JSON or figure name overwrote its target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from fsdp_lab.plots import save_figure
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "memory.png").symlink_to(victim)
+    fig = Figure()
+    fig.add_subplot().plot([0, 1])
+    save_figure(fig, tmp_path / "out" / "memory.png")
+    assert victim.read_text() == "precious"
+    assert (tmp_path / "out" / "memory.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "out" / "memory.png").is_symlink()

@@ -246,12 +246,14 @@ def _rank_files(folder: Path) -> list[Path]:
 
 
 def _assert_only_the_checkpoint(folder: Path, n: int) -> None:
-    """meta.json and one version folder of n rank files: no temp file, no stale version."""
+    """meta.json, journal.json and one version folder of n rank files: no temp file, no stale
+    version."""
     entries = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))  # dotfiles too
     versions = [e for e in entries if (folder / e).is_dir()]
     assert len(versions) == 1, entries
     (version,) = versions
-    expected = ["meta.json", version, *(f"{version}/rank{r:05d}.pt" for r in range(n))]
+    expected = ["journal.json", "meta.json", version,
+                *(f"{version}/rank{r:05d}.pt" for r in range(n))]  # fmt: skip
     assert entries == sorted(expected)
 
 
@@ -515,3 +517,94 @@ def test_clip_grad_norm_matches_single_process(cluster_of, n, strategy, norm_typ
         assert res["grads"].keys() == expected.keys()
         for name, g in expected.items():
             torch.testing.assert_close(res["grads"][name], g, rtol=1e-5, atol=1e-7)
+
+
+# -- a save deletes only what it wrote (issue 51, class "outputs") ------------------------------
+
+
+def _save_error(folder: str, seed: int) -> str:
+    try:
+        _save(folder, seed)
+    except Exception as exc:  # any type: the message is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_save_keeps_every_file_it_did_not_write(cluster_of, tmp_path):
+    """Item 8: a folder named like a version and a rank file of someone else's were deleted."""
+    (tmp_path / "v20250101").mkdir()
+    (tmp_path / "v20250101" / "data.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "rank00007.pt").write_bytes(b"not ours")
+    (tmp_path / "v00002").mkdir()  # own case: the name the next save would take
+    (tmp_path / "v00002" / "notes.txt").write_text("mine")
+    for seed in (None, 4, 5):
+        assert cluster_of(2).run(_save_error, str(tmp_path), seed) == ["no error"] * 2
+    assert (tmp_path / "v20250101" / "data.csv").read_text() == "a,b\n1,2\n"
+    assert (tmp_path / "rank00007.pt").read_bytes() == b"not ours"
+    assert (tmp_path / "v00002" / "notes.txt").read_text() == "mine"
+    torch.manual_seed(5)
+    last = TinyGPT().state_dict()
+    for got in cluster_of(2).run(_load_values, str(tmp_path)):
+        assert _equal(got, last)
+
+
+def test_an_old_version_linked_from_another_disk_is_left_and_the_save_succeeds(cluster_of,
+                                                                               tmp_path):  # fmt: skip
+    """Item 8: every later save committed, then raised on every rank ("Cannot call rmtree on
+    a symbolic link")."""
+    folder, elsewhere = tmp_path / "ckpt", tmp_path / "other-disk"
+    cluster_of(2).run(_save, str(folder))
+    (version,) = [p for p in folder.iterdir() if p.is_dir()]
+    elsewhere.mkdir()
+    version.rename(elsewhere / version.name)
+    version.symlink_to(elsewhere / version.name)
+    assert cluster_of(2).run(_save_error, str(folder), 4) == ["no error"] * 2
+    assert version.is_symlink() and (elsewhere / version.name / "rank00000.pt").exists()
+    torch.manual_seed(4)
+    last = TinyGPT().state_dict()
+    for got in cluster_of(2).run(_load_values, str(folder)):
+        assert _equal(got, last)
+
+
+def test_a_meta_json_planted_as_a_link_is_replaced_not_written_through(cluster_of, tmp_path):
+    victim = tmp_path / "gradebook.db"
+    victim.write_text("precious")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "meta.json").symlink_to(victim)
+    assert cluster_of(2).run(_save_error, str(tmp_path / "ckpt"), 4) == ["no error"] * 2
+    assert victim.read_text() == "precious"
+    assert not (tmp_path / "ckpt" / "meta.json").is_symlink()
+
+
+def _mount_small_disk(disk: Path, size: int) -> bool:
+    """A tmpfs of `size` bytes at `disk` (as root); False where it cannot be made."""
+    import subprocess
+
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)]
+    return subprocess.run(mount, capture_output=True).returncode == 0
+
+
+def _save_error_on(folder: str) -> str:
+    return _save_error(folder, 2)
+
+
+def test_a_full_disk_is_said_plainly_and_the_checkpoint_stays(cluster_of, tmp_path):
+    """Item 8: a full disk surfaced as torch's "enforce fail ... unexpected pos"."""
+    import subprocess
+
+    cluster_of(2).run(_save, str(tmp_path / "probe"))
+    one_save = sum(p.stat().st_size for p in (tmp_path / "probe").rglob("*") if p.is_file())
+    disk = tmp_path / "disk"  # room for one checkpoint, not for a second beside it
+    if not _mount_small_disk(disk, one_save * 3 // 2):
+        pytest.skip("cannot mount a small filesystem here (needs root)")
+    try:
+        folder = disk / "ckpt"
+        assert cluster_of(2).run(_save_error, str(folder), None) == ["no error"] * 2
+        said = cluster_of(2).run(_save_error_on, str(folder))
+        assert all("No space left on device" in s and "unchanged" in s for s in said), said
+        assert not any("enforce fail" in s for s in said)
+        for got in cluster_of(2).run(_load_values, str(folder)):  # the first save, whole
+            assert _equal(got, tiny_gpt().state_dict())
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -22,10 +22,13 @@ as the grader's error, and the others go on.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import os
 import re
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -36,6 +39,7 @@ from typing import Any
 from fsdp_lab.course import sandbox
 from fsdp_lab.course.roster import MAX_FILES_PER_STUDENT, Submission, fair_order, submissions
 from fsdp_lab.course.verdict import printable, rows_text
+from fsdp_lab.outputs import write_file
 
 # A file's wall clock: start-up (interpreter, torch, ranks), then the per-case limit for its
 # top-level code and once per exercise it defines (a check stops at the first case that hangs).
@@ -374,8 +378,15 @@ def check_destination(path: Path) -> str | None:
     parent = path.parent
     if not parent.is_dir():
         return f"--csv {path}: the folder {parent} does not exist; create it first"
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    if not os.access(parent, os.W_OK | os.X_OK):
         return f"--csv {path}: not writable here; choose a folder you can write to"
+    with contextlib.suppress(FileNotFoundError):
+        info = path.lstat()  # what sits there now is replaced, never written through
+        if not (stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)):
+            return f"--csv {path}: is not a regular file; choose another name"
+        if info.st_uid != os.geteuid() and parent.stat().st_mode & stat.S_ISVTX:
+            return (f"--csv {path}: belongs to user {info.st_uid} in a folder only its owner "
+                    "may replace it in; choose another name")  # fmt: skip
     return None
 
 
@@ -388,21 +399,19 @@ def cell(value: Any) -> Any:
 
 def write_csv(results: list[dict[str, Any]], path: Path) -> None:
     """One row per submission: file, student, each exercise's score, total, max, and the error
-    for files that could not be graded. Written once, whole (a temporary file renamed)."""
+    for files that could not be graded. Written once, whole, new and the grader's own
+    (`outputs.write_file`: never through a link or into a file someone else put there)."""
     names: list[str] = []
     for r in results:
         for v in r.get("verdicts", []):
             if v["exercise"] not in names:
                 names.append(v["exercise"])
-    partial = path.with_name(f".{path.name}.partial")
-    with partial.open("w", newline="", encoding="utf-8") as f:
-        out = csv.writer(f)
-        out.writerow(["file", "student", *names, "total", "max", "error"])
-        for r in results:
-            scores = {v["exercise"]: v["score"] for v in r.get("verdicts", [])}
-            points = sum(v["points"] for v in r.get("verdicts", []))
-            row = [r["file"], r.get("student", ""), *[scores.get(n, "") for n in names]]
-            out.writerow(
-                [cell(c) for c in [*row, sum(scores.values()), points, r.get("error", "")]]
-            )
-    os.replace(partial, path)
+    text = io.StringIO(newline="")
+    out = csv.writer(text)
+    out.writerow(["file", "student", *names, "total", "max", "error"])
+    for r in results:
+        scores = {v["exercise"]: v["score"] for v in r.get("verdicts", [])}
+        points = sum(v["points"] for v in r.get("verdicts", []))
+        row = [r["file"], r.get("student", ""), *[scores.get(n, "") for n in names]]
+        out.writerow([cell(c) for c in [*row, sum(scores.values()), points, r.get("error", "")]])
+    write_file(path, text.getvalue())

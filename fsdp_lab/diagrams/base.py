@@ -12,6 +12,8 @@ from collections.abc import Container
 
 import graphviz
 
+from fsdp_lab.outputs import write_file
+
 MISSING_DOT_MESSAGE = (
     "graphviz's `dot` was not found on PATH (install the `graphviz` OS package or conda "
     "package); showing the DOT source instead"
@@ -87,9 +89,9 @@ class Diagram:
         svg = self.svg()
         if svg is not None:
             out = path.with_name(path.name + ".svg")
-            out.write_text(svg, encoding="utf-8")
+            write_file(out, svg)
         else:
             _explain_missing_dot_once()
             out = path.with_name(path.name + ".dot")
-            out.write_text(self.source, encoding="utf-8")
+            write_file(out, self.source)
         return out

@@ -12,6 +12,8 @@ but the checkpoint loads only into the same world size and wrap plan.
 
     meta.json            the commit record: which version is current, world size, strategy,
                          units, buffers, and for each rank file its size and sha256
+    journal.json         the version folders this checkpoint's saves made (the only ones a
+                         save may ever remove)
     v00002/rank00000.pt  rank 0's shards, buffers and optimizer state, with its rank and world size
     v00002/rank00001.pt
 
@@ -20,34 +22,45 @@ then rank 0 replaces meta.json with one `os.replace`, atomic, once every rank's 
 only after that switch are the old version and the leftovers of crashed saves removed. A kill at
 any moment leaves the old checkpoint or the new one, never neither. The checksums make a load
 refuse swapped, truncated or edited files, on every rank, instead of loading wrong tensors.
+
+[Note: a save deletes only what it wrote] The checkpoint folder may hold anything else — a
+user's data, a folder named like a version, a version folder moved to another disk and linked
+back. A save creates its version folder new (never adopting one that exists), after first
+writing its name into journal.json; it removes only version folders journal.json (or the
+meta.json it replaced) names, and inside them only rank files and their temporary files, never
+through a link, and the folder only once empty. Everything else stays. Every file it writes is
+written new and whole (`fsdp_lab.outputs.write_file`); a write that fails (a full disk) says so
+and leaves the committed checkpoint as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import re
-import shutil
-import tempfile
+import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_lab import comm
+from fsdp_lab.outputs import write_file
 from fsdp_lab.sharding.state import ShardingState, sharding_state
 from fsdp_lab.sharding.state_dict import broadcast_text, persistent_buffers, state_device
 
 META = "meta.json"
+JOURNAL = "journal.json"
 _VERSION = re.compile(r"v(\d{5,})")  # a version folder of rank files: v00001, v00002, ...
-# What else save_sharded may leave in a folder and so may remove: temp files of interrupted
-# atomic writes, and rank files of the layout before version folders. Nothing else is touched.
-_LEFTOVER = re.compile(r"\.(meta\.json|rank\d{5}\.pt)\..*\.tmp|rank\d{5}\.pt")
+# What a save writes inside its own version folder: rank files, and the temporary files of
+# writes a crash interrupted (`outputs.write_file`'s names).
+_OURS_INSIDE = re.compile(r"rank\d{5}\.pt|\.rank\d{5}\.pt\..+\.tmp")
 _META_KEYS = dict(version=int, world_size=int, strategy=str, units=dict, buffers=dict, files=list)
 
 
@@ -97,10 +110,8 @@ def _save_in_group(
 
     def prepare() -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        if (
-            state.shard_rank == 0
-        ):  # past every version here: the current one and crashed saves' ones
-            version.fill_(1 + max(_versions(folder), default=0))
+        if state.shard_rank == 0:  # a version folder of its own, journaled before it exists
+            version.fill_(_new_version_folder(folder))
 
     def write_shards() -> None:
         payload = {
@@ -111,14 +122,18 @@ def _save_in_group(
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
         }
         path = folder / _version_name(int(version.item())) / _rank_name(state.shard_rank)
-        path.parent.mkdir(exist_ok=True)
-        written.append(_atomic_write(path, lambda f: torch.save(payload, f)))
+        try:
+            written.append(write_file(path, lambda f: torch.save(payload, f)))
+        except OSError as exc:  # a full disk, a quota: said plainly, not as torch's "enforce fail"
+            raise OSError(
+                exc.errno, f"{exc.strerror}. The checkpoint {folder} held before is unchanged "
+                "(this save was not committed). Fix: free space there, or save elsewhere"
+            ) from exc  # fmt: skip
 
     def commit(records: list[dict[str, Any]]) -> None:  # the switch from the old version
         if state.shard_rank == 0:
             meta = dict(version=int(version.item()), **_layout(model, state), files=records)
-            text = json.dumps(meta, indent=1).encode()
-            _atomic_write(folder / META, lambda f: f.write(text))
+            write_file(folder / META, json.dumps(meta, indent=1))
 
     def clean_up() -> None:  # only now: a crash before the switch needed the old files
         if state.shard_rank == 0:
@@ -190,52 +205,37 @@ def _rank_name(rank: int) -> str:
     return f"rank{rank:05d}.pt"
 
 
-def _versions(folder: Path) -> list[int]:
-    return [int(m[1]) for e in folder.iterdir() if (m := _VERSION.fullmatch(e.name)) and e.is_dir()]
-
-
-class _Sha256Writer:
-    """Passes writes on to a file and hashes them: the digest of exactly the bytes written."""
-
-    def __init__(self, f: IO[bytes]) -> None:
-        self.f, self.sha256, self.size = f, hashlib.sha256(), 0
-
-    def write(self, data: bytes) -> int:
-        self.sha256.update(data)
-        self.size += memoryview(data).nbytes
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _atomic_write(path: Path, write: Callable[[_Sha256Writer], object]) -> tuple[int, str]:
-    """Write a temp file in the same folder, then rename it: a crash leaves the old file or the
-    new one, never half of one (os.replace is atomic within a filesystem). Returns the size and
-    sha256 of the bytes written."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def _journal(folder: Path) -> list[str]:
+    """The version folders journal.json says this checkpoint's saves made (names only: what
+    the file holds is checked, as anything in the folder may have been edited)."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            hashed = _Sha256Writer(f)
-            write(hashed)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_folder(path.parent)  # and the rename itself, with any new folder entries beside it
-    return hashed.size, hashed.sha256.hexdigest()
+        names = json.loads((folder / JOURNAL).read_bytes())
+    except (OSError, ValueError):
+        return []
+    listed = names if isinstance(names, list) else []
+    return [n for n in listed if isinstance(n, str) and _VERSION.fullmatch(n)]
 
 
-def _fsync_folder(folder: Path) -> None:
-    if os.name != "posix":  # Windows cannot open a folder to fsync it
-        return
-    fd = os.open(folder, os.O_RDONLY)
+def _committed_version(folder: Path) -> int | None:
+    """The version meta.json commits to, if it is a record of save_sharded's."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return _read_meta(folder)["version"]
+    except (OSError, ValueError):
+        return None
+
+
+def _new_version_folder(folder: Path) -> int:
+    """Past every version this checkpoint knows, and past whatever sits in the folder under
+    that name: journaled first, then created (never an existing folder adopted)."""
+    committed = _committed_version(folder)
+    # The version meta.json commits to is ours too (a checkpoint saved before journals).
+    ours = [*_journal(folder), *([_version_name(committed)] if committed else [])]
+    version = 1 + max(int(name[1:]) for name in [*ours, "v0"])
+    while os.path.lexists(folder / _version_name(version)):
+        version += 1
+    write_file(folder / JOURNAL, json.dumps([*dict.fromkeys(ours), _version_name(version)]))
+    (folder / _version_name(version)).mkdir()
+    return version
 
 
 def _gather_file_records(state: ShardingState, size: int, sha256: str) -> list[dict[str, Any]]:
@@ -274,13 +274,23 @@ def _layout(model: nn.Module, state: ShardingState) -> dict[str, Any]:
 
 
 def _remove_superseded(folder: Path, current: int) -> None:
-    """Older version folders, and files of interrupted saves; never anything we did not write."""
-    for entry in folder.iterdir():
-        version = _VERSION.fullmatch(entry.name)
-        if version and entry.is_dir() and int(version[1]) != current:
-            shutil.rmtree(entry)
-        elif _LEFTOVER.fullmatch(entry.name) and entry.is_file():
-            entry.unlink()
+    """The version folders this checkpoint's saves made, but the current one: their rank files
+    and temporary files, then the folder if nothing else is in it; never through a link."""
+    keep = _version_name(current)
+    for name in dict.fromkeys(_journal(folder)):
+        if name != keep:
+            _remove_version(folder / name)
+    write_file(folder / JOURNAL, json.dumps([keep]))
+
+
+def _remove_version(version: Path) -> None:
+    with contextlib.suppress(OSError):
+        if not stat.S_ISDIR(version.lstat().st_mode):  # a link or a file: not what we made
+            return
+        for entry in os.scandir(version):
+            if _OURS_INSIDE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                os.unlink(entry.path)
+        version.rmdir()  # only if empty: whatever else is there stays
 
 
 def _read_meta(folder: Path) -> dict[str, Any]:
