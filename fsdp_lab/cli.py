@@ -17,7 +17,8 @@ A wrong input is one line naming the value and what was expected, and one line w
 
 With ``--json``, stdout carries exactly one JSON object whatever happens: the result, or
 ``{"error": ..., "hint": ...}``. Everything else (progress, rank output, C libraries) goes to
-stderr. Exit codes: 0 done, 1 a rank or fsdp_lab itself failed, 2 wrong input, 130 Ctrl-C.
+stderr. Exit codes: 0 done, 1 a rank or fsdp_lab itself failed, 2 wrong input, 130 Ctrl-C; SIGTERM
+and SIGHUP end a command as Ctrl-C does (`fsdp_lab.endings`), with 143 and 129.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any, NoReturn
 # only (importing torch took 4-18 s); torch comes in when a lab is about to run.
 from fsdp_lab.choices import BACKENDS, DEVICE_ENV, DEVICES
 from fsdp_lab.cores import OversubscribedWarning, available_cores, too_many_ranks
+from fsdp_lab.endings import Ending, ended_like_ctrl_c
 from fsdp_lab.host import forget_stale_launcher_env, torchrun_rank, under_torchrun
 from fsdp_lab.labs.options import add_config_arguments, config_overrides, to_flags
 from fsdp_lab.labs.registry import LABS, PLANNED
@@ -618,7 +620,7 @@ def device_chosen(device: str | None) -> Iterator[None]:
             os.environ[DEVICE_ENV] = before
 
 
-def _run(argv: list[str]) -> tuple[int, dict[str, Any]]:
+def _run(argv: list[str], ending: Ending) -> tuple[int, dict[str, Any]]:
     """Parse, validate, run; (exit code, the JSON payload: the result or the error object)."""
     where = "fsdp-lab"
     try:
@@ -651,7 +653,11 @@ def _run(argv: list[str]) -> tuple[int, dict[str, Any]]:
     except Failed as exc:
         _say(where, exc.error, exc.hint)
         return EXIT_FAILED, {"error": exc.error, "hint": exc.hint}
-    except KeyboardInterrupt:  # the cluster was closed on the way out (run_lab's finally)
+    except KeyboardInterrupt:  # the cluster was closed on the way out (finally blocks)
+        if ending.signum:  # SIGTERM, SIGHUP: the same clean-up, its own exit code
+            said = f"ended by {ending.name}: ranks and sandboxes stopped, temporary files removed"
+            print(f"fsdp-lab: {said}", file=sys.stderr)
+            return 128 + ending.signum, {"error": said, "hint": "run it again to get a result"}
         print(f"fsdp-lab: {INTERRUPTED}", file=sys.stderr)
         return EXIT_INTERRUPTED, {"error": INTERRUPTED, "hint": "run it again to get a result"}
     except Exception as exc:
@@ -708,11 +714,11 @@ def stdout_kept_for_json(enabled: bool) -> Iterator[Callable[[dict[str, Any]], N
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``fsdp-lab``: returns the exit code (0 done, 1 failed, 2 wrong input, 130 Ctrl-C)."""
+    """``fsdp-lab``: returns the exit code (0 done, 1 failed, 2 wrong input, 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     as_json = _wants_json(argv)
-    with stdout_kept_for_json(as_json) as write_json:
-        code, payload = _run(argv)
+    with stdout_kept_for_json(as_json) as write_json, ended_like_ctrl_c() as ending:
+        code, payload = _run(argv, ending)
         if as_json and _is_main_process():
             write_json(payload)
     return code

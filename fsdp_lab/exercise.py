@@ -27,13 +27,16 @@ runs them — so the engine uses the topics, and no topic uses the engine.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import gc
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -367,13 +370,33 @@ def attempt(
     # trial starts from torch's defaults (a correct function failed after one that had not).
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
-    with open(stack_file.format(rank=rank()), "w") as out, rank_threads():
+    with open(stack_file.format(rank=rank()), "w") as out, rank_threads(), groups_released():
         faulthandler.dump_traceback_later(dump_after, file=out)
         try:
             outcome = trial(recorded if record else fn, case)
         finally:
             faulthandler.cancel_dump_traceback_later()
     return json.dumps({"outcome": plain(outcome), "answers": answers if record else None})
+
+
+@contextlib.contextmanager
+def groups_released() -> Iterator[None]:
+    """Every process group made inside (a trial's subgroups, a DeviceMesh's) is destroyed when
+    it ends: ranks that serve a whole class (the grader's reference ranks replay every
+    learner's mesh) kept each group's sockets — about ten per layout on gloo — until the open
+    files ran out and a later, correct answer failed inside gloo."""
+    from torch.distributed import distributed_c10d as c10d
+
+    before = set(c10d._world.pg_map) if dist.is_initialized() else set()
+    try:
+        yield
+    finally:
+        made = [g for g in list(c10d._world.pg_map) if g not in before]
+        for group in made:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
+        if made:  # a group's sockets close with its last reference, often held in a cycle
+            gc.collect()
 
 
 NOT_PLAIN, TENSOR = "not plain data", "tensor"

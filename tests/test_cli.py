@@ -716,6 +716,10 @@ IDLE = ["meta-init", "--world-size", "2", "--model-mb", "8", "--sizes-mb", "8"]
         pytest.param("driver only", BUSY, id="driver-only-ranks-busy"),
         # Ranks idle while the driver works: the same one line (CI's e2e stage; 9 s here).
         pytest.param("terminal", IDLE, id="terminal-ranks-idle", marks=pytest.mark.e2e),
+        # Issue 51, "endings": a CI timeout's SIGTERM, a dropped ssh session's SIGHUP (own
+        # cases: a lab, where the issue named the grader) end a lab as Ctrl-C does.
+        pytest.param("SIGTERM", BUSY, id="sigterm-ranks-busy"),
+        pytest.param("SIGHUP", BUSY, id="sighup-ranks-busy", marks=pytest.mark.e2e),
     ],
 )
 def test_ctrl_c_stops_the_ranks_with_one_line(how, lab):
@@ -737,16 +741,21 @@ def test_ctrl_c_stops_the_ranks_with_one_line(how, lab):
         time.sleep(1.0)  # the lab is running now
         if how == "terminal":
             os.killpg(proc.pid, signal.SIGINT)
+        elif how.startswith("SIG"):
+            os.kill(proc.pid, signal.Signals[how])
         else:
             os.kill(proc.pid, signal.SIGINT)
         stdout, rest = proc.communicate(timeout=300)  # a ceiling: it takes seconds when idle
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, rest
-    assert error_lines(rest) == ["fsdp-lab: interrupted — ranks stopped"], rest
+    said = "interrupted — ranks stopped"
+    if how.startswith("SIG"):
+        said = f"ended by {how}: ranks and sandboxes stopped, temporary files removed"
+    assert proc.returncode == 128 + (signal.Signals[how] if how.startswith("SIG") else 2), rest
+    assert error_lines(rest) == [f"fsdp-lab: {said}"], rest
     error = json.loads(stdout)  # --json: the error object, even now
-    assert error["error"] == "interrupted — ranks stopped" and error["hint"]
+    assert error["error"] == said and error["hint"]
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"orphaned: {alive}"
 

@@ -89,3 +89,27 @@ def test_a_layout_that_depends_on_the_rank_is_refused_not_hung(exercise_pool):
     v = course.grade("mesh_groups", by_rank, exercise_pool)
     assert v.kind == "wrong output", v.to_text()
     assert "not on the rank" in v.hint, v.to_text()
+
+
+def _open_files() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("name", ["mesh_groups", "all_reduce_mean"])
+def test_ranks_that_serve_a_class_keep_no_group_a_trial_made(exercise_pool, name):
+    """Issue 51, item 4: every replayed layout left about ten sockets on each of the grader's
+    long-lived reference ranks; under a soft limit of 1,024 open files, from about the 99th
+    file on every replay failed inside gloo — a correct answer scored 0. Each trial's groups
+    are destroyed when it ends (all_reduce_mean, which makes a subgroup per case: own case)."""
+    from fsdp_lab.course.catalog import exercise
+    from fsdp_lab.course.checker import run_case
+
+    ex = exercise(name)
+    wrong, case = ex.bugs[0].wrong, ex.cases[-1]
+    counts = []
+    for _ in range(4):
+        assert "failure" not in run_case(ex, wrong, case, exercise_pool) or name != "mesh_groups"
+        counts.append(exercise_pool.cluster(case.world_size).run(_open_files))
+    assert counts[-1] == counts[0], counts

@@ -639,9 +639,11 @@ print(launcher.server_pid(), resource_tracker._resource_tracker._pid, flush=True
 """
 
 
-@pytest.mark.parametrize("ending", ["cluster.close()", "os.kill(os.getpid(), 15)", "pass"])
+@pytest.mark.parametrize(
+    "ending", ["cluster.close()", "os.kill(os.getpid(), 15)", "os.kill(os.getpid(), 9)", "pass"]
+)
 def test_nothing_a_cluster_started_outlives_the_process_that_made_it(tmp_path, ending):
-    """closed, killed by SIGTERM, or left open at exit: the fork server, the resource tracker,
+    """closed, killed (SIGTERM, SIGKILL), or left open at exit: the fork server, the resource tracker,
     every rank and everything the ranks started are gone, and so is the ranks' store."""
     import subprocess
 

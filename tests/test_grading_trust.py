@@ -9,6 +9,7 @@ import contextlib
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -947,3 +948,115 @@ def test_a_lab_output_planted_as_a_link_is_replaced_not_written_through(tmp_path
     assert victim.read_text() == "precious"
     assert (tmp_path / "out" / "memory.png").read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "out" / "memory.png").is_symlink()
+
+
+# -- resources: memory a submission holds in tmpfs counts against its limit (issue 51) ----------
+
+
+@pytest.mark.skipif(bwrap() is None, reason="bubblewrap cannot run here (CI installs it)")
+def test_the_sandboxs_shared_memory_is_private_and_bounded(tmp_path):
+    """Item 5: /dev/shm in the sandbox was bwrap's own /dev folder (half the machine's RAM,
+    writable by a grader that is not root): 720 MiB held under a 256 MiB limit. It is a
+    tmpfs of its own now, of a bounded size, and /dev is read-only."""
+    from fsdp_lab.course import sandbox
+
+    probe = textwrap.dedent("""
+        import json, os
+        shm = os.statvfs("/dev/shm")
+        try:
+            open("/dev/hoard", "wb").close()
+            dev = "writable"
+        except OSError:
+            dev = "read-only"
+        os.write(3, json.dumps({"shm": shm.f_blocks * shm.f_frsize, "dev": dev}).encode())
+        """)
+    (tmp_path / "probe.py").write_text(probe)
+    run = sandbox.run_submission(tmp_path / "probe.py", "probe.py", ["probe.py"],
+                                 sandbox.Limits(wall_seconds=60), 1 << 20)  # fmt: skip
+    seen = json.loads(run.reply)
+    assert seen["shm"] <= sandbox.SHM_TMPFS_BYTES and seen["dev"] == "read-only", seen
+
+
+@pytest.mark.skipif(bwrap() is None, reason="bubblewrap cannot run here (CI installs it)")
+def test_files_in_the_sandboxs_tmpfs_count_against_its_memory(tmp_path, monkeypatch):
+    """Own case: under the watchdog (no control group), 200 MiB in /tmp and 200 MiB in the
+    working folder — tmpfs pages no process maps — passed a 256 MiB limit unseen."""
+    from fsdp_lab.course import sandbox
+
+    monkeypatch.setattr(sandbox.ControlGroup, "make", classmethod(lambda cls, *a: None))
+    probe = textwrap.dedent("""
+        import os, time
+        held = 0
+        for where in ("/tmp", "."):
+            for k in range(4):  # files under the 64 MiB a file may hold
+                with open(os.path.join(where, f"hoard{k}"), "wb") as f:
+                    for _ in range(50):
+                        f.write(b"z" * (1 << 20))
+                        f.flush()
+                        held += 1
+        os.write(3, b"held all")
+        time.sleep(5)
+        """)
+    (tmp_path / "probe.py").write_text(probe)
+    limits = sandbox.Limits(wall_seconds=60, memory_bytes=256 << 20)
+    run = sandbox.run_submission(tmp_path / "probe.py", "probe.py", ["probe.py"], limits, 1 << 20)
+    assert run.limit_hit == "memory", (run.reply, run.stderr[-1000:])
+
+
+# -- endings: SIGTERM and SIGHUP clean up as Ctrl-C does (issue 51) ------------------------------
+
+LOOPS = "def all_reduce_mean(tensor, group):\n    return tensor\n\nwhile True:\n    pass\n"
+
+
+def _cgroups_of_ours() -> list[str]:
+    """Control groups a sandbox made (fsdp_lab_grade_*), in every hierarchy of this process."""
+    left = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, names, path = line.split(":", 2)
+        for mount in ("/sys/fs/cgroup/" + n for n in (names.split(",") if names else ["unified"])):
+            with contextlib.suppress(OSError):
+                left += [e.name for e in Path(mount + path).iterdir()
+                         if e.name.startswith("fsdp_lab_")]  # fmt: skip
+    return left
+
+
+def _descendants_of(pid: int) -> list[psutil.Process]:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).children(recursive=True)
+    return []
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.e2e)], ids=["TERM", "HUP"]
+)
+def test_a_grading_run_ended_by_a_signal_leaves_nothing_behind(tmp_path, sig):
+    """Item 3: SIGTERM or SIGHUP (a CI timeout, a dropped ssh session) left copies of every
+    student's file, the sandbox folder, the ranks' stores and two cgroups."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    for who in ("ann", "bob"):
+        (tmp_path / "s" / who).mkdir(parents=True)
+        (tmp_path / "s" / who / "ex.py").write_text(LOOPS)
+    command = [*FSDP_LAB, "grade", "s", "--json", "--time-limit", "30"]
+    cgroups = set(_cgroups_of_ours())  # another run's, if any
+    proc = subprocess.Popen(command, cwd=tmp_path, env={**os.environ, "TMPDIR": str(temp)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    seen: set[int] = set()
+    deadline = time.monotonic() + 120  # a ceiling: the first sandbox is up within seconds
+    while time.monotonic() < deadline:  # until a submission runs in its sandbox
+        below = _descendants_of(proc.pid)
+        seen |= {p.pid for p in below}
+        if any("submission" in " ".join(p.cmdline()) for p in below if p.is_running()):
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)
+    seen |= {p.pid for p in _descendants_of(proc.pid)}
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, err[-2000:]
+    assert json.loads(out)["error"].startswith(f"ended by {signal.Signals(sig).name}")
+    time.sleep(0.5)
+    assert [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+            ] == []  # fmt: skip
+    assert [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor")] == []
+    assert set(_cgroups_of_ours()) - cgroups == set()

@@ -54,6 +54,7 @@ from typing import Any
 import cloudpickle
 import psutil
 
+from fsdp_lab import endings
 from fsdp_lab.cluster import launcher
 from fsdp_lab.cluster.output import RankOutput
 from fsdp_lab.cluster.protocol import (
@@ -596,15 +597,16 @@ def _state_of(pid: int) -> str | None:
 
 @contextlib.contextmanager
 def _sigint_held() -> Iterator[None]:
-    """Ctrl-C waits until a message is wholly sent or read: half of one desynchronises a pipe."""
+    """Ctrl-C (and SIGTERM, SIGHUP: `fsdp_lab.endings`) waits until a message is wholly sent
+    or read: half of one desynchronises a pipe."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signals are only ever handled on the main thread
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    held = set(endings.SIGNALS) - signal.pthread_sigmask(signal.SIG_BLOCK, endings.SIGNALS)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
 def how_it_ended(code: int | None) -> str:

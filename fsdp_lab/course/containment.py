@@ -11,9 +11,10 @@ concurrent sandbox (whose students then saw "no result"). Two ways to limit the 
   runs anything; anonymous memory, shared memory and memfd pages are all charged to it, and the
   kernel's out-of-memory killer stops the sandbox at its limit;
 - **a watchdog** otherwise: a thread sums the proportional memory (PSS) of the sandbox's
-  processes, plus the memfds they hold, and their threads, every `WATCH_SECONDS`, and kills the
-  whole sandbox past a limit. Coarser (between two looks a submission can overshoot), but it
-  holds the total where no cgroup can be made.
+  processes, the memfds they hold and the files in the sandbox's own tmpfs mounts (its /tmp,
+  working folder and /dev/shm: pages no process maps), and their threads, every
+  `WATCH_SECONDS`, and kills the whole sandbox past a limit. Coarser (between two looks a
+  submission can overshoot), but it holds the total where no cgroup can be made.
 
 As root, each sandbox also runs as a user of its own (`sandbox_uid`), so the per-user process
 rlimit counts that sandbox alone.
@@ -180,19 +181,31 @@ def _memory_of(process: psutil.Process, memfds: dict[tuple[int, int], int]) -> i
     return pss
 
 
+def _device(path: str) -> int | None:
+    try:
+        return os.stat(path).st_dev
+    except OSError:
+        return None
+
+
 class Watchdog:
     """Sums the memory and threads of `root` and everything below it, every `WATCH_SECONDS`;
     past a limit it calls `kill` once and remembers which limit it was."""
 
     def __init__(
-        self, root: int, memory_bytes: int, processes: int, kill: Callable[[], None]
-    ) -> None:
+        self, root: int, memory_bytes: int, processes: int, kill: Callable[[], None],
+        tmpfs: tuple[str, ...] = (),
+    ) -> None:  # fmt: skip
         self.root, self.memory_bytes, self.processes, self.kill = (
             root,
             memory_bytes,
             processes,
             kill,
         )
+        self.tmpfs = tmpfs  # the sandbox's own tmpfs mounts (paths inside it)
+        # The grader's own filesystems at those paths: never the sandbox's (without bwrap, its
+        # processes see the machine's /tmp, which is not theirs to be charged for).
+        self._hosts = {_device(p) for p in ("/", *tmpfs)} - {None}
         self.hit: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True, name="sandbox-watchdog")
@@ -211,11 +224,26 @@ class Watchdog:
                 memory += _memory_of(process, memfds)
                 with contextlib.suppress(psutil.Error):
                     threads += process.num_threads()
-            memory += sum(memfds.values())
+            memory += sum(memfds.values()) + self._tmpfs_bytes(tree)
             if memory > self.memory_bytes or threads > self.processes:
                 self.hit = "memory" if memory > self.memory_bytes else "processes"
                 self.kill()
                 return
+
+    def _tmpfs_bytes(self, tree: list[psutil.Process]) -> int:
+        """Bytes in use in the sandbox's tmpfs mounts, each counted once (seen through
+        /proc/<pid>/root of a process inside)."""
+        used: dict[int, int] = {}
+        for process in tree:
+            for mount in self.tmpfs:
+                path = f"/proc/{process.pid}/root{mount}"
+                device = _device(path)
+                if device is None or device in self._hosts or device in used:
+                    continue
+                with contextlib.suppress(OSError):
+                    fs = os.statvfs(path)
+                    used[device] = (fs.f_blocks - fs.f_bfree) * fs.f_frsize
+        return sum(used.values())
 
     def stop(self) -> None:
         self._stop.set()

@@ -54,6 +54,11 @@ from fsdp_lab.course.containment import ControlGroup, Watchdog, sandbox_uid
 INSIDE = "/sandbox"  # the working directory inside the sandbox
 REPLY_FD = 3  # the child writes its reply here: a pipe to the grader, nothing on disk
 TMPFS = ("--perms", "01777", "--size", str(256 << 20), "--tmpfs")  # a small private folder
+# POSIX shared memory of its own: bwrap's /dev/shm is a folder of its /dev (as big as half the
+# machine's memory, writable by a grader that is not root), whose pages no process maps.
+SHM_TMPFS_BYTES = 64 << 20
+# The sandbox's tmpfs mounts: their files are memory, counted against the sandbox's limit.
+TMPFS_MOUNTS = ("/tmp", "/sandbox", "/dev/shm")
 PR_SET_CHILD_SUBREAPER = 36
 SHM_BYTES = 32 << 20  # System V shared memory the sandbox may hold in all
 SHM_LIMITS = (
@@ -198,7 +203,8 @@ def _mounts(extra: list[str]) -> list[str]:
             args += ["--ro-bind", path, path]
     # The private /tmp first: mounted after them, it would hide every bind below /tmp (a
     # checkout or a virtual environment there), and no submission could import anything.
-    args += ["--dev", "/dev", "--proc", "/proc", *TMPFS, "/tmp"]
+    args += ["--dev", "/dev", "--perms", "01777", "--size", str(SHM_TMPFS_BYTES), "--tmpfs",
+             "/dev/shm", "--remount-ro", "/dev", "--proc", "/proc", *TMPFS, "/tmp"]  # fmt: skip
     made: set[str] = set()
     for path in extra:
         # bwrap makes missing parents mode 0700: readable parents, or nobody cannot reach it
@@ -349,7 +355,7 @@ def _run_limited(
     watchdog = None
     if group is None:
         watchdog = Watchdog(proc.pid, limits.memory_bytes, limits.processes,
-                            kill=lambda: _kill_tree(proc.pid))  # fmt: skip
+                            kill=lambda: _kill_tree(proc.pid), tmpfs=TMPFS_MOUNTS)  # fmt: skip
     tails = [_Tail(proc.stdout, limits.output_bytes), _Tail(proc.stderr, limits.output_bytes)]
     reply = _Tail(os.fdopen(reply_r, "rb"), reply_limit, keep="first")
     try:
