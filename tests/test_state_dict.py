@@ -310,6 +310,7 @@ def _save_killed_on_rank1(folder: str) -> None:
             data = buffer.getvalue()
             f.write(data[: len(data) // 2])
             f.flush()
+            Path(folder).with_name("half-written").touch()
             os._exit(9)  # no cleanup, no exception handler: as a kill -9 or a lost node
 
         state_dict_module.torch.save = half_then_die  # this process dies: nothing to restore
@@ -331,8 +332,10 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(cluster_of
         cluster.close()
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert alive == []
-    # The kill really came mid-write: rank 1's half file is still there.
-    assert any(p.name.endswith(".tmp") for p in folder.rglob("*"))
+    # The kill really came mid-write; the surviving rank removed the save's files (its own,
+    # the half one, its version folder): only checkpoint A is there.
+    assert (tmp_path / "half-written").exists()
+    _assert_only_the_checkpoint(folder, 2)
 
     for got in cluster_of(2).run(_load_values, str(folder)):
         assert _equal(got, a)
@@ -604,6 +607,8 @@ def test_a_full_disk_is_said_plainly_and_the_checkpoint_stays(cluster_of, tmp_pa
         said = cluster_of(2).run(_save_error_on, str(folder))
         assert all("No space left on device" in s and "unchanged" in s for s in said), said
         assert not any("enforce fail" in s for s in said)
+        left = sorted(p.name for p in folder.iterdir() if p.is_dir())
+        assert len(left) == 1, left  # the failed save's folder went with it
         for got in cluster_of(2).run(_load_values, str(folder)):  # the first save, whole
             assert _equal(got, tiny_gpt().state_dict())
     finally:

@@ -142,9 +142,18 @@ def _save_in_group(
     _on_every_rank(state, prepare, "save_sharded (prepare)")
     root = dist.get_global_rank(state.group, 0) if state.group is not None else 0
     comm.broadcast(version, src=root, group=state.group)  # every rank writes into rank 0's choice
-    _on_every_rank(state, write_shards, "save_sharded (write_shards)")  # all files on disk
-    records = _gather_file_records(state, *written[0])  # for meta.json, so loads can check
-    _on_every_rank(state, lambda: commit(records), "save_sharded (commit)")
+    try:
+        _on_every_rank(state, write_shards, "save_sharded (write_shards)")  # all files on disk
+        records = _gather_file_records(state, *written[0])  # for meta.json, so loads can check
+        _on_every_rank(state, lambda: commit(records), "save_sharded (commit)")
+    except BaseException:  # failed or interrupted (Ctrl-C) before the switch: its own files go
+        if _committed_version(folder) != int(version.item()):
+            new = folder / _version_name(int(version.item()))
+            with contextlib.suppress(OSError):
+                (new / _rank_name(state.shard_rank)).unlink()
+            if state.shard_rank == 0:  # the folder too, once the others' files are gone
+                _remove_version(new)  # (or by the next save: it is in the journal)
+        raise
     _on_every_rank(state, clean_up, "save_sharded (clean_up)")
     return folder
 
