@@ -808,8 +808,10 @@ def _one_object(proc: subprocess.CompletedProcess) -> dict:
 
 @pytest.mark.parametrize("stale", [STALE, {"RANK": "abc"}, STALE_TORCHRUN], ids=["rank1", "abc",
                                                                                "torchrun"])  # fmt: skip
-def test_a_stale_launcher_environment_is_ignored_in_one_line(stale):
-    proc = fsdp_lab("plan", "--json", env={**ENV, **stale})
+def test_a_stale_launcher_environment_is_ignored_in_one_line(capfd, monkeypatch, stale):
+    for key, value in stale.items():
+        monkeypatch.setenv(key, value)
+    proc = fsdp_lab_here(capfd, "plan", "--json")
     assert proc.returncode == 0, proc.stderr
     assert _one_object(proc)["fits"] is True
     said = [line for line in proc.stderr.splitlines() if "ignoring" in line]

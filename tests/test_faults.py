@@ -640,7 +640,13 @@ print(launcher.server_pid(), resource_tracker._resource_tracker._pid, flush=True
 
 
 @pytest.mark.parametrize(
-    "ending", ["cluster.close()", "os.kill(os.getpid(), 15)", "os.kill(os.getpid(), 9)", "pass"]
+    "ending",
+    [
+        "os.kill(os.getpid(), 15)",  # SIGTERM; the other endings, whole runs too, in CI's e2e
+        pytest.param("os.kill(os.getpid(), 9)", marks=pytest.mark.e2e),
+        pytest.param("cluster.close()", marks=pytest.mark.e2e),
+        pytest.param("pass", marks=pytest.mark.e2e),
+    ],
 )
 def test_nothing_a_cluster_started_outlives_the_process_that_made_it(tmp_path, ending):
     """closed, killed (SIGTERM, SIGKILL), or left open at exit: the fork server, the resource tracker,
