@@ -496,11 +496,19 @@ def grade_command(args: argparse.Namespace) -> dict[str, Any]:
             "this machine (not a submission) — please report this line",
         ) from None
     results = graded["submissions"]
-    if args.csv is not None:
-        grading.write_csv(results, args.csv)
-        print(f"gradebook CSV: {args.csv}", file=sys.stderr)
-    if not args.json:
+    if not args.json:  # first: the grades are on screen whatever happens to the CSV
         print(grading.text_report(results))
+    if args.csv is not None:
+        try:
+            grading.write_csv(results, args.csv)
+            print(f"gradebook CSV: {args.csv}", file=sys.stderr)
+        except OSError as exc:  # a disk filled since the check: the grades are not lost
+            shown = "the JSON on stdout" if args.json else "the table above"
+            graded["gradebook_error"] = (
+                f"the gradebook could not be written to {args.csv} ({exc.strerror or exc}); "
+                f"every grade is in {shown}"
+            )
+            print(f"fsdp-lab grade: {graded['gradebook_error']}", file=sys.stderr)
     if graded["grader_errors"]:
         print(f"fsdp-lab grade: the grader failed on {graded['grader_errors']} file(s) (their "
               "rows say so): a bug in fsdp_lab, please report it", file=sys.stderr)  # fmt: skip
@@ -646,7 +654,8 @@ def _run(argv: list[str], ending: Ending) -> tuple[int, dict[str, Any]]:
         }
         with device_chosen(getattr(args, "device", None)):
             payload = commands.get(args.lab, one_lab)(args)
-        return (EXIT_FAILED if payload.get("grader_errors") else 0), payload
+        failed = payload.get("grader_errors") or payload.get("gradebook_error")
+        return (EXIT_FAILED if failed else 0), payload
     except UsageError as exc:
         _say(exc.where or where, exc.error, exc.hint)
         return EXIT_USAGE, {"error": exc.error, "hint": exc.hint}

@@ -54,7 +54,10 @@ def write_file(
     """Write `content` (bytes, text as UTF-8, or a function given the file to write to) to
     `path`, new and whole (see the module's note); returns the size and sha256 written."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise OSError(exc.errno, f"writing {path}: {exc.strerror or exc}") from exc
     try:
         with os.fdopen(fd, "wb") as f:
             hashed = HashingWriter(f)

@@ -357,9 +357,19 @@ def test_limits_stop_a_loop_a_flood_and_a_hog(graded):
     assert score(got["hog"]) == 2 and any("MemoryError" in n for n in got["hog"]["notes"])
 
 
-@pytest.mark.parametrize("where", ["folder", "missing/grades.csv"])
+@pytest.mark.parametrize(
+    "where",
+    # A folder others may write without the sticky bit (they could swap the gradebook), a
+    # link at the gradebook's name (root replaced /dev/stdout with a file), /dev/fd/1: found
+    # by a hostile review.
+    ["folder", "missing/grades.csv", "shared/grades.csv", "link.csv", "/dev/fd/1"],
+)
 def test_a_csv_that_cannot_be_written_is_refused_before_grading(tmp_path, where):
     (tmp_path / "folder").mkdir()
+    (tmp_path / "shared").mkdir()
+    os.chmod(tmp_path / "shared", 0o777)
+    (tmp_path / "target.csv").write_text("")
+    (tmp_path / "link.csv").symlink_to(tmp_path / "target.csv")
     (tmp_path / "s").mkdir()
     (tmp_path / "s" / "ex.py").write_text(CORRECT)
     proc = subprocess.run(
@@ -795,13 +805,23 @@ def test_the_class_time_limit_leaves_rows_not_a_stall(tmp_path):
     assert "at most in all (class time limit 0.5 s)" in proc.stderr
 
 
-def test_students_are_graded_in_turns_up_to_their_cap():
-    from fsdp_lab.course.roster import Submission, fair_order
+def test_students_are_graded_in_turns_up_to_their_cap(tmp_path):
+    from fsdp_lab.course.roster import fair_order, submissions
 
-    todo = [Submission(f"{s}/{k}.py", s, f"{k}.py") for s in "aab" for k in "xy"]
-    order, skipped = fair_order(todo[:2] + todo[4:] + [Submission("a/z.py", "a", "z.py")], 2)
-    assert [o.shown for o in order] == ["a/x.py", "b/x.py", "a/y.py", "b/y.py"]
-    assert [r["file"] for r in skipped] == ["a/z.py"]
+    for who, files in (("a", "xyz"), ("b", "xy")):
+        for k in files:
+            (tmp_path / "s" / who).mkdir(parents=True, exist_ok=True)
+            (tmp_path / "s" / who / f"{k}.py").write_text("x = 1\n")
+        (tmp_path / "s" / who / "timestamp.txt").write_text("nbgrader's")  # never a row
+        (tmp_path / "s" / who / "notes.md").write_text("a row, not counted in the cap")
+    (tmp_path / "snap").mkdir()
+    order = fair_order(submissions([tmp_path / "s"], tmp_path / "snap", max_files=2))
+    graded = [o.shown.split("/s/")[1] for o in order if o.copy is not None]
+    assert graded == ["a/x.py", "b/x.py", "a/y.py", "b/y.py"]
+    over = [o.shown.split("/s/")[1] for o in order if o.error and "more than 2" in o.error]
+    assert over == ["a/z.py"]
+    assert len(list((tmp_path / "snap").iterdir())) == 4  # past the cap: never copied
+    assert sum("notes.md" in o.shown for o in order) == 2
 
 
 def test_a_grader_error_on_one_file_is_its_row_and_the_others_are_graded(tmp_path, monkeypatch):
@@ -839,10 +859,14 @@ def test_several_folders_named_keep_their_students_apart(tmp_path):
     roots = sorted((tmp_path / "submitted").iterdir())
     students = [s.student for s in submissions(roots, tmp_path / "snap")]
     assert students == ["alice/ps1", "bob/ps1"]
-    (whole,) = {s.student for s in submissions([tmp_path / "submitted"], tmp_path / "snap")} - {
-        "bob"
-    }
-    assert whole == "alice"
+    (tmp_path / "snap2").mkdir()
+    whole = {s.student for s in submissions([tmp_path / "submitted"], tmp_path / "snap2")}
+    assert whole == {"alice", "bob"}
+    # One assignment of each (`submitted/*/ps1`): each named by the end of its path that tells
+    # it apart, not all "ps1/ps1" (a hostile review: the whole class was one student).
+    (tmp_path / "snap3").mkdir()
+    ps1 = sorted((tmp_path / "submitted").glob("*/ps1"))
+    assert [s.student for s in submissions(ps1, tmp_path / "snap3")] == ["alice/ps1", "bob/ps1"]
 
 
 def test_a_hidden_python_file_gets_a_row_and_jupyters_folders_none(tmp_path):
@@ -1060,3 +1084,23 @@ def test_a_grading_run_ended_by_a_signal_leaves_nothing_behind(tmp_path, sig):
             ] == []  # fmt: skip
     assert [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor")] == []
     assert set(_cgroups_of_ours()) - cgroups == set()
+
+
+def test_a_gradebook_that_cannot_be_written_at_the_end_loses_no_grade(tmp_path, capfd,
+                                                                      monkeypatch):  # fmt: skip
+    """A hostile review: a disk filled (or a folder planted) after the up-front check cost the
+    whole class's grades — exit 1, no table. The grades are printed first now."""
+    from fsdp_lab import cli
+    from fsdp_lab.course import grading
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(grading, "write_csv", full)
+    (tmp_path / "ann.py").write_text("x = 1\n")
+    code = cli.main(["grade", str(tmp_path / "ann.py"), "--csv", str(tmp_path / "g.csv"),
+                     "--json"])  # fmt: skip
+    out, err = capfd.readouterr()
+    payload = json.loads(out)
+    assert code == 1 and payload["submissions"][0]["student"] == "ann"
+    assert "could not be written" in payload["gradebook_error"] and "JSON" in err

@@ -203,3 +203,72 @@ def test_a_plain_accented_name_prints_as_written(tmp_path):
     snapshot.mkdir()
     (row,) = submissions([folder], snapshot)
     assert row.student == "zo\u00e9"
+
+
+# -- found by a hostile review ---------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="lchown needs root (CI grades as root)")
+def test_a_students_link_named_by_a_shell_glob_is_not_followed(tmp_path):
+    """`fsdp-lab grade submitted/*/ps1`: the shell named alice's `ps1`, a link she owns to a
+    folder of the grader's; it was followed and its files graded as hers."""
+    folder = _class(tmp_path, {"bob": BOB})
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "key.py").write_text(ALICE)
+    (folder / "alice").mkdir()
+    (folder / "alice" / "ps1").symlink_to(secret)
+    os.lchown(folder / "alice" / "ps1", 4321, 4321)
+    snapshot = tmp_path / "snap"
+    snapshot.mkdir()
+    rows = submissions(sorted(folder.glob("*/ps1")), snapshot)
+    alice = [r for r in rows if "alice" in r.shown]
+    assert len(alice) == 1 and alice[0].copy is None and "owned by user 4321" in alice[0].error
+    assert [r.student for r in rows if r.copy is not None] == ["bob/ps1"]
+
+
+def test_folders_nested_past_the_limit_are_one_row_and_the_class_is_graded(tmp_path):
+    """1,200 nested folders made the walk raise RecursionError: no row for anyone."""
+    folder = _class(tmp_path, {"alice": ALICE})
+    deep = folder / "mallory"
+    for _ in range(40):
+        deep = deep / "d"
+    deep.mkdir(parents=True)
+    snapshot = tmp_path / "snap"
+    snapshot.mkdir()
+    rows = {r.student: r for r in submissions([folder], snapshot)}
+    assert rows["alice"].copy is not None
+    assert rows["mallory"].copy is None and "nested deeper" in rows["mallory"].error
+
+
+def test_a_hard_link_made_elsewhere_to_a_students_file_does_not_cost_them_it(tmp_path):
+    """Any file with two links was refused: a classmate who could link bob's file from
+    outside the class took bob's grade. What matters is whose the file is."""
+    folder = _class(tmp_path, {"bob": BOB})
+    os.link(folder / "bob" / "ps1" / "work.py", tmp_path / "elsewhere.py")
+    snapshot = tmp_path / "snap"
+    snapshot.mkdir()
+    (row,) = submissions([folder], snapshot)
+    assert row.copy is not None and row.copy.read_text() == BOB
+
+
+def test_an_empty_students_folder_is_a_row(tmp_path):
+    folder = _class(tmp_path, {"alice": ALICE})
+    (folder / "bob").mkdir()
+    snapshot = tmp_path / "snap"
+    snapshot.mkdir()
+    rows = {r.student: r for r in submissions([folder], snapshot)}
+    assert "no files" in rows["bob"].error
+
+
+@pytest.mark.parametrize("pair", [("zoe", "zoe\u2800"), ("zoe", "z\u0585e")],
+                         ids=["braille blank", "armenian oh"])  # fmt: skip
+def test_names_a_review_found_alike_print_apart(tmp_path, pair):
+    folder = tmp_path / "submitted"
+    for k, who in enumerate(pair):
+        (folder / who).mkdir(parents=True)
+        (folder / who / "work.py").write_text(f"x = {k}\n")
+    snapshot = tmp_path / "snap"
+    snapshot.mkdir()
+    names = [r.student for r in submissions([folder], snapshot)]
+    assert "zoe" in names and all(n == "zoe" or "\\u" in n for n in names), names

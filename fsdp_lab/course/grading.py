@@ -37,7 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_lab.course import sandbox
-from fsdp_lab.course.roster import MAX_FILES_PER_STUDENT, Submission, fair_order, submissions
+from fsdp_lab.course.roster import (
+    MAX_FILES_PER_STUDENT,
+    OVER_THE_CAP,
+    SnapshotError,
+    Submission,
+    fair_order,
+    submissions,
+)
 from fsdp_lab.course.verdict import printable, rows_text
 from fsdp_lab.outputs import write_file
 
@@ -87,28 +94,40 @@ def grade_paths(
     paths = list(paths)
     binds = sandbox.python_binds(avoid=paths) if sandbox.bwrap() is not None else []
     snapshot = tempfile.TemporaryDirectory(prefix="fsdp_lab_submissions_")  # mode 0700
-    todo, skipped = fair_order(submissions(paths, Path(snapshot.name)), max_files)
-    seen = {"note": sandbox.sandbox_note(sandbox.Limits(wall_seconds=0)), "binds": binds}
-    progress(seen["note"])
-    students = len({sub.student for sub in todo})
-    mentions = [mentioned(sub) for sub in todo]  # each file read once, here
-    limits = [
-        file_limits(sub, len(m), time_limit, only) for sub, m in zip(todo, mentions, strict=True)
-    ]
-    budget = sum(lim.wall_seconds for lim in limits if lim is not None)
-    over = f" ({len(skipped)} more over the cap of {max_files} per student)" if skipped else ""
-    progress(
-        f"{_count(len(todo), 'file')} of {_count(students, 'student')}{over}; each file stops at "
-        f"its own time limit: {budget / 60:.0f} min at most in all"
-        + (f" (class time limit {class_time_limit:g} s)" if class_time_limit else "")
-    )
-    judge = Judge(max(time_limit, 30.0))  # the reference's cases get at least the default
-    # The reference of every exercise the class mentions, measured while the first files run.
-    for name in dict.fromkeys(n for names in mentions for n in names):
-        if only is None or name == only:
-            judge.prepare(exercise(name))
-    results, grader_errors, t_start = [], 0, time.monotonic()
-    try:
+    judge: Judge | None = None
+    try:  # from here on, whatever ends the run (SIGTERM too) removes every copy
+        try:
+            listed = fair_order(submissions(paths, Path(snapshot.name), max_files))
+        except SnapshotError as exc:  # the grader's own folder is full: no student's row
+            raise GraderError(str(exc)) from exc
+        over = OVER_THE_CAP.format(max_files)
+        skipped = [sub for sub in listed if sub.error and sub.error.endswith(over)]
+        todo = [sub for sub in listed if sub not in skipped]
+        seen = {"note": sandbox.sandbox_note(sandbox.Limits(wall_seconds=0)), "binds": binds}
+        progress(seen["note"])
+        if todo and any(sub.copy is not None for sub in todo):
+            check_sandbox_runs(binds)  # before any student is given a row by a broken sandbox
+        students = len({sub.student for sub in todo})
+        mentions = [mentioned(sub) for sub in todo]  # each file read once, here
+        limits = [
+            file_limits(sub, len(m), time_limit, only)
+            for sub, m in zip(todo, mentions, strict=True)
+        ]
+        budget = sum(lim.wall_seconds for lim in limits if lim is not None)
+        capped = (
+            f" ({len(skipped)} more over the cap of {max_files} per student)" if skipped else ""
+        )
+        progress(
+            f"{_count(len(todo), 'file')} of {_count(students, 'student')}{capped}; each file "
+            f"stops at its own time limit: {budget / 60:.0f} min at most in all"
+            + (f" (class time limit {class_time_limit:g} s)" if class_time_limit else "")
+        )
+        judge = Judge(max(time_limit, 30.0))  # the reference's cases get at least the default
+        # The reference of every exercise the class mentions, measured while the first files run.
+        for name in dict.fromkeys(n for names in mentions for n in names):
+            if only is None or name == only:
+                judge.prepare(exercise(name))
+        results, grader_errors, t_start = [], 0, time.monotonic()
         for i, (sub, lim) in enumerate(zip(todo, limits, strict=True), 1):
             t0 = time.perf_counter()
             if class_time_limit is not None and time.monotonic() - t_start > class_time_limit:
@@ -129,9 +148,33 @@ def grade_paths(
             took = time.perf_counter() - t0
             progress(f"[{i}/{len(todo)}] {sub.shown}: {score_line(result)} ({took:.0f} s)")
     finally:
-        judge.close()
+        if judge is not None:
+            judge.close()
         snapshot.cleanup()
-    return {"sandbox": seen, "submissions": results + skipped, "grader_errors": grader_errors}
+    rows = results + [{"file": s.shown, "student": s.student, "error": s.error} for s in skipped]
+    return {"sandbox": seen, "submissions": rows, "grader_errors": grader_errors}
+
+
+CANARY = "import os, fsdp_lab.course.submission\nos.write(3, b'ok')\n"
+
+
+def check_sandbox_runs(binds: list[str]) -> None:
+    """A GraderError if the sandbox cannot run Python and import fsdp_lab (a Python that needs
+    variables the sandbox clears, a bind it lacks): then every file would get "no result", and
+    every student a 0 for the grader's fault."""
+    with tempfile.TemporaryDirectory(prefix="fsdp_lab_canary_") as folder:
+        probe = Path(folder, "canary.py")
+        probe.write_text(CANARY)
+        run = sandbox.run_submission(
+            probe, "canary.py", ["canary.py"], sandbox.Limits(wall_seconds=START_ALLOWANCE), 64,
+            binds=binds,
+        )  # fmt: skip
+    if run.reply != b"ok":
+        last = [ln for ln in run.stderr.splitlines() if ln.strip()][-3:] or ["no output"]
+        raise GraderError(
+            "the sandbox cannot run this Python (a file that only imports fsdp_lab failed "
+            f"there, exit code {run.returncode}): {printable(' | '.join(last))[:400]}"
+        )
 
 
 def _count(n: int, thing: str) -> str:
@@ -372,21 +415,38 @@ def text_report(results: list[dict[str, Any]]) -> str:
 
 
 def check_destination(path: Path) -> str | None:
-    """Why `path` cannot take the gradebook (checked before any file is graded), or None."""
+    """Why `path` cannot take the gradebook (checked before any file is graded), or None.
+
+    The gradebook replaces what is at `path` (a file of the grader's) and nothing else: not a
+    link (a system's /dev/stdout, or one a student planted), not another user's file; and only
+    in a folder nobody else may rename files in — there anyone could swap the finished
+    gradebook for their own."""
+    where = f"--csv {path}"
     if path.is_dir():
-        return f"--csv {path}: is a folder; expected a file name (e.g. {path}/grades.csv)"
+        return f"{where}: is a folder; expected a file name (e.g. {path}/grades.csv)"
     parent = path.parent
     if not parent.is_dir():
-        return f"--csv {path}: the folder {parent} does not exist; create it first"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"--csv {path}: not writable here; choose a folder you can write to"
+        return f"{where}: the folder {parent} does not exist; create it first"
+    folder = parent.stat()
+    if folder.st_mode & 0o022 and not folder.st_mode & stat.S_ISVTX:
+        return (f"{where}: its folder {parent} may be written by other users (mode "
+                f"{stat.filemode(folder.st_mode)}, no sticky bit): anyone could replace the "
+                "gradebook; choose a folder only you can write")  # fmt: skip
     with contextlib.suppress(FileNotFoundError):
         info = path.lstat()  # what sits there now is replaced, never written through
-        if not (stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)):
-            return f"--csv {path}: is not a regular file; choose another name"
-        if info.st_uid != os.geteuid() and parent.stat().st_mode & stat.S_ISVTX:
-            return (f"--csv {path}: belongs to user {info.st_uid} in a folder only its owner "
-                    "may replace it in; choose another name")  # fmt: skip
+        if stat.S_ISLNK(info.st_mode):
+            return f"{where}: is a symbolic link; name the file itself"
+        if not stat.S_ISREG(info.st_mode):
+            return f"{where}: is not a regular file; choose another name"
+        if info.st_uid != os.geteuid():
+            return f"{where}: belongs to user {info.st_uid}; choose another name"
+    try:  # permissions, read-only mounts, /dev/fd and /proc: try it
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{path.name}.", suffix=".tmp"):
+            pass
+    except OSError as exc:
+        return (
+            f"{where}: cannot write there ({exc.strerror or exc}); choose a folder you can write to"
+        )
     return None
 
 

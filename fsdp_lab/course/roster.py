@@ -27,7 +27,7 @@ import os
 import stat
 import unicodedata
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fsdp_lab.course.submission import SUFFIXES
@@ -35,10 +35,13 @@ from fsdp_lab.course.verdict import printable
 
 MAX_FILE_BYTES = 16 << 20  # a submission larger than this is refused unread
 MAX_FILES_PER_STUDENT = 10
+MAX_DEPTH = 16  # folders below the one named; deeper is not searched (a row says so)
 OPEN_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO or a device opens without waiting for a writer; its type is checked next.
 OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 HIDDEN = (".", "__")  # .ipynb_checkpoints/, __pycache__/: Jupyter's and Python's, not a student's
+NOT_STUDENTS = ("timestamp.txt",)  # nbgrader's own file in every submission
+OVER_THE_CAP = "not graded: more than {} files per student (--max-files-per-student)"
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,11 @@ class Submission:
     error: str | None = None
 
 
+class SnapshotError(OSError):
+    """The grader could not write a copy into its own folder (a full disk): the grader's
+    problem, never a student's row."""
+
+
 @dataclass(frozen=True)
 class _Found:
     """A file as found, before names are printed: its path's parts as they are on disk."""
@@ -64,19 +72,38 @@ class _Found:
     why: str | None = None  # why it is not graded
 
 
-def submissions(paths: Iterable[Path], snapshot: Path) -> list[Submission]:
+def submissions(
+    paths: Iterable[Path], snapshot: Path, max_files: int = MAX_FILES_PER_STUDENT
+) -> list[Submission]:
     """The files to grade, in order, each copied now into `snapshot` (a folder only the grader
-    can read). Folders are searched recursively for files (links refused); the student is the
-    first folder below the one given, as in nbgrader's submitted/<student>/<assignment>/, else
-    the file's name. A path that gives nothing to grade is a Submission with its error."""
+    can read), at most `max_files` per student (the others get a row each, uncopied). Folders
+    are searched recursively for files (links refused); the student is the first folder below
+    the one given, as in nbgrader's submitted/<student>/<assignment>/, else the file's name;
+    several folders named (`submitted/*`), each is named by the end of its path that tells it
+    from the others. A path that gives nothing to grade is a Submission with its error.
+    SnapshotError if a copy cannot be written."""
     paths = list(paths)
+    labels = _labels(paths)
+    copier = _Copier(snapshot, max_files)
     found: list[_Found] = []
-    # Several folders named (`submitted/*`): a student is named with the folder it came from,
-    # or every student's "ps1/" would be one student "ps1".
-    named = sum(_is_folder(p) for p in paths) > 1
-    for path in paths:
-        found += _found_under(path, named, snapshot, len(found))
+    for k, path in enumerate(paths):
+        found += _found_under(path, labels.get(k), copier)
     return _printed(found)
+
+
+def _labels(paths: list[Path]) -> dict[int, str]:
+    """Several folders named: each one's label, the shortest end of its path that no other
+    named folder's ends with (`submitted/*/ps1` gives alice/ps1, bob/ps1)."""
+    tails = {k: Path(os.path.abspath(p)).parts for k, p in enumerate(paths) if _is_folder(p)}
+    if len(tails) < 2:
+        return {}
+    labels = {}
+    for k, parts in tails.items():
+        for n in range(1, len(parts) + 1):
+            if all(other[-n:] != parts[-n:] for j, other in tails.items() if j != k):
+                break
+        labels[k] = "/".join(parts[-n:])
+    return labels
 
 
 def _is_folder(path: Path) -> bool:
@@ -86,41 +113,92 @@ def _is_folder(path: Path) -> bool:
         return False
 
 
-def _found_under(path: Path, named: bool, snapshot: Path, counted: int) -> list[_Found]:
-    """What one argument of the instructor's holds (a link is followed: it is theirs)."""
+class _Refused(Exception):
+    """A named path the grader will not follow (a link a student owns)."""
+
+
+def _open_named(path: Path) -> int:
+    """The instructor's path, opened one folder at a time from /, never through a link unless
+    the link is the grader's own or root's (one a student owns, anywhere along the path — a
+    student folder a shell glob named — is refused). O_NOFOLLOW: an entry swapped for a link
+    since it was looked at fails to open."""
+    trusted, hops = {0, os.geteuid()}, 0
+    todo = list(Path(os.path.abspath(path)).parts[1:])
+    fd = os.open("/", OPEN_FOLDER)
+    try:
+        while todo:
+            name = todo.pop(0)
+            info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISLNK(info.st_mode):
+                if info.st_uid not in trusted:
+                    raise _Refused(f"a link owned by user {info.st_uid} ({name!r} on the way) "
+                                   "— refused: name the folder it points to yourself")  # fmt: skip
+                hops += 1
+                if hops > 40:
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP))
+                target = os.readlink(name, dir_fd=fd)
+                if target.startswith("/"):
+                    os.close(fd)
+                    fd = os.open("/", OPEN_FOLDER)
+                todo = [*Path(target).parts[target.startswith("/") :], *todo]
+                continue
+            flags = OPEN_FOLDER if todo or stat.S_ISDIR(info.st_mode) else OPEN_FILE
+            below = os.open(name, flags, dir_fd=fd)
+            os.close(fd)
+            fd = below
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _found_under(path: Path, label: str | None, copier: _Copier) -> list[_Found]:
+    """What one argument of the instructor's holds; `label`: its name when several folders
+    are named."""
     top = str(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = _open_named(path)
+    except _Refused as exc:
+        return [_Found(top, (), "", why=str(exc))]
     except OSError as exc:
         why = "no such file or folder" if exc.errno == errno.ENOENT else exc.strerror
         return [_Found(top, (), "", why=f"{why}")]
     try:
         info = os.fstat(fd)
-        if not stat.S_ISDIR(info.st_mode):  # a file named on the command line
-            student = Path(os.path.realpath(path)).stem
-            return [_copied(fd, top, (), student, snapshot / str(counted), owners=None)]
-        prefix = f"{Path(os.path.realpath(path)).name}/" if named else ""
+        if not stat.S_ISDIR(info.st_mode):  # a file named on the command line: trusted
+            return [copier.copy(fd, top, (), Path(os.path.abspath(path)).stem, owners=None)]
         found: list[_Found] = []
-        for parts, file_fd, why, owners in _walk(fd, (), {os.geteuid(), info.st_uid}):
-            student = prefix + (parts[0] if len(parts) > 1 else Path(parts[-1]).stem)
+        for parts, file_fd, why, owners in _walk(fd, (), {info.st_uid}, label is None):
+            if label is not None:
+                student = label if len(parts) == 1 else f"{label}/{parts[0]}"
+            else:
+                student = parts[0] if len(parts) > 1 else Path(parts[-1]).stem
             if file_fd is None:
                 found.append(_Found(top, parts, student, why=why))
                 continue
-            copy = snapshot / str(counted + len(found))
             try:
-                found.append(_copied(file_fd, top, parts, student, copy, owners))
+                found.append(copier.copy(file_fd, top, parts, student, owners))
             finally:
                 os.close(file_fd)
-        return found or [_Found(top, (), "", why="no files in it")]
+        return found or [_Found(top, (), label or "", why="no files in it")]
     finally:
         os.close(fd)
 
 
-def _walk(
-    folder: int, parts: tuple[str, ...], owners: set[int]
-) -> Iterator[tuple[tuple[str, ...], int | None, str | None, set[int]]]:
-    """(parts, an open file or None, why not, its allowed owners) for every file below the
-    open `folder`, in name order; folders are opened relative to it, never through a link."""
+Listed = tuple[tuple[str, ...], int | None, str | None, set[int]]
+
+
+def _walk(folder: int, parts: tuple[str, ...], owners: set[int], students_below: bool
+          ) -> Iterator[Listed]:  # fmt: skip
+    """(parts, an open file or None, why not, whose files count there) for every file below the
+    open `folder`, in name order; folders are opened relative to it, never through a link.
+
+    A file counts only if it belongs to the owner of a folder it is in, from its student's
+    folder down (`owners`): whoever else can write there owns none of them. `students_below`:
+    each folder below this one is a student's (one folder named)."""
+    if len(parts) >= MAX_DEPTH:
+        yield parts, None, f"folders nested deeper than {MAX_DEPTH} — not searched", owners
+        return
     with os.scandir(folder) as listing:
         names = sorted(entry.name for entry in listing)
     for name in names:
@@ -137,26 +215,32 @@ def _walk(
                 continue
             try:
                 below = os.open(name, OPEN_FOLDER, dir_fd=folder)
-            except OSError as exc:  # swapped for a link (ELOOP) or a file since the lstat
-                yield here, None, f"changed while being read — refused ({exc.strerror})", owners
+            except OSError as exc:  # swapped for a link (ELOOP) since the lstat, unreadable
+                why = "changed while being read — refused" if exc.errno == errno.ELOOP else (
+                    f"cannot be read ({exc.strerror})")  # fmt: skip
+                yield here, None, why, owners
                 continue
-            try:  # a student's folder: its owner's files are theirs
-                mine = owners | {os.fstat(below).st_uid} if not parts else owners
-                yield from _walk(below, here, mine)
+            try:
+                mine = os.fstat(below).st_uid
+                if not (students_below and not parts):
+                    yield from _walk(below, here, owners | {mine}, False)
+                    continue
+                empty = True  # a student's folder: its owner's files count in it
+                for listed in _walk(below, here, {mine}, False):
+                    empty = False
+                    yield listed
+                if empty:  # nothing in it: a row all the same, or the student is not listed
+                    yield here, None, "no files in this student's folder", {mine}
             finally:
                 os.close(below)
-        elif name.startswith(HIDDEN) and not name.endswith(SUFFIXES):
+        elif name.startswith(HIDDEN) and not name.endswith(SUFFIXES) or name in NOT_STUDENTS:
             continue
         elif name.startswith(HIDDEN):
             yield here, None, (f"a hidden file (its name starts with {name[:2]!r}) — not "
                                "graded; rename it"), owners  # fmt: skip
         elif not name.endswith(SUFFIXES):
-            yield (
-                here,
-                None,
-                "not a notebook (.ipynb) or Python file (.py) — nothing graded",
-                owners,
-            )
+            why = "not a notebook (.ipynb) or Python file (.py) — nothing graded"
+            yield here, None, why, owners
         else:
             try:
                 yield here, os.open(name, OPEN_FILE, dir_fd=folder), None, owners
@@ -165,38 +249,57 @@ def _walk(
                 yield here, None, f"cannot be read ({why})", owners
 
 
-def _copied(
-    fd: int, top: str, parts: tuple[str, ...], student: str, copy: Path, owners: set[int] | None
-) -> _Found:
-    """The open file `fd` copied to `copy`, or why it is not graded (`owners`: the users whose
-    files may be graded here; None: any, for a file the instructor named)."""
-    name = parts[-1] if parts else Path(top).name
+@dataclass
+class _Copier:
+    """Copies into the grader's folder, at most `max_files` per student."""
 
-    def refused(why: str) -> _Found:
-        return _Found(top, parts, student, why=why)
+    folder: Path
+    max_files: int
+    made: int = 0
+    per_student: dict[str, int] = field(default_factory=dict)
 
-    if not name.endswith(SUFFIXES):
-        return refused("not a notebook (.ipynb) or Python file (.py) — nothing graded")
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        return refused("not a regular file — nothing graded")
-    if info.st_nlink > 1:
-        return refused("a hard link to another file — refused (submit the file itself)")
-    if owners is not None and info.st_uid not in owners:
-        return refused(f"owned by user {info.st_uid}, neither the grader nor its student's "
-                       "folder's owner — refused (submit your own file)")  # fmt: skip
-    if info.st_size > MAX_FILE_BYTES:
-        return refused(f"larger than {MAX_FILE_BYTES >> 20} MiB — not graded")
-    try:
-        data = _read_all(fd, MAX_FILE_BYTES + 1)
-        out = os.open(
-            copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-        )  # fmt: skip  (the sandbox's user reads it)
-        with os.fdopen(out, "wb") as f:
-            f.write(data[:MAX_FILE_BYTES])
-    except OSError as exc:
-        return refused(f"cannot be read ({printable(str(exc))[:200]})")
-    return _Found(top, parts, student, copy=copy)
+    def copy(
+        self, fd: int, top: str, parts: tuple[str, ...], student: str, owners: set[int] | None
+    ) -> _Found:
+        """The open file `fd` copied, or why it is not graded (`owners`: the users whose files
+        count there; None: any, for a file the instructor named)."""
+        name = parts[-1] if parts else Path(top).name
+
+        def refused(why: str) -> _Found:
+            return _Found(top, parts, student, why=why)
+
+        if not name.endswith(SUFFIXES):
+            return refused("not a notebook (.ipynb) or Python file (.py) — nothing graded")
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return refused("not a regular file — nothing graded")
+        if owners is not None and info.st_uid not in owners:
+            return refused(f"owned by user {info.st_uid}, who owns none of the folders it is in "
+                           f"from its student's folder down (users {sorted(owners)}) — refused: "
+                           "submit your own file")  # fmt: skip
+        if info.st_size > MAX_FILE_BYTES:
+            return refused(f"larger than {MAX_FILE_BYTES >> 20} MiB — not graded")
+        if self.per_student.get(student, 0) >= self.max_files:
+            return refused(OVER_THE_CAP.format(self.max_files))
+        try:
+            data = _read_all(fd, MAX_FILE_BYTES + 1)
+        except OSError as exc:
+            return refused(f"cannot be read ({printable(str(exc))[:200]})")
+        copy = self.folder / str(self.made)
+        try:
+            out = os.open(
+                copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+            )  # fmt: skip  (the sandbox's user reads it)
+            with os.fdopen(out, "wb") as f:
+                f.write(data[:MAX_FILE_BYTES])
+        except OSError as exc:
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            hint = " — free space there or point TMPDIR elsewhere" if full else ""
+            raise SnapshotError(exc.errno, f"copying {top} into the grader's folder "
+                                f"{self.folder}: {exc.strerror}{hint}") from exc  # fmt: skip
+        self.made += 1
+        self.per_student[student] = self.per_student.get(student, 0) + 1
+        return _Found(top, parts, student, copy=copy)
 
 
 def _read_all(fd: int, limit: int) -> bytes:
@@ -209,10 +312,15 @@ def _read_all(fd: int, limit: int) -> bytes:
 
 # -- names as printed ---------------------------------------------------------------------------
 
-# Characters no terminal shows as a mark of their own (Unicode's Default_Ignorable_Code_Point
-# set, which unicodedata does not carry): fillers that render as blanks, variation selectors.
-_IGNORABLE = {0x115F, 0x1160, 0x17B4, 0x17B5, 0x3164, 0xFFA0, 0x034F,
+# Characters no terminal shows as a mark of their own: Unicode's Default_Ignorable_Code_Point
+# set, which unicodedata does not carry (fillers that render as blanks, variation selectors),
+# and the Braille blank, a symbol that draws nothing.
+_IGNORABLE = {0x115F, 0x1160, 0x17B4, 0x17B5, 0x3164, 0xFFA0, 0x034F, 0x2800,
               *range(0x180B, 0x1810), *range(0xFE00, 0xFE10), *range(0xE0100, 0xE01F0)}  # fmt: skip
+# Scripts written together in one name (Japanese mixes three); any other mix of scripts in a
+# name is what a look-alike is made of (UTS #39's mixed-script rule).
+_ONE_SCRIPT = {"CJK": "HAN", "HIRAGANA": "HAN", "KATAKANA": "HAN", "HANGUL": "HAN",
+               "BOPOMOFO": "HAN"}  # fmt: skip
 _UNSEEN = ("Cc", "Cf", "Co", "Cn", "Cs", "Zl", "Zp", "Zs")
 # Letters that look like Latin ones, for telling names apart (a small part of Unicode's
 # confusables: the Cyrillic and Greek letters a class list is most likely to meet).
@@ -239,25 +347,37 @@ def printed_name(raw: str) -> str:
 
 
 def _looks(shown: str) -> str:
-    """What a reader can tell `shown` by: accents and marks dropped, look-alike letters Latin."""
-    bare = "".join(c for c in unicodedata.normalize("NFKD", shown) if not unicodedata.combining(c))
-    return bare.translate(_LOOKS_LATIN)
+    """What a reader can tell `shown` by: compatibility forms folded (NFKC: a full-width z is a
+    z), letters that look Latin made Latin; accents stay — they are seen."""
+    return unicodedata.normalize("NFKC", shown).translate(_LOOKS_LATIN)
 
 
 def _code_points(raw: str) -> str:
     return "".join(c if c.isascii() and c.isprintable() else f"\\u{ord(c):04x}" for c in raw)
 
 
+def _scripts(text: str) -> set[str]:
+    """The scripts of `text`'s letters, by the first word of their Unicode names."""
+    found = set()
+    for c in text:
+        if unicodedata.category(c).startswith("L"):
+            script = unicodedata.name(c, "UNKNOWN").split()[0]
+            found.add(_ONE_SCRIPT.get(script, script))
+    return found
+
+
 def distinct_names(raws: list[str]) -> dict[str, str]:
     """Each raw name and how it is shown: `printed_name`, unless another name would look the
-    same — then with its non-ASCII characters as code points — and never as another's."""
+    same or it mixes scripts — then with its non-ASCII characters as code points — and never
+    as another's."""
     groups: dict[str, set[str]] = {}
     for raw in dict.fromkeys(raws):
         groups.setdefault(_looks(printed_name(raw)), set()).add(raw)
     shown = {}
     for same in groups.values():
         for raw in sorted(same):
-            shown[raw] = printed_name(raw) if len(same) == 1 else _code_points(raw)
+            mixed = len(_scripts(raw)) > 1  # `zօe`: Latin with an Armenian o, looks like zoe
+            shown[raw] = printed_name(raw) if len(same) == 1 and not mixed else _code_points(raw)
     taken: set[str] = set()
     for raw in sorted(shown):  # still alike (a name typed as another's escape): numbered
         name, k = shown[raw], 2
@@ -280,19 +400,11 @@ def _printed(found: list[_Found]) -> list[Submission]:
     return rows
 
 
-def fair_order(todo: list[Submission], max_files: int) -> tuple[list[Submission], list[dict]]:
+def fair_order(todo: list[Submission]) -> list[Submission]:
     """Every student's first file, then every student's second, ... (one student's thousand
-    files cannot hold up the class); past `max_files` a student's files get a row each that
-    says they were not graded."""
+    files cannot hold up the class; `submissions` copied at most the cap of each)."""
     by_student: dict[str, list[Submission]] = {}
     for sub in todo:
         by_student.setdefault(sub.student or sub.shown, []).append(sub)
     rounds = max((len(subs) for subs in by_student.values()), default=0)
-    ordered = [subs[k] for k in range(min(rounds, max_files)) for subs in by_student.values()
-               if k < len(subs)]  # fmt: skip
-    skipped = [
-        {"file": sub.shown, "student": sub.student,
-         "error": f"not graded: more than {max_files} files per student (--max-files-per-student)"}
-        for subs in by_student.values() for sub in subs[max_files:]
-    ]  # fmt: skip
-    return ordered, skipped
+    return [subs[k] for k in range(rounds) for subs in by_student.values() if k < len(subs)]

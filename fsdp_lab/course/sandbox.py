@@ -293,8 +293,9 @@ def _environment(home: str) -> dict[str, str]:
         "PYTHONDONTWRITEBYTECODE": "1",
         "MPLCONFIGDIR": f"{home}/.matplotlib",
     }
-    if os.environ.get("PYTHONPATH"):
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    for key in ("PYTHONPATH", "LD_LIBRARY_PATH"):  # what the grader's own Python needs
+        if os.environ.get(key):
+            env[key] = os.environ[key]
     return env
 
 
