@@ -5,22 +5,27 @@ gradebook's folder others can write to, a checkpoint folder, `--out` — may hav
 to be written through. So every file fsdp_lab leaves (a gradebook, a sharded checkpoint's rank
 files and meta.json, a lab's JSON and figures) is written by `write_file`:
 
-- into a temporary file this process creates new beside the destination (`mkstemp`: O_EXCL,
-  never through a link, never a file someone else made), flushed and fsynced;
-- given the mode a file made by `open()` would have (0666 less the umask), not mkstemp's 0600;
+- into a temporary file this process creates new beside the destination (O_EXCL and
+  O_NOFOLLOW, a random name: never through a link, never a file someone else made), flushed
+  and fsynced;
+- given the mode a file made by `open()` would have (0666 less the umask);
 - renamed onto the destination in one step (`os.replace`): a reader sees the old file or the
   new one, never half; a link planted at the destination is replaced, never written through;
 - and the folder fsynced, so the rename survives a crash.
 
 A failed write (a full disk, a file-size limit) removes its temporary file and raises an
-OSError that names the destination and the reason, whatever library was writing.
+OSError that names the destination and the reason, whatever library was writing. What
+fsdp_lab reads back from such a folder (`read_file`) is a regular file of bounded size: a
+FIFO planted there never hangs a read, a link to /dev/zero never fills memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -49,15 +54,39 @@ class HashingWriter:
 
 
 def write_file(
-    path: str | os.PathLike, content: bytes | str | Callable[[HashingWriter], object]
+    path: str | os.PathLike,
+    content: bytes | str | Callable[[HashingWriter], object],
+    folder: int | None = None,
 ) -> tuple[int, str]:
     """Write `content` (bytes, text as UTF-8, or a function given the file to write to) to
-    `path`, new and whole (see the module's note); returns the size and sha256 written."""
-    path = Path(path)
+    `path`, new and whole (see the module's note); returns the size and sha256 written.
+
+    `folder`: an open folder that `path` is a name in — nothing is then looked up by a path
+    again, so a folder swapped for a link since it was opened leads nowhere else."""
+    if folder is None:
+        path = Path(path)
+        try:
+            fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise OSError(exc.errno, f"writing {path}: {exc.strerror or exc}") from exc
+        try:
+            return _write_in(fd, path.name, content, str(path))
+        finally:
+            os.close(fd)
+    return _write_in(folder, os.fspath(path), content, os.fspath(path))
+
+
+NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _write_in(
+    folder: int, name: str, content: bytes | str | Callable[[HashingWriter], object], shown: str
+) -> tuple[int, str]:
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        tmp = f".{name}.{secrets.token_hex(6)}.tmp"  # new (O_EXCL), ours, never through a link
+        fd = os.open(tmp, NEW_FILE, 0o600, dir_fd=folder)
     except OSError as exc:
-        raise OSError(exc.errno, f"writing {path}: {exc.strerror or exc}") from exc
+        raise OSError(exc.errno, f"writing {shown}: {exc.strerror or exc}") from exc
     try:
         with os.fdopen(fd, "wb") as f:
             hashed = HashingWriter(f)
@@ -72,22 +101,39 @@ def write_file(
                 cause = hashed.error or (exc if isinstance(exc, OSError) else None)
                 if cause is None:
                     raise
-                raise OSError(cause.errno, f"writing {path}: {cause.strerror or cause}") from exc
+                raise OSError(cause.errno, f"writing {shown}: {cause.strerror or cause}") from exc
             os.fchmod(f.fileno(), 0o666 & ~_umask())
-        os.replace(tmp, path)
+        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=folder)
         raise
-    fsync_folder(path.parent)  # the rename itself, with any new folder entries beside it
+    if os.name == "posix":  # the rename itself, with any new folder entries beside it
+        os.fsync(folder)
     return hashed.size, hashed.sha256.hexdigest()
 
 
-def fsync_folder(folder: Path) -> None:
-    if os.name != "posix":  # Windows cannot open a folder to fsync it
-        return
-    fd = os.open(folder, os.O_RDONLY)
+def read_file(path: str | os.PathLike, limit: int, folder: int | None = None) -> bytes:
+    """A regular file's bytes, at most `limit` (a ValueError past it): what fsdp_lab reads back
+    from a folder it does not trust. A FIFO or a device (/dev/zero) is refused, never read;
+    with `folder` (an open folder `path` is a name in), a link is not followed either."""
+    flags = (
+        os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if folder is not None else 0)
+    )
+    fd = os.open(path, flags, dir_fd=folder)
     try:
-        os.fsync(fd)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{os.fspath(path)} is not a regular file")
+        if info.st_size > limit:
+            raise ValueError(f"{os.fspath(path)} holds {info.st_size} bytes, more than {limit}")
+        chunks, total = [], 0
+        while chunk := os.read(fd, min(1 << 20, limit + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise ValueError(f"{os.fspath(path)} grew past {limit} bytes while read")
+        return b"".join(chunks)
     finally:
         os.close(fd)
 

@@ -613,3 +613,58 @@ def test_a_full_disk_is_said_plainly_and_the_checkpoint_stays(cluster_of, tmp_pa
             assert _equal(got, tiny_gpt().state_dict())
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _save_with_its_folder_swapped(folder: str, victim: str) -> str:
+    """save_sharded while another user swaps the new version folder for a link to `victim`
+    right after it is made (rank 0 makes it)."""
+    real = os.mkdir
+
+    def mkdir(name, *args, dir_fd=None, **kwargs):
+        real(name, *args, dir_fd=dir_fd, **kwargs)
+        if str(name).startswith("v"):
+            os.rename(name, f"{name}.moved", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.symlink(victim, name, dir_fd=dir_fd)
+
+    if rank() == 0:
+        os.mkdir = mkdir
+    try:
+        return _save_error(folder, 4)
+    finally:
+        os.mkdir = real
+
+
+def test_a_version_folder_swapped_for_a_link_is_never_written_through(cluster_of, tmp_path):
+    """A hostile review: in a folder others may write, the new version folder swapped for a
+    link got the rank files written into the link's target."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "rank00000.pt").write_bytes(b"another checkpoint's")
+    folder = tmp_path / "ckpt"
+    cluster_of(2).run(_save, str(folder))
+    said = cluster_of(2).run(_save_with_its_folder_swapped, str(folder), str(victim))
+    assert all(s != "no error" for s in said), said
+    assert sorted(p.name for p in victim.iterdir()) == ["rank00000.pt"]
+    assert (victim / "rank00000.pt").read_bytes() == b"another checkpoint's"
+    for got in cluster_of(2).run(_load_values, str(folder)):  # the first save, whole
+        assert _equal(got, tiny_gpt().state_dict())
+
+
+def test_a_journal_a_save_did_not_write_deletes_nothing(cluster_of, tmp_path):
+    """A hostile review: a journal.json naming the user's own `v00050` made a save delete it.
+    A journal names folders with the identity they had when made; another folder under that
+    name (and a list of bare names, or a FIFO in the journal's place) is not one of them."""
+    folder = tmp_path / "ckpt"
+    (folder / "v00050").mkdir(parents=True)
+    (folder / "v00050" / "rank00000.pt").write_text("USER DATA")
+    other = tmp_path / "other"
+    other.mkdir()
+    stranger = [other.stat().st_dev, other.stat().st_ino]
+    for journal in ('["v00050"]', json.dumps({"v00050": stranger})):
+        (folder / "journal.json").write_text(journal)
+        assert cluster_of(2).run(_save_error, str(folder), 4) == ["no error"] * 2
+        assert (folder / "v00050" / "rank00000.pt").read_text() == "USER DATA"
+    (folder / "journal.json").unlink()
+    os.mkfifo(folder / "journal.json")  # read, it would hang the save
+    assert cluster_of(2).run(_save_error, str(folder), 5) == ["no error"] * 2
+    assert (folder / "v00050" / "rank00000.pt").read_text() == "USER DATA"

@@ -12,8 +12,8 @@ but the checkpoint loads only into the same world size and wrap plan.
 
     meta.json            the commit record: which version is current, world size, strategy,
                          units, buffers, and for each rank file its size and sha256
-    journal.json         the version folders this checkpoint's saves made (the only ones a
-                         save may ever remove)
+    journal.json         the version folders this checkpoint's saves made, each with the
+                         device and inode it had (the only ones a save may ever remove)
     v00002/rank00000.pt  rank 0's shards, buffers and optimizer state, with its rank and world size
     v00002/rank00001.pt
 
@@ -25,10 +25,13 @@ refuse swapped, truncated or edited files, on every rank, instead of loading wro
 
 [Note: a save deletes only what it wrote] The checkpoint folder may hold anything else — a
 user's data, a folder named like a version, a version folder moved to another disk and linked
-back. A save creates its version folder new (never adopting one that exists), after first
-writing its name into journal.json; it removes only version folders journal.json (or the
-meta.json it replaced) names, and inside them only rank files and their temporary files, never
-through a link, and the folder only once empty. Everything else stays. Every file it writes is
+back. A save creates its version folder new (never adopting one that exists) and writes its name and
+identity (device, inode) into journal.json; it removes only a folder the journal names that is
+still that very folder — a journal is the saving user's own file, and a folder put in the
+place of one it names is another — and inside it only rank files and their temporary files,
+never through a link, and the folder only once empty. Every file is written through an open
+folder, never a path looked up again: a version folder swapped for a link after it was made
+leads nowhere else. Everything else stays. Every file it writes is
 written new and whole (`fsdp_lab.outputs.write_file`); a write that fails (a full disk) says so
 and leaves the committed checkpoint as it was.
 """
@@ -36,13 +39,14 @@ and leaves the committed checkpoint as it was.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
 import os
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +55,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_lab import comm
-from fsdp_lab.outputs import write_file
+from fsdp_lab.outputs import read_file, write_file
 from fsdp_lab.sharding.state import ShardingState, sharding_state
 from fsdp_lab.sharding.state_dict import broadcast_text, persistent_buffers, state_device
 
@@ -109,9 +113,13 @@ def _save_in_group(
     written: list[tuple[int, str]] = []  # (bytes, sha256) of this rank's file
 
     def prepare() -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        if state.shard_rank == 0:  # a version folder of its own, journaled before it exists
-            version.fill_(_new_version_folder(folder))
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if state.shard_rank == 0:  # a version folder of its own, made new and journaled
+                version.fill_(_new_version_folder(folder))
+        except OSError as exc:  # a full disk, a folder it may not write
+            raise OSError(exc.errno, f"save_sharded could not start a new version in {folder}: "
+                          f"{exc.strerror or exc}. {UNCHANGED}") from exc  # fmt: skip
 
     def write_shards() -> None:
         payload = {
@@ -121,14 +129,13 @@ def _save_in_group(
             "buffers": {name: buf.detach().cpu() for name, buf in persistent_buffers(model)},
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
         }
-        path = folder / _version_name(int(version.item())) / _rank_name(state.shard_rank)
+        name = _rank_name(state.shard_rank)
         try:
-            written.append(write_file(path, lambda f: torch.save(payload, f)))
+            with _version_folder(folder, int(version.item())) as here:
+                written.append(write_file(name, lambda f: torch.save(payload, f), folder=here))
         except OSError as exc:  # a full disk, a quota: said plainly, not as torch's "enforce fail"
-            raise OSError(
-                exc.errno, f"{exc.strerror}. The checkpoint {folder} held before is unchanged "
-                "(this save was not committed). Fix: free space there, or save elsewhere"
-            ) from exc  # fmt: skip
+            raise OSError(exc.errno, f"writing {folder / _version_name(int(version.item())) / name}"
+                          f": {exc.strerror or exc}. {UNCHANGED}") from exc  # fmt: skip
 
     def commit(records: list[dict[str, Any]]) -> None:  # the switch from the old version
         if state.shard_rank == 0:
@@ -147,15 +154,16 @@ def _save_in_group(
         records = _gather_file_records(state, *written[0])  # for meta.json, so loads can check
         _on_every_rank(state, lambda: commit(records), "save_sharded (commit)")
     except BaseException:  # failed or interrupted (Ctrl-C) before the switch: its own files go
-        if _committed_version(folder) != int(version.item()):
-            new = folder / _version_name(int(version.item()))
-            with contextlib.suppress(OSError):
-                (new / _rank_name(state.shard_rank)).unlink()
-            if state.shard_rank == 0:  # the folder too, once the others' files are gone
-                _remove_version(new)  # (or by the next save: it is in the journal)
+        _forget_uncommitted(folder, int(version.item()), state.shard_rank)
         raise
     _on_every_rank(state, clean_up, "save_sharded (clean_up)")
     return folder
+
+
+UNCHANGED = (
+    "The checkpoint the folder held before is unchanged (this save was not committed). Fix: "
+    "free space there, or save elsewhere"
+)
 
 
 def load_sharded(
@@ -180,7 +188,11 @@ def load_sharded(
         path = folder / _version_name(meta["version"]) / _rank_name(state.shard_rank)
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: the checkpoint lacks this rank's file")
-        data = path.read_bytes()
+        try:  # a FIFO or /dev/zero in its place is refused, never read
+            data = read_file(path, meta["files"][state.shard_rank]["bytes"] + (1 << 20))
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{exc}: not the file meta.json records. Fix: copy "
+                                         "the checkpoint folder again, or re-save it") from None  # fmt: skip
         _check_file(path, data, meta["files"], state.shard_rank)
         payload = torch.load(io.BytesIO(data), map_location=state_device(state), weights_only=True)
         if (payload.get("rank"), payload.get("world_size")) != (state.shard_rank, state.shard_size):
@@ -214,15 +226,62 @@ def _rank_name(rank: int) -> str:
     return f"rank{rank:05d}.pt"
 
 
-def _journal(folder: Path) -> list[str]:
-    """The version folders journal.json says this checkpoint's saves made (names only: what
-    the file holds is checked, as anything in the folder may have been edited)."""
+MAX_RECORD_BYTES = 64 << 20  # meta.json or journal.json larger than this is not ours
+
+
+@contextlib.contextmanager
+def _opened(folder: Path) -> Iterator[int]:
+    """The checkpoint folder, opened (the user's own path: a link to it is followed)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        names = json.loads((folder / JOURNAL).read_bytes())
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _version_folder(folder: Path, version: int) -> Iterator[int]:
+    """A version folder this save made, opened without following a link, and checked to be the
+    saving user's: rank files are written into it, never into what a link points at."""
+    with _opened(folder) as top:
+        fd = os.open(_version_name(version), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, dir_fd=top)  # fmt: skip
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            raise PermissionError(errno.EPERM, f"{_version_name(version)} is not this save's "
+                                  "folder (another user's)")  # fmt: skip
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _identity(top: int, name: str) -> tuple[int, int] | None:
+    """(device, inode) of the real folder `name` in the open folder `top`, None if it is not
+    one (a link, a file, nothing)."""
+    try:
+        info = os.stat(name, dir_fd=top, follow_symlinks=False)
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino) if stat.S_ISDIR(info.st_mode) else None
+
+
+def _journal(top: int) -> dict[str, list[int]]:
+    """The version folders journal.json says this checkpoint's saves made, with the identity
+    each had when made — a name alone proves nothing, as anyone may write the folder. The file
+    counts only if it is the saving user's own regular file (not a link, a FIFO, another
+    user's)."""
+    try:
+        if os.stat(JOURNAL, dir_fd=top, follow_symlinks=False).st_uid != os.geteuid():
+            return {}
+        entries = json.loads(read_file(JOURNAL, MAX_RECORD_BYTES, folder=top))
     except (OSError, ValueError):
-        return []
-    listed = names if isinstance(names, list) else []
-    return [n for n in listed if isinstance(n, str) and _VERSION.fullmatch(n)]
+        return {}
+    made = entries if isinstance(entries, dict) else {}
+    return {
+        name: ident for name, ident in made.items()
+        if _VERSION.fullmatch(name) and isinstance(ident, list) and len(ident) == 2
+        and all(isinstance(n, int) for n in ident)
+    }  # fmt: skip
 
 
 def _committed_version(folder: Path) -> int | None:
@@ -235,16 +294,32 @@ def _committed_version(folder: Path) -> int | None:
 
 def _new_version_folder(folder: Path) -> int:
     """Past every version this checkpoint knows, and past whatever sits in the folder under
-    that name: journaled first, then created (never an existing folder adopted)."""
-    committed = _committed_version(folder)
-    # The version meta.json commits to is ours too (a checkpoint saved before journals).
-    ours = [*_journal(folder), *([_version_name(committed)] if committed else [])]
-    version = 1 + max(int(name[1:]) for name in [*ours, "v0"])
-    while os.path.lexists(folder / _version_name(version)):
-        version += 1
-    write_file(folder / JOURNAL, json.dumps([*dict.fromkeys(ours), _version_name(version)]))
-    (folder / _version_name(version)).mkdir()
+    that name: created new (never an existing folder adopted), then journaled with its
+    identity. (A kill between the two leaves an empty folder no save will remove.)"""
+    with _opened(folder) as top:
+        made = _journal(top)
+        committed = _committed_version(folder)
+        if committed and _version_name(committed) not in made and _meta_is_mine(top):
+            # A checkpoint saved before journals: the folder its own meta.json names.
+            ident = _identity(top, _version_name(committed))
+            made.update({_version_name(committed): list(ident)} if ident else {})
+        version = 1 + max([int(name[1:]) for name in made] + [committed or 0])
+        while True:
+            try:
+                os.mkdir(_version_name(version), dir_fd=top)
+                break
+            except FileExistsError:  # whatever sits there is not ours
+                version += 1
+        made[_version_name(version)] = list(_identity(top, _version_name(version)) or (0, 0))
+        write_file(JOURNAL, json.dumps(made), folder=top)
     return version
+
+
+def _meta_is_mine(top: int) -> bool:
+    try:
+        return os.stat(META, dir_fd=top, follow_symlinks=False).st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 def _gather_file_records(state: ShardingState, size: int, sha256: str) -> list[dict[str, Any]]:
@@ -284,22 +359,46 @@ def _layout(model: nn.Module, state: ShardingState) -> dict[str, Any]:
 
 def _remove_superseded(folder: Path, current: int) -> None:
     """The version folders this checkpoint's saves made, but the current one: their rank files
-    and temporary files, then the folder if nothing else is in it; never through a link."""
+    and temporary files, then the folder if nothing else is in it. A folder counts only while
+    it is the very folder the journal recorded (same device and inode, not a link)."""
     keep = _version_name(current)
-    for name in dict.fromkeys(_journal(folder)):
-        if name != keep:
-            _remove_version(folder / name)
-    write_file(folder / JOURNAL, json.dumps([keep]))
+    with _opened(folder) as top:
+        made = _journal(top)
+        for name, ident in made.items():
+            if name != keep:
+                _remove_version(top, name, tuple(ident))
+        write_file(JOURNAL, json.dumps({keep: made[keep]} if keep in made else {}), folder=top)
 
 
-def _remove_version(version: Path) -> None:
+def _remove_version(top: int, name: str, ident: tuple[int, ...]) -> None:
     with contextlib.suppress(OSError):
-        if not stat.S_ISDIR(version.lstat().st_mode):  # a link or a file: not what we made
+        if _identity(top, name) != ident:  # replaced, linked or gone: not what we made
             return
-        for entry in os.scandir(version):
-            if _OURS_INSIDE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-                os.unlink(entry.path)
-        version.rmdir()  # only if empty: whatever else is there stays
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=top)  # fmt: skip
+        try:
+            if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != ident:
+                return
+            for entry in os.scandir(fd):
+                if _OURS_INSIDE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                    os.unlink(entry.name, dir_fd=fd)
+        finally:
+            os.close(fd)
+        os.rmdir(name, dir_fd=top)  # only if empty: whatever else is there stays
+
+
+def _forget_uncommitted(folder: Path, version: int, rank: int) -> None:
+    """A save that failed before its switch: this rank's file goes, and (rank 0) the version
+    folder once empty; a kill leaves them to the next save, whose journal names the folder."""
+    if _committed_version(folder) == version:
+        return
+    with contextlib.suppress(OSError), _version_folder(folder, version) as here:
+        os.unlink(_rank_name(rank), dir_fd=here)
+    if rank == 0:
+        with contextlib.suppress(OSError), _opened(folder) as top:
+            ident = _journal(top).get(_version_name(version))
+            if ident:
+                _remove_version(top, _version_name(version), tuple(ident))
 
 
 def _read_meta(folder: Path) -> dict[str, Any]:
@@ -314,9 +413,9 @@ def _read_meta(folder: Path) -> dict[str, Any]:
             "every node mounts"
         )
     try:
-        meta = json.loads(path.read_bytes())
+        meta = json.loads(read_file(path, MAX_RECORD_BYTES))
         why = _meta_problem(meta)
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+    except ValueError as exc:  # not a regular file of bounded size, JSONDecodeError, UTF-8
         meta, why = None, f"not JSON ({exc})"
     if not why:
         return meta
