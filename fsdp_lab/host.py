@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 
 import psutil
 
@@ -60,10 +61,16 @@ AGENTS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
 
 
 def under_torchrun() -> bool:
-    """True in a worker of a live torchrun job: its rendezvous variables and run id set, and a
-    torchrun agent above this process (a shell that kept a job's variables is none)."""
+    """True in a worker of a live torchrun job: its rendezvous variables and run id set, a
+    torchrun agent (a Python running torchrun) above this process, and — where the agent
+    serves the rendezvous store — that store answering. A shell that kept a job's variables,
+    or a program merely named torchrun, is none."""
     wanted = (*RENDEZVOUS_VARS, "TORCHELASTIC_RUN_ID")
-    return all(k in os.environ for k in wanted) and _agent_above()
+    if not all(k in os.environ for k in wanted) or not _agent_above():
+        return False
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return True
+    return _store_answers(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
 
 
 @functools.cache
@@ -74,12 +81,23 @@ def _agent_above() -> bool:
             if parent is None:
                 return False
             command = parent.cmdline()[:3]  # `torchrun ...`, `python -m torch.distributed.run`
-            if any(os.path.basename(part) in AGENTS for part in command):
+            python = os.path.basename(parent.exe()).startswith("python")
+            if python and any(os.path.basename(part) in AGENTS for part in command):
                 return True
             parent = parent.parent()
     except psutil.Error:
         return False
     return False
+
+
+@functools.cache
+def _store_answers(address: str, port: str) -> bool:
+    """The agent's rendezvous store accepts a connection (a stale address does not)."""
+    try:
+        with socket.create_connection((address, int(port)), timeout=5):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def forget_stale_launcher_env() -> dict[str, str]:

@@ -854,3 +854,16 @@ def test_a_notebook_cluster_under_a_stale_environment_starts_its_own_ranks():
                           capture_output=True, text=True, env=ENV, timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("]")[0] == "[0, 1"
+
+
+def test_a_program_merely_named_torchrun_is_no_launcher(tmp_path):
+    """A hostile review: under a shell named `torchrun` (a symlink) a stale RANK=1 with a run
+    id passed for a live job (collectives then waited on a store nobody served)."""
+    (tmp_path / "torchrun").symlink_to(shutil.which("bash"))
+    env = {**ENV, **STALE_TORCHRUN, "RANK": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    proc = subprocess.run(
+        [str(tmp_path / "torchrun"), "-c", f"'{sys.executable}' -m fsdp_lab plan --json; true"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert _one_object(proc)["fits"] is True and "ignoring" in proc.stderr

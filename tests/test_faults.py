@@ -490,7 +490,9 @@ def _forges_a_reply_after_its_own(call_id: int, flag: str) -> str:
 
     def forge() -> None:  # once this call's reply is out: a well-formed reply to the next one
         time.sleep(0.5)
-        forged = pickle.dumps(("reply", call_id, Reply(ok=True, result=encode_plain("forged"))))
+        forged = pickle.dumps(
+            ("reply", call_id, "token?", Reply(ok=True, result=encode_plain("forged")))
+        )
         os.write(_channel_fd(), _frame(len(forged)) + forged)
         Path(flag).touch()
 
@@ -548,6 +550,44 @@ def test_a_reply_to_a_call_not_yet_sent_fails_the_next_call(tmp_path):
             cluster.run(lambda: "real")  # call 2: never answered by the forged bytes
         assert info.value.rank == 0
         assert cluster.run(lambda: "again") == ["again", "again"]
+
+
+def _forges_the_next_reply_once_it_is_sent(flag: str) -> str:
+    import pickle
+
+    from fsdp_lab.cluster.protocol import Reply, encode_plain
+
+    def forge() -> None:  # while the next call runs: a reply to it, of every form a rank sends
+        while not Path(flag).exists():
+            time.sleep(0.01)
+        for message in (
+            ("reply", 2, Reply(ok=True, result=encode_plain("FORGED"))),
+            ("reply", 2, "guessed", Reply(ok=True, result=encode_plain("FORGED"))),
+        ):
+            data = pickle.dumps(message)
+            os.write(_channel_fd(), _frame(len(data)) + data)
+
+    if fsdp_lab.rank() == 0:
+        threading.Thread(target=forge, daemon=True).start()
+    return "done"
+
+
+def _starts_the_forger_then_answers(flag: str) -> str:
+    Path(flag).touch()
+    time.sleep(1.0)  # the forger's bytes arrive first
+    return "real"
+
+
+def test_a_thread_left_by_one_call_cannot_answer_the_next(tmp_path):
+    """A hostile review: a rank's leftover thread sent a well-formed reply with the next call's
+    (sequential) id while that call ran, and run() returned it. A reply also echoes a random
+    token sent with its call now; the forgery fails the call instead."""
+    flag = str(tmp_path / "next-call-running")
+    with Cluster(2, backend="gloo", timeout=30, verbose=False) as cluster:
+        assert cluster.run(_forges_the_next_reply_once_it_is_sent, flag) == ["done", "done"]
+        with pytest.raises(RankError, match="not a well-formed reply") as info:
+            cluster.run(_starts_the_forger_then_answers, flag)
+        assert info.value.rank == 0
 
 
 def _half_a_message_then_waits(flag: str) -> str:

@@ -1104,3 +1104,21 @@ def test_a_gradebook_that_cannot_be_written_at_the_end_loses_no_grade(tmp_path, 
     payload = json.loads(out)
     assert code == 1 and payload["submissions"][0]["student"] == "ann"
     assert "could not be written" in payload["gradebook_error"] and "JSON" in err
+
+
+@CLASS_RUN  # a whole grading run
+def test_a_low_open_files_limit_is_raised_not_reported_as_a_grader_bug(tmp_path):
+    """A hostile review: under `ulimit -n 40` the reference could not run ("please report").
+    The soft limit is raised to what the hard one allows (any process may)."""
+    import resource
+
+    def low() -> None:
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (40, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        )
+
+    (tmp_path / "ann.py").write_text(CORRECT)
+    proc = subprocess.run([*FSDP_LAB, "grade", "ann.py", "--json"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, preexec_fn=low)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert score(json.loads(proc.stdout)["submissions"][0]) == 2

@@ -39,6 +39,7 @@ import multiprocessing.connection as mpc
 import os
 import pickle
 import re
+import secrets
 import shutil
 import signal
 import sys
@@ -426,6 +427,9 @@ class _Call:
 
     def __init__(self, ranks: list[_Rank], call_id: int, what: str, plain: bool) -> None:
         self.ranks, self.call_id, self.what, self.plain = ranks, call_id, what, plain
+        # Sent with the call and echoed by its reply: a reply to a call id guessed ahead (a
+        # thread a rank left running) is not well-formed.
+        self.token = secrets.token_hex(8)
         self.pending = set(range(len(ranks)))
         self.replies: dict[int, Reply] = {}
         self.results: dict[int, Any] = {}
@@ -439,7 +443,7 @@ class _Call:
         return bool(self.failures or self.deaths or self.pending or self.broken)
 
     def send(self, payload: bytes, deadline: float) -> None:
-        message = pickle.dumps(("call", self.call_id, payload))
+        message = pickle.dumps(("call", self.call_id, self.token, payload))
         with _sigint_held():  # every rank gets the call, or (Ctrl-C before) none does
             for r, rk in enumerate(self.ranks):
                 try:
@@ -501,18 +505,18 @@ class _Call:
         try:
             message = read_message(data)
         except pickle.UnpicklingError as exc:  # not a message a rank of ours sends
-            message = ("reply", self.call_id, Reply(ok=False, error=f"sent {exc}"))
+            message = ("reply", self.call_id, self.token, Reply(ok=False, error=f"sent {exc}"))
         except Exception as exc:  # not a pickle at all
             raise ChannelBroken(f"{len(data)} bytes that are no message ({exc!r:.100})") from None
         kind = message[0] if isinstance(message, tuple) and message else None
         starting = self.call_id == 0
-        if kind == "reply" and len(message) == 3 and isinstance(message[2], Reply):
+        if kind == "reply" and len(message) == 4 and isinstance(message[3], Reply):
             if isinstance(message[1], int) and message[1] < self.call_id and not starting:
                 return  # the late answer to a call that was given up on: dropped, never returned
-            if message[1] != self.call_id:
-                raise ChannelBroken(f"a reply to call {message[1]!r} while call "
-                                    f"{self.call_id} is the one in flight")  # fmt: skip
-            reply = message[2]
+            if message[1:3] != (self.call_id, self.token):  # a reply no rank was asked for
+                raise ChannelBroken(f"a reply to call {message[1]!r:.20} that is not the call "
+                                    f"in flight ({self.call_id}) or not its token")  # fmt: skip
+            reply = message[3]
         elif starting and kind == "ready":
             reply = Reply(ok=True, collectives={})
         elif starting and kind == "failed":

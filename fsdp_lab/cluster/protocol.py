@@ -2,14 +2,15 @@
 
 One duplex pipe per rank carries pickled tuples of plain values:
 
-    driver -> rank   ("call", call_id, payload)      payload: cloudpickle of (fn, args, kwargs)
+    driver -> rank   ("call", call_id, token, payload)   payload: cloudpickle of (fn, args, kwargs)
                      ("stop",)
     rank -> driver   ("ready", pid)                   the rank joined the process group
                      ("failed", traceback)            ... or could not
-                     ("reply", call_id, Reply)        one per call, echoing its id
+                     ("reply", call_id, token, Reply) one per call, echoing its id and token
 
 Every reply echoes the id of the call it answers, so a reply of a call the driver gave up on
-(interrupted, timed out) can never be taken for the answer to a later call: it is dropped.
+(interrupted, timed out) can never be taken for the answer to a later call: it is dropped; and
+the call's random token, so a reply to an id guessed ahead is no reply at all.
 The result travels as its own cloudpickle inside the reply, so a result the driver cannot
 unpickle (a class that exists only on the ranks) is an error of *that* call, not a broken pipe.
 

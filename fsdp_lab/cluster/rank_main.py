@@ -81,8 +81,8 @@ def rank_main(spec: RankSpec, conn: Any, stdout: Any, stderr: Any) -> None:
             break
         if message[0] == "stop":
             break
-        _, call_id, payload = message
-        _send(conn, ("reply", call_id, _answer(payload, spec.plain_results)))
+        _, call_id, token, payload = message
+        _send(conn, ("reply", call_id, token, _answer(payload, spec.plain_results)))
     import torch.distributed as dist
 
     with contextlib.suppress(Exception):

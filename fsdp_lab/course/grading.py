@@ -28,6 +28,7 @@ import io
 import json
 import os
 import re
+import resource
 import stat
 import tempfile
 import time
@@ -54,6 +55,7 @@ START_ALLOWANCE = 60.0
 REPLY_LIMIT = 8 << 20  # a whole class's correct reply is about 4 MB (all 15 exercises)
 MAX_REPLY_LINES = 100  # a reply is a header and a line per exercise
 MAX_NOTES, NOTE_CHARS = 20, 300
+OPEN_FILES, MIN_OPEN_FILES = 4096, 256  # wanted, and the least a class can be graded with
 
 
 class GraderError(Exception):
@@ -63,9 +65,22 @@ class GraderError(Exception):
 
 def check_grader_environment() -> None:
     """What would make the grader's own reference fail, checked before the first file (a
-    ValueError naming the fix): the ranks of grading run on the CPU, as the sandbox's do."""
+    ValueError naming the fix): too few open files (the soft limit is raised to what the hard
+    one allows); the ranks of grading run on the CPU, as the sandbox's do."""
     from fsdp_lab.choices import DEVICE_ENV, DEVICES
 
+    # Open files: the reference's ranks, each sandbox's pipes and gloo's sockets. A low soft
+    # limit (`ulimit -n 40`) failed inside the reference as "please report"; raise it to the
+    # hard limit, which any process may, or say what to do.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES if hard == resource.RLIM_INFINITY else min(OPEN_FILES, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    if wanted < MIN_OPEN_FILES:
+        raise ValueError(
+            f"open files: this shell allows {hard} (ulimit -Hn), grading needs at least "
+            f"{MIN_OPEN_FILES} — raise it (ulimit -n 4096, or ask your administrator)"
+        )
     device = os.environ.get(DEVICE_ENV)
     if device and device not in DEVICES:
         raise ValueError(
