@@ -465,10 +465,10 @@ def one_lab(args: argparse.Namespace) -> dict[str, Any]:
 
 def grade_command(args: argparse.Namespace) -> dict[str, Any]:
     """`fsdp-lab grade`: every submission graded in a sandbox; a table (or JSON), a CSV."""
-    from fsdp_lab.course import grading
+    from fsdp_lab.course import gradebook, grading
 
     if args.csv is not None:  # before the first file: a class's grades are never lost at the end
-        problem = grading.check_destination(args.csv)
+        problem = gradebook.check_destination(args.csv)
         if problem:
             raise UsageError(problem, "give --csv a file in an existing folder", "fsdp-lab grade")
 
@@ -497,10 +497,10 @@ def grade_command(args: argparse.Namespace) -> dict[str, Any]:
         ) from None
     results = graded["submissions"]
     if not args.json:  # first: the grades are on screen whatever happens to the CSV
-        print(grading.text_report(results))
+        print(gradebook.text_report(results))
     if args.csv is not None:
         try:
-            grading.write_csv(results, args.csv)
+            gradebook.write_csv(results, args.csv)
             print(f"gradebook CSV: {args.csv}", file=sys.stderr)
         except OSError as exc:  # a disk filled since the check: the grades are not lost
             shown = "the JSON on stdout" if args.json else "the table above"

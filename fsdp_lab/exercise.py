@@ -31,7 +31,7 @@ import contextlib
 import faulthandler
 import gc
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -370,7 +370,8 @@ def attempt(
     # trial starts from torch's defaults (a correct function failed after one that had not).
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
-    with open(stack_file.format(rank=rank()), "w") as out, rank_threads(), groups_released():
+    release_groups()
+    with open(stack_file.format(rank=rank()), "w") as out, rank_threads():
         faulthandler.dump_traceback_later(dump_after, file=out)
         try:
             outcome = trial(recorded if record else fn, case)
@@ -379,24 +380,24 @@ def attempt(
     return json.dumps({"outcome": plain(outcome), "answers": answers if record else None})
 
 
-@contextlib.contextmanager
-def groups_released() -> Iterator[None]:
-    """Every process group made inside (a trial's subgroups, a DeviceMesh's) is destroyed when
-    it ends: ranks that serve a whole class (the grader's reference ranks replay every
-    learner's mesh) kept each group's sockets — about ten per layout on gloo — until the open
-    files ran out and a later, correct answer failed inside gloo."""
+def release_groups() -> None:
+    """Destroy every process group but the world's: those earlier trials on these ranks made
+    (a trial's subgroups, a DeviceMesh's). Ranks that serve a whole class (the grader's
+    reference ranks replay every learner's mesh) kept each group's sockets — about ten per
+    layout on gloo — until the open files ran out and a later, correct answer failed inside
+    gloo. Done as the next trial starts, when every rank has left the last one: at a trial's
+    own end, a rank done early would pull a group from under a peer still waiting in it, and a
+    hang would show as an error."""
     from torch.distributed import distributed_c10d as c10d
 
-    before = set(c10d._world.pg_map) if dist.is_initialized() else set()
-    try:
-        yield
-    finally:
-        made = [g for g in list(c10d._world.pg_map) if g not in before]
-        for group in made:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(group)
-        if made:  # a group's sockets close with its last reference, often held in a cycle
-            gc.collect()
+    if not dist.is_initialized():
+        return
+    left = [g for g in list(c10d._world.pg_map) if g is not c10d.GroupMember.WORLD]
+    for group in left:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(group)
+    if left:  # a group's sockets close with its last reference, often held in a cycle
+        gc.collect()
 
 
 NOT_PLAIN, TENSOR = "not plain data", "tensor"

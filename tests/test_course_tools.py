@@ -282,14 +282,16 @@ def test_the_whole_gallery_is_one_line_per_bug_and_a_lab_its_blocks():
 def test_a_graded_files_report_shows_the_table_its_hint_points_to():
     """A hostile review: `fsdp-lab grade` printed a failed verdict's hint ("the table above shows
     the first values that differ") without the table."""
-    from fsdp_lab.course import grading
+    from fsdp_lab.course import gradebook
     from fsdp_lab.course.verdict import Verdict
 
     rows = [("averaged gradient, first values", "0.5, 0.25", "0, 0")]
     wrong = Verdict(
         "all_reduce_mean", "wrong result", "it differs", 2, rows=rows, hint="see the table above"
     )
-    text = grading.text_report([{"file": "a/ex.py", "student": "a", "verdicts": [wrong.to_dict()]}])
+    text = gradebook.text_report(
+        [{"file": "a/ex.py", "student": "a", "verdicts": [wrong.to_dict()]}]
+    )
     lines = text.splitlines()
     table = [i for i, line in enumerate(lines) if "0.5, 0.25 | 0, 0" in line]
     assert table and table[0] < [i for i, line in enumerate(lines) if "hint:" in line][0], text

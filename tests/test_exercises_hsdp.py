@@ -102,7 +102,8 @@ def test_ranks_that_serve_a_class_keep_no_group_a_trial_made(exercise_pool, name
     """Issue 51, item 4: every replayed layout left about ten sockets on each of the grader's
     long-lived reference ranks; under a soft limit of 1,024 open files, from about the 99th
     file on every replay failed inside gloo — a correct answer scored 0. Each trial's groups
-    are destroyed when it ends (all_reduce_mean, which makes a subgroup per case: own case)."""
+    are destroyed as the next starts (all_reduce_mean, which makes a subgroup per case: own
+    case)."""
     from fsdp_lab.course.catalog import exercise
     from fsdp_lab.course.checker import run_case
 

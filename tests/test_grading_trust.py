@@ -920,7 +920,7 @@ def _umask() -> int:
 
 def test_a_link_planted_at_the_gradebooks_temporary_name_is_never_written_through(tmp_path):
     """Item 2: the CSV overwrote the target of a link planted at `.grades.csv.partial`."""
-    from fsdp_lab.course.grading import write_csv
+    from fsdp_lab.course.gradebook import write_csv
 
     victim = tmp_path / "gradebook.db"
     victim.write_text("precious")
@@ -933,7 +933,7 @@ def test_a_link_planted_at_the_gradebooks_temporary_name_is_never_written_throug
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root (CI grades as root)")
 def test_a_file_planted_by_another_user_never_becomes_the_gradebook(tmp_path):
     """Item 2: another user's 0666 file at the temporary name became grades.csv, theirs."""
-    from fsdp_lab.course.grading import write_csv
+    from fsdp_lab.course.gradebook import write_csv
 
     planted = tmp_path / ".grades.csv.partial"
     planted.write_text("")
@@ -946,7 +946,7 @@ def test_a_file_planted_by_another_user_never_becomes_the_gradebook(tmp_path):
 def test_a_folder_planted_at_the_temporary_name_costs_no_gradebook(tmp_path):
     """Own case: the write at the end of grading failed (a folder where the temporary file
     went), after the whole class was graded."""
-    from fsdp_lab.course.grading import write_csv
+    from fsdp_lab.course.gradebook import write_csv
 
     (tmp_path / ".grades.csv.partial").mkdir()
     write_csv(ROWS, tmp_path / "grades.csv")
@@ -1091,12 +1091,12 @@ def test_a_gradebook_that_cannot_be_written_at_the_end_loses_no_grade(tmp_path, 
     """A hostile review: a disk filled (or a folder planted) after the up-front check cost the
     whole class's grades — exit 1, no table. The grades are printed first now."""
     from fsdp_lab import cli
-    from fsdp_lab.course import grading
+    from fsdp_lab.course import gradebook
 
     def full(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(grading, "write_csv", full)
+    monkeypatch.setattr(gradebook, "write_csv", full)
     (tmp_path / "ann.py").write_text("x = 1\n")
     code = cli.main(["grade", str(tmp_path / "ann.py"), "--csv", str(tmp_path / "g.csv"),
                      "--json"])  # fmt: skip

@@ -13,7 +13,8 @@ comes from the path, the score from the judge. Whatever a submission does — pr
 crash, reply garbage, delete files — it is that file's row, and grading goes on.
 
 Which files, whose, and in what order is `roster`'s (copied before the first runs, links
-refused, students in turns, a cap per student); the text of verdicts is kept printable. An
+refused, students in turns, a cap per student); the table and the CSV are `gradebook`'s; the
+text of verdicts is kept printable. An
 optional class time limit bounds the whole run. What goes wrong on the grader's side is the
 grader's: a reference that cannot run stops grading with one line (`GraderError`), never a
 row that blames a student; a file whose reply the grader fails on is that file's row, marked
@@ -22,14 +23,10 @@ as the grader's error, and the others go on.
 
 from __future__ import annotations
 
-import contextlib
-import csv
-import io
 import json
 import os
 import re
 import resource
-import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -38,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_lab.course import sandbox
+from fsdp_lab.course.gradebook import score_line
 from fsdp_lab.course.roster import (
     MAX_FILES_PER_STUDENT,
     OVER_THE_CAP,
@@ -46,8 +44,7 @@ from fsdp_lab.course.roster import (
     fair_order,
     submissions,
 )
-from fsdp_lab.course.verdict import printable, rows_text
-from fsdp_lab.outputs import write_file
+from fsdp_lab.course.verdict import printable
 
 # A file's wall clock: start-up (interpreter, torch, ranks), then the per-case limit for its
 # top-level code and once per exercise it defines (a check stops at the first case that hangs).
@@ -396,97 +393,3 @@ class Judge:
         self._worker.shutdown(wait=True, cancel_futures=True)
         if self._pool is not None:
             self._pool.close()
-
-
-def score_line(result: dict[str, Any]) -> str:
-    if "error" in result:
-        return result["error"]
-    got = sum(v["score"] for v in result["verdicts"])
-    of = sum(v["points"] for v in result["verdicts"])
-    return f"{got}/{of} points"
-
-
-def text_report(results: list[dict[str, Any]]) -> str:
-    """A table: one block per file, one line per exercise (headline, then its one-line why)."""
-    lines = []
-    for r in results:
-        who = f" ({r['student']})" if r.get("student") else ""
-        lines.append(f"{r['file']}{who}: {score_line(r)}")
-        for v in r.get("verdicts", []):
-            mark = "✓" if v["passed"] else "✗"
-            where = f" [{v['case']}]" if v.get("case") else ""
-            lines.append(
-                f"  {mark} {v['exercise']:<24} {v['score']} of {v['points']} points  "
-                f"{v['kind']}{where}"
-            )
-            if not v["passed"]:
-                lines.append(f"      {v['summary']}")
-                lines += rows_text(v.get("rows") or [], "      ")
-                if v.get("hint"):
-                    lines.append(f"      hint: {v['hint']}")
-        for note in r.get("notes", []):
-            lines.append(f"  note: {note}")
-    return "\n".join(lines)
-
-
-def check_destination(path: Path) -> str | None:
-    """Why `path` cannot take the gradebook (checked before any file is graded), or None.
-
-    The gradebook replaces what is at `path` (a file of the grader's) and nothing else: not a
-    link (a system's /dev/stdout, or one a student planted), not another user's file; and only
-    in a folder nobody else may rename files in — there anyone could swap the finished
-    gradebook for their own."""
-    where = f"--csv {path}"
-    if path.is_dir():
-        return f"{where}: is a folder; expected a file name (e.g. {path}/grades.csv)"
-    parent = path.parent
-    if not parent.is_dir():
-        return f"{where}: the folder {parent} does not exist; create it first"
-    folder = parent.stat()
-    if folder.st_mode & 0o022 and not folder.st_mode & stat.S_ISVTX:
-        return (f"{where}: its folder {parent} may be written by other users (mode "
-                f"{stat.filemode(folder.st_mode)}, no sticky bit): anyone could replace the "
-                "gradebook; choose a folder only you can write")  # fmt: skip
-    with contextlib.suppress(FileNotFoundError):
-        info = path.lstat()  # what sits there now is replaced, never written through
-        if stat.S_ISLNK(info.st_mode):
-            return f"{where}: is a symbolic link; name the file itself"
-        if not stat.S_ISREG(info.st_mode):
-            return f"{where}: is not a regular file; choose another name"
-        if info.st_uid != os.geteuid():
-            return f"{where}: belongs to user {info.st_uid}; choose another name"
-    try:  # permissions, read-only mounts, /dev/fd and /proc: try it
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{path.name}.", suffix=".tmp"):
-            pass
-    except OSError as exc:
-        return (
-            f"{where}: cannot write there ({exc.strerror or exc}); choose a folder you can write to"
-        )
-    return None
-
-
-def cell(value: Any) -> Any:
-    """A CSV cell a spreadsheet shows as text: one starting like a formula gets a quote first."""
-    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
-        return "'" + value
-    return value
-
-
-def write_csv(results: list[dict[str, Any]], path: Path) -> None:
-    """One row per submission: file, student, each exercise's score, total, max, and the error
-    for files that could not be graded. Written once, whole, new and the grader's own
-    (`outputs.write_file`: never through a link or into a file someone else put there)."""
-    names: list[str] = []
-    for r in results:
-        for v in r.get("verdicts", []):
-            if v["exercise"] not in names:
-                names.append(v["exercise"])
-    text = io.StringIO(newline="")
-    out = csv.writer(text)
-    out.writerow(["file", "student", *names, "total", "max", "error"])
-    for r in results:
-        scores = {v["exercise"]: v["score"] for v in r.get("verdicts", [])}
-        points = sum(v["points"] for v in r.get("verdicts", []))
-        row = [r["file"], r.get("student", ""), *[scores.get(n, "") for n in names]]
-        out.writerow([cell(c) for c in [*row, sum(scores.values()), points, r.get("error", "")]])
-    write_file(path, text.getvalue())

@@ -23,30 +23,19 @@ only after that switch are the old version and the leftovers of crashed saves re
 any moment leaves the old checkpoint or the new one, never neither. The checksums make a load
 refuse swapped, truncated or edited files, on every rank, instead of loading wrong tensors.
 
-[Note: a save deletes only what it wrote] The checkpoint folder may hold anything else — a
-user's data, a folder named like a version, a version folder moved to another disk and linked
-back. A save creates its version folder new (never adopting one that exists) and writes its name and
-identity (device, inode) into journal.json; it removes only a folder the journal names that is
-still that very folder — a journal is the saving user's own file, and a folder put in the
-place of one it names is another — and inside it only rank files and their temporary files,
-never through a link, and the folder only once empty. Every file is written through an open
-folder, never a path looked up again: a version folder swapped for a link after it was made
-leads nowhere else. Everything else stays. Every file it writes is
-written new and whole (`fsdp_lab.outputs.write_file`); a write that fails (a full disk) says so
-and leaves the committed checkpoint as it was.
+What a save makes and may remove in the folder is `checkpoint_folders`' (a save deletes only
+what it wrote, never through a link); every file is written new and whole
+(`fsdp_lab.outputs.write_file`); a write that fails (a full disk) says so and leaves the
+committed checkpoint as it was.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import hashlib
 import io
 import json
 import os
-import re
-import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +45,19 @@ import torch.nn as nn
 
 from fsdp_lab import comm
 from fsdp_lab.outputs import read_file, write_file
+from fsdp_lab.sharding.checkpoint_folders import (
+    MAX_RECORD_BYTES,
+    META,
+    forget_uncommitted,
+    new_version_folder,
+    rank_name,
+    remove_superseded,
+    version_folder,
+    version_name,
+)
 from fsdp_lab.sharding.state import ShardingState, sharding_state
 from fsdp_lab.sharding.state_dict import broadcast_text, persistent_buffers, state_device
 
-META = "meta.json"
-JOURNAL = "journal.json"
-_VERSION = re.compile(r"v(\d{5,})")  # a version folder of rank files: v00001, v00002, ...
-# What a save writes inside its own version folder: rank files, and the temporary files of
-# writes a crash interrupted (`outputs.write_file`'s names).
-_OURS_INSIDE = re.compile(r"rank\d{5}\.pt|\.rank\d{5}\.pt\..+\.tmp")
 _META_KEYS = dict(version=int, world_size=int, strategy=str, units=dict, buffers=dict, files=list)
 
 
@@ -116,7 +109,7 @@ def _save_in_group(
         try:
             folder.mkdir(parents=True, exist_ok=True)
             if state.shard_rank == 0:  # a version folder of its own, made new and journaled
-                version.fill_(_new_version_folder(folder))
+                version.fill_(new_version_folder(folder, _committed_version(folder)))
         except OSError as exc:  # a full disk, a folder it may not write
             raise OSError(exc.errno, f"save_sharded could not start a new version in {folder}: "
                           f"{exc.strerror or exc}. {UNCHANGED}") from exc  # fmt: skip
@@ -129,12 +122,12 @@ def _save_in_group(
             "buffers": {name: buf.detach().cpu() for name, buf in persistent_buffers(model)},
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
         }
-        name = _rank_name(state.shard_rank)
+        name = rank_name(state.shard_rank)
         try:
-            with _version_folder(folder, int(version.item())) as here:
+            with version_folder(folder, int(version.item())) as here:
                 written.append(write_file(name, lambda f: torch.save(payload, f), folder=here))
         except OSError as exc:  # a full disk, a quota: said plainly, not as torch's "enforce fail"
-            raise OSError(exc.errno, f"writing {folder / _version_name(int(version.item())) / name}"
+            raise OSError(exc.errno, f"writing {folder / version_name(int(version.item())) / name}"
                           f": {exc.strerror or exc}. {UNCHANGED}") from exc  # fmt: skip
 
     def commit(records: list[dict[str, Any]]) -> None:  # the switch from the old version
@@ -144,7 +137,7 @@ def _save_in_group(
 
     def clean_up() -> None:  # only now: a crash before the switch needed the old files
         if state.shard_rank == 0:
-            _remove_superseded(folder, int(version.item()))
+            remove_superseded(folder, int(version.item()))
 
     _on_every_rank(state, prepare, "save_sharded (prepare)")
     root = dist.get_global_rank(state.group, 0) if state.group is not None else 0
@@ -154,7 +147,9 @@ def _save_in_group(
         records = _gather_file_records(state, *written[0])  # for meta.json, so loads can check
         _on_every_rank(state, lambda: commit(records), "save_sharded (commit)")
     except BaseException:  # failed or interrupted (Ctrl-C) before the switch: its own files go
-        _forget_uncommitted(folder, int(version.item()), state.shard_rank)
+        forget_uncommitted(
+            folder, int(version.item()), state.shard_rank, _committed_version(folder)
+        )
         raise
     _on_every_rank(state, clean_up, "save_sharded (clean_up)")
     return folder
@@ -185,7 +180,7 @@ def load_sharded(
     def read() -> None:
         meta = _read_meta(folder)
         _check_fits(folder, meta, model, state)
-        path = folder / _version_name(meta["version"]) / _rank_name(state.shard_rank)
+        path = folder / version_name(meta["version"]) / rank_name(state.shard_rank)
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: the checkpoint lacks this rank's file")
         try:  # a FIFO or /dev/zero in its place is refused, never read
@@ -216,110 +211,6 @@ def load_sharded(
             buf.copy_(saved["buffers"][name])
     if optimizer is not None:
         optimizer.load_state_dict(saved["optimizer"])
-
-
-def _version_name(version: int) -> str:
-    return f"v{version:05d}"
-
-
-def _rank_name(rank: int) -> str:
-    return f"rank{rank:05d}.pt"
-
-
-MAX_RECORD_BYTES = 64 << 20  # meta.json or journal.json larger than this is not ours
-
-
-@contextlib.contextmanager
-def _opened(folder: Path) -> Iterator[int]:
-    """The checkpoint folder, opened (the user's own path: a link to it is followed)."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def _version_folder(folder: Path, version: int) -> Iterator[int]:
-    """A version folder this save made, opened without following a link, and checked to be the
-    saving user's: rank files are written into it, never into what a link points at."""
-    with _opened(folder) as top:
-        fd = os.open(_version_name(version), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-                     | os.O_CLOEXEC, dir_fd=top)  # fmt: skip
-    try:
-        if os.fstat(fd).st_uid != os.geteuid():
-            raise PermissionError(errno.EPERM, f"{_version_name(version)} is not this save's "
-                                  "folder (another user's)")  # fmt: skip
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def _identity(top: int, name: str) -> tuple[int, int] | None:
-    """(device, inode) of the real folder `name` in the open folder `top`, None if it is not
-    one (a link, a file, nothing)."""
-    try:
-        info = os.stat(name, dir_fd=top, follow_symlinks=False)
-    except OSError:
-        return None
-    return (info.st_dev, info.st_ino) if stat.S_ISDIR(info.st_mode) else None
-
-
-def _journal(top: int) -> dict[str, list[int]]:
-    """The version folders journal.json says this checkpoint's saves made, with the identity
-    each had when made — a name alone proves nothing, as anyone may write the folder. The file
-    counts only if it is the saving user's own regular file (not a link, a FIFO, another
-    user's)."""
-    try:
-        if os.stat(JOURNAL, dir_fd=top, follow_symlinks=False).st_uid != os.geteuid():
-            return {}
-        entries = json.loads(read_file(JOURNAL, MAX_RECORD_BYTES, folder=top))
-    except (OSError, ValueError):
-        return {}
-    made = entries if isinstance(entries, dict) else {}
-    return {
-        name: ident for name, ident in made.items()
-        if _VERSION.fullmatch(name) and isinstance(ident, list) and len(ident) == 2
-        and all(isinstance(n, int) for n in ident)
-    }  # fmt: skip
-
-
-def _committed_version(folder: Path) -> int | None:
-    """The version meta.json commits to, if it is a record of save_sharded's."""
-    try:
-        return _read_meta(folder)["version"]
-    except (OSError, ValueError):
-        return None
-
-
-def _new_version_folder(folder: Path) -> int:
-    """Past every version this checkpoint knows, and past whatever sits in the folder under
-    that name: created new (never an existing folder adopted), then journaled with its
-    identity. (A kill between the two leaves an empty folder no save will remove.)"""
-    with _opened(folder) as top:
-        made = _journal(top)
-        committed = _committed_version(folder)
-        if committed and _version_name(committed) not in made and _meta_is_mine(top):
-            # A checkpoint saved before journals: the folder its own meta.json names.
-            ident = _identity(top, _version_name(committed))
-            made.update({_version_name(committed): list(ident)} if ident else {})
-        version = 1 + max([int(name[1:]) for name in made] + [committed or 0])
-        while True:
-            try:
-                os.mkdir(_version_name(version), dir_fd=top)
-                break
-            except FileExistsError:  # whatever sits there is not ours
-                version += 1
-        made[_version_name(version)] = list(_identity(top, _version_name(version)) or (0, 0))
-        write_file(JOURNAL, json.dumps(made), folder=top)
-    return version
-
-
-def _meta_is_mine(top: int) -> bool:
-    try:
-        return os.stat(META, dir_fd=top, follow_symlinks=False).st_uid == os.geteuid()
-    except OSError:
-        return False
 
 
 def _gather_file_records(state: ShardingState, size: int, sha256: str) -> list[dict[str, Any]]:
@@ -357,48 +248,12 @@ def _layout(model: nn.Module, state: ShardingState) -> dict[str, Any]:
     )
 
 
-def _remove_superseded(folder: Path, current: int) -> None:
-    """The version folders this checkpoint's saves made, but the current one: their rank files
-    and temporary files, then the folder if nothing else is in it. A folder counts only while
-    it is the very folder the journal recorded (same device and inode, not a link)."""
-    keep = _version_name(current)
-    with _opened(folder) as top:
-        made = _journal(top)
-        for name, ident in made.items():
-            if name != keep:
-                _remove_version(top, name, tuple(ident))
-        write_file(JOURNAL, json.dumps({keep: made[keep]} if keep in made else {}), folder=top)
-
-
-def _remove_version(top: int, name: str, ident: tuple[int, ...]) -> None:
-    with contextlib.suppress(OSError):
-        if _identity(top, name) != ident:  # replaced, linked or gone: not what we made
-            return
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     dir_fd=top)  # fmt: skip
-        try:
-            if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != ident:
-                return
-            for entry in os.scandir(fd):
-                if _OURS_INSIDE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-                    os.unlink(entry.name, dir_fd=fd)
-        finally:
-            os.close(fd)
-        os.rmdir(name, dir_fd=top)  # only if empty: whatever else is there stays
-
-
-def _forget_uncommitted(folder: Path, version: int, rank: int) -> None:
-    """A save that failed before its switch: this rank's file goes, and (rank 0) the version
-    folder once empty; a kill leaves them to the next save, whose journal names the folder."""
-    if _committed_version(folder) == version:
-        return
-    with contextlib.suppress(OSError), _version_folder(folder, version) as here:
-        os.unlink(_rank_name(rank), dir_fd=here)
-    if rank == 0:
-        with contextlib.suppress(OSError), _opened(folder) as top:
-            ident = _journal(top).get(_version_name(version))
-            if ident:
-                _remove_version(top, _version_name(version), tuple(ident))
+def _committed_version(folder: Path) -> int | None:
+    """The version meta.json commits to, if it is a record of save_sharded's."""
+    try:
+        return _read_meta(folder)["version"]
+    except (OSError, ValueError):
+        return None
 
 
 def _read_meta(folder: Path) -> dict[str, Any]:
@@ -507,7 +362,7 @@ def _check_file(path: Path, data: bytes, records: list[dict[str, Any]], rank: in
     owners = [k for k, record in enumerate(records) if record["sha256"] == digest]
     if owners:
         what = f"it holds rank {owners[0]}'s shards, not rank {rank}'s (files swapped or renamed)"
-        fix = f"give each file its rank's name (this one: {_rank_name(owners[0])})"
+        fix = f"give each file its rank's name (this one: {rank_name(owners[0])})"
     elif len(data) != expected["bytes"]:
         what = (
             f"meta.json records {expected['bytes']} bytes, the file has {len(data)} "
