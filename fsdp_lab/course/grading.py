@@ -167,7 +167,13 @@ def grade_paths(
     return {"sandbox": seen, "submissions": rows, "grader_errors": grader_errors}
 
 
-CANARY = "import os, fsdp_lab.course.submission\nos.write(3, b'ok')\n"
+# Python starts, fsdp_lab imports, torch can be found: what every submission needs first (a
+# tenth of a second, where importing the course would take two).
+CANARY = (
+    "import importlib.util, os, fsdp_lab\n"
+    "assert importlib.util.find_spec('torch'), 'torch cannot be found'\n"
+    "os.write(3, b'ok')\n"
+)
 
 
 def check_sandbox_runs(binds: list[str]) -> None:
