@@ -1131,3 +1131,14 @@ def test_a_low_open_files_limit_is_raised_or_refused_before_grading():
     refused = subprocess.run([sys.executable, "-c", RAISED.format(soft=40, hard=64)],
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert "ulimit -n 4096" in refused.stdout, refused.stderr
+
+
+@pytest.mark.skipif(bwrap() is None, reason="bubblewrap cannot run here (CI installs it)")
+def test_a_sandbox_that_cannot_run_python_stops_grading_as_the_graders_error(tmp_path):
+    """A hostile review: graded with a Python the sandbox could not start (it needed a
+    variable the sandbox clears), every file got "no result" and 0, and grading exited 0. A
+    canary runs first now: the grader's error, one line, no row blames a student."""
+    from fsdp_lab.course.grading import GraderError, check_sandbox_runs
+
+    with pytest.raises(GraderError, match="the sandbox cannot run this Python"):
+        check_sandbox_runs(binds=[])  # nothing of Python's bound: it cannot start
