@@ -228,6 +228,8 @@ def write_class(root: Path, csv_path: Path) -> dict[str, Path]:
     (subs / "peerlink" / "mine.py").symlink_to(os.path.join("..", "alice", "ex.py"))
     (subs / "hardlink").mkdir()
     (root / "outside.py").write_text(CORRECT)
+    if os.geteuid() == 0:  # a peer's file, hard-linked: the peer's, whatever folder it is in
+        os.chown(root / "outside.py", 4242, 4242)
     os.link(root / "outside.py", subs / "hardlink" / "mine.py")
     (subs / "looper").mkdir()
     (subs / "looper" / "loop.py").symlink_to("loop.py")
@@ -302,8 +304,10 @@ def test_no_attack_gets_points_it_did_not_earn(graded):
     got = by_student(proc)
     for who in ("fake_line", "patcher", "forger"):
         assert (score(got[who]) or 0) == 0, (who, got[who])  # an error row scores nothing
-    for who in ("linker", "peerlink", "looper", "hardlink"):  # links: to a peer, to anything
+    for who in ("linker", "peerlink", "looper"):  # links: to a peer, to anything
         assert "link" in got[who]["error"] and "refused" in got[who]["error"], got[who]
+    if os.geteuid() == 0:  # a hard link to another user's file: refused by its owner
+        assert "owned by user 4242" in got["hardlink"]["error"], got["hardlink"]
     for who, kind in (("reply_deep", "invalid reply"), ("reply_nested", "invalid reply"),
                       ("reply_ansi", "raised")):  # fmt: skip
         verdict = got[who]["verdicts"][0]
