@@ -127,15 +127,21 @@ def read_file(path: str | os.PathLike, limit: int, folder: int | None = None) ->
             raise ValueError(f"{os.fspath(path)} is not a regular file")
         if info.st_size > limit:
             raise ValueError(f"{os.fspath(path)} holds {info.st_size} bytes, more than {limit}")
-        chunks, total = [], 0
-        while chunk := os.read(fd, min(1 << 20, limit + 1 - total)):
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > limit:
-                raise ValueError(f"{os.fspath(path)} grew past {limit} bytes while read")
-        return b"".join(chunks)
+        data = read_open(fd, limit + 1)
+        if len(data) > limit:
+            raise ValueError(f"{os.fspath(path)} grew past {limit} bytes while read")
+        return data
     finally:
         os.close(fd)
+
+
+def read_open(fd: int, limit: int) -> bytes:
+    """What the open file `fd` holds from where it stands, at most `limit` bytes."""
+    chunks, total = [], 0
+    while total < limit and (chunk := os.read(fd, min(1 << 20, limit - total))):
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
 
 
 def _umask() -> int:

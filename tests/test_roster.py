@@ -178,17 +178,22 @@ def _looks(name: str) -> str:
     return shown.translate({0x43E: "o", 0x435: "e", 0x430: "a", 0x440: "p", 0x441: "c"})
 
 
-@pytest.mark.parametrize("pair", LOOKALIKES.values(), ids=LOOKALIKES.keys())
-def test_two_students_never_print_as_one(tmp_path, pair):
-    """Item 6: names that look alike print distinguishably, in the table, CSV and JSON alike
-    (they are the rows' `student`)."""
+def _students_named(tmp_path: Path, names: tuple[str, ...]) -> list:
+    """The class of one file per student folder named so, listed."""
     folder = tmp_path / "submitted"
-    for k, who in enumerate(pair):
+    for k, who in enumerate(names):
         (folder / who).mkdir(parents=True)
         (folder / who / "work.py").write_text(f"x = {k}\n")
     snapshot = tmp_path / "snap"
     snapshot.mkdir()
-    rows = submissions([folder], snapshot)
+    return submissions([folder], snapshot)
+
+
+@pytest.mark.parametrize("pair", LOOKALIKES.values(), ids=LOOKALIKES.keys())
+def test_two_students_never_print_as_one(tmp_path, pair):
+    """Item 6: names that look alike print distinguishably, in the table, CSV and JSON alike
+    (they are the rows' `student`)."""
+    rows = _students_named(tmp_path, pair)
     names = [r.student for r in rows]
     assert len({_looks(n) for n in names}) == 2, names
     assert len({_looks(r.shown) for r in rows}) == 2, [r.shown for r in rows]
@@ -264,11 +269,5 @@ def test_an_empty_students_folder_is_a_row(tmp_path):
 @pytest.mark.parametrize("pair", [("zoe", "zoe\u2800"), ("zoe", "z\u0585e")],
                          ids=["braille blank", "armenian oh"])  # fmt: skip
 def test_names_a_review_found_alike_print_apart(tmp_path, pair):
-    folder = tmp_path / "submitted"
-    for k, who in enumerate(pair):
-        (folder / who).mkdir(parents=True)
-        (folder / who / "work.py").write_text(f"x = {k}\n")
-    snapshot = tmp_path / "snap"
-    snapshot.mkdir()
-    names = [r.student for r in submissions([folder], snapshot)]
+    names = [r.student for r in _students_named(tmp_path, pair)]
     assert "zoe" in names and all(n == "zoe" or "\\u" in n for n in names), names

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from fsdp_lab.course.submission import SUFFIXES
 from fsdp_lab.course.verdict import printable
+from fsdp_lab.outputs import read_open
 
 MAX_FILE_BYTES = 16 << 20  # a submission larger than this is refused unread
 MAX_FILES_PER_STUDENT = 10
@@ -282,7 +283,7 @@ class _Copier:
         if self.per_student.get(student, 0) >= self.max_files:
             return refused(OVER_THE_CAP.format(self.max_files))
         try:
-            data = _read_all(fd, MAX_FILE_BYTES + 1)
+            data = read_open(fd, MAX_FILE_BYTES + 1)
         except OSError as exc:
             return refused(f"cannot be read ({printable(str(exc))[:200]})")
         copy = self.folder / str(self.made)
@@ -300,14 +301,6 @@ class _Copier:
         self.made += 1
         self.per_student[student] = self.per_student.get(student, 0) + 1
         return _Found(top, parts, student, copy=copy)
-
-
-def _read_all(fd: int, limit: int) -> bytes:
-    chunks, total = [], 0
-    while total < limit and (chunk := os.read(fd, min(1 << 20, limit - total))):
-        chunks.append(chunk)
-        total += len(chunk)
-    return b"".join(chunks)
 
 
 # -- names as printed ---------------------------------------------------------------------------
