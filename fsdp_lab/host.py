@@ -51,9 +51,10 @@ def check_fits(need: int, what: str, fix: str) -> None:
 # worker its rank in environment variables, but a shell keeps them: a `RANK=1` left exported,
 # or a job's whole set copied into a terminal, made every command a "rank 1" that printed
 # nothing, or waited forever for peers that were never started. So the variables count only
-# when torchrun's own run id is set and a torchrun agent is this process's parent (or one
-# level above: `torchrun --no-python` through a wrapper); otherwise a command drops them,
-# saying so in one line (`forget_stale_launcher_env`).
+# when torchrun's own run id is set, a Python running torchrun is this process's parent (or one
+# level above: `torchrun --no-python` through a wrapper) and, where that agent serves the
+# rendezvous store, the store answers; otherwise a command drops them, saying so in one line
+# (`forget_stale_launcher_env`).
 RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LAUNCHER_VARS = (*RENDEZVOUS_VARS, "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "TORCHELASTIC_RUN_ID")  # fmt: skip

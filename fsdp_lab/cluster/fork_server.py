@@ -15,18 +15,15 @@ out-of-memory killer) is done here, in the process that outlives it:
 from __future__ import annotations
 
 import atexit
-import contextlib
-import ctypes
 import os
 import shutil
 import warnings
 
-PR_SET_CHILD_SUBREAPER = 36
-
 
 def _set_up(session: str) -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
+    from fsdp_lab.cluster.launcher import become_subreaper
+
+    become_subreaper()
     # The server reaps the orphans that come back to it, and would warn of each.
     warnings.filterwarnings("ignore", message="forkserver: waitpid returned unexpected pid")
     atexit.register(_end, session)

@@ -28,6 +28,7 @@ are), also after a SIGKILL of the driver, which runs no code of ours.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import signal
@@ -70,6 +71,7 @@ def preload(*modules: str) -> None:
 # Set in the fork server's environment (and so in every rank forked from it): those
 # processes import this package too, and must not start a fork server of their own.
 IN_LAUNCHER_ENV = "FSDP_LAB_IN_LAUNCHER"
+PR_SET_CHILD_SUBREAPER = 36
 SESSION_ENV = "FSDP_LAB_SESSION_DIR"  # the folder the fork server removes when it exits
 
 # One fork server per process (multiprocessing's own, module-level), so its bookkeeping is
@@ -156,16 +158,11 @@ def start_process(target: Any, args: tuple, name: str) -> Any:
 def end_process(proc: Any) -> None:
     """Kill `proc` (started by `start_process`) and every process below it and in its process
     group (a rank's children stay in its group unless they leave it), then reap it."""
-    import psutil
 
     with _lock:
         _server["ranks"].pop(proc.pid, None)
         if proc.is_alive():
-            with contextlib.suppress(OSError):
-                os.kill(proc.pid, signal.SIGSTOP)  # frozen, it starts nothing while we kill
-            with contextlib.suppress(psutil.Error):
-                kill_below(psutil.Process(proc.pid))
-            proc.kill()
+            kill_tree(proc.pid)
         proc.join(5.0)
         if proc.exitcode is not None:  # its pid is free again only after this: the group's
             with contextlib.suppress(OSError):  # members, not a later process, are killed
@@ -181,14 +178,28 @@ def reap_orphans() -> None:
     if pid is None:
         return
     with _lock, contextlib.suppress(psutil.Error):
-        orphans = [c for c in psutil.Process(pid).children() if c.pid not in _server["ranks"]]
-        for child in orphans:
-            with contextlib.suppress(psutil.Error):
-                child.send_signal(signal.SIGSTOP)
-            kill_below(child)
-            with contextlib.suppress(psutil.Error):
-                child.kill()
-        psutil.wait_procs(orphans, timeout=5)
+        for child in psutil.Process(pid).children():
+            if child.pid not in _server["ranks"]:
+                kill_tree(child.pid)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and everything below it: the process is stopped first (it starts nothing
+    while its tree is killed), then its tree, then itself; returns once they are gone."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        top = psutil.Process(pid)
+        top.send_signal(signal.SIGSTOP)
+        kill_below(top)
+        top.kill()
+        psutil.wait_procs([top], timeout=5)
+
+
+def become_subreaper() -> None:
+    """Orphans of what this process starts come back to it (not to init), to be killed."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def kill_below(top: Any) -> None:

@@ -205,8 +205,9 @@ def _keep_descendants_below() -> None:
     holding it would keep the launcher alive after the driver is gone."""
     from multiprocessing import forkserver
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+    from fsdp_lab.cluster.launcher import become_subreaper
+
+    become_subreaper()
     alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
     if alive is not None:
         with contextlib.suppress(OSError):

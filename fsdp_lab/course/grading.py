@@ -113,8 +113,9 @@ def grade_paths(
         except SnapshotError as exc:  # the grader's own folder is full: no student's row
             raise GraderError(str(exc)) from exc
         over = OVER_THE_CAP.format(max_files)
-        skipped = [sub for sub in listed if sub.error and sub.error.endswith(over)]
-        todo = [sub for sub in listed if sub not in skipped]
+        todo, skipped = [], []  # files to run, and rows past the cap (never copied)
+        for sub in listed:
+            (skipped if sub.error and sub.error.endswith(over) else todo).append(sub)
         seen = {"note": sandbox.sandbox_note(sandbox.Limits(wall_seconds=0)), "binds": binds}
         progress(seen["note"])
         if todo and any(sub.copy is not None for sub in todo):

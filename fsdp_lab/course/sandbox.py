@@ -31,7 +31,6 @@ orphans come back to it); `sandbox_note()` says which of the two the machine giv
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import os
 import resource
@@ -49,6 +48,7 @@ from typing import Any
 
 import psutil
 
+from fsdp_lab.cluster import launcher
 from fsdp_lab.course.containment import ControlGroup, Watchdog, sandbox_uid
 
 INSIDE = "/sandbox"  # the working directory inside the sandbox
@@ -58,8 +58,7 @@ TMPFS = ("--perms", "01777", "--size", str(256 << 20), "--tmpfs")  # a small pri
 # machine's memory, writable by a grader that is not root), whose pages no process maps.
 SHM_TMPFS_BYTES = 64 << 20
 # The sandbox's tmpfs mounts: their files are memory, counted against the sandbox's limit.
-TMPFS_MOUNTS = ("/tmp", "/sandbox", "/dev/shm")
-PR_SET_CHILD_SUBREAPER = 36
+TMPFS_MOUNTS = ("/tmp", INSIDE, "/dev/shm")
 SHM_BYTES = 32 << 20  # System V shared memory the sandbox may hold in all
 SHM_LIMITS = (
     f"echo {SHM_BYTES} > /proc/sys/kernel/shmmax && "
@@ -330,10 +329,8 @@ def _run_limited(
 
     before = None
     if not sandboxed:  # the grader's own helpers must exist before: they are not orphans
-        from fsdp_lab.cluster import launcher
-
         launcher.warm_up()
-        _become_subreaper()
+        launcher.become_subreaper()
         before = _children()
     try:
         proc = subprocess.Popen(
@@ -356,7 +353,7 @@ def _run_limited(
     watchdog = None
     if group is None:
         watchdog = Watchdog(proc.pid, limits.memory_bytes, limits.processes,
-                            kill=lambda: _kill_tree(proc.pid), tmpfs=TMPFS_MOUNTS)  # fmt: skip
+                            kill=lambda: launcher.kill_tree(proc.pid), tmpfs=TMPFS_MOUNTS)  # fmt: skip
     tails = [_Tail(proc.stdout, limits.output_bytes), _Tail(proc.stderr, limits.output_bytes)]
     reply = _Tail(os.fdopen(reply_r, "rb"), reply_limit, keep="first")
     try:
@@ -371,15 +368,6 @@ def _run_limited(
         if group is not None:
             group.remove()
     return returncode, tails[0].text(), tails[1].text(), reply.data(), hit
-
-
-def _kill_tree(pid: int) -> None:
-    """`pid` and everything below it (the watchdog's stop: a sandbox past its limit)."""
-    with contextlib.suppress(psutil.Error):
-        top = psutil.Process(pid)
-        for p in [*top.children(recursive=True), top]:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
 
 
 def _kill(proc: subprocess.Popen, before: set[int] | None) -> None:
@@ -401,12 +389,6 @@ def _kill(proc: subprocess.Popen, before: set[int] | None) -> None:
 
 def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children()}
-
-
-def _become_subreaper() -> None:
-    """Orphans of what this process starts come back to it (not to init), to be killed."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 class _Tail:

@@ -87,7 +87,7 @@ def _journal(top: int) -> dict[str, list[int]]:
     counts only if it is the saving user's own regular file (not a link, a FIFO, another
     user's)."""
     try:
-        if os.stat(JOURNAL, dir_fd=top, follow_symlinks=False).st_uid != os.geteuid():
+        if not _mine(top, JOURNAL):
             return {}
         entries = json.loads(read_file(JOURNAL, MAX_RECORD_BYTES, folder=top))
     except (OSError, ValueError):
@@ -107,7 +107,7 @@ def new_version_folder(folder: Path, committed: int | None) -> int:
     leaves an empty folder no save will remove.)"""
     with _opened(folder) as top:
         made = _journal(top)
-        if committed and version_name(committed) not in made and _meta_is_mine(top):
+        if committed and version_name(committed) not in made and _mine(top, META):
             # A checkpoint saved before journals: the folder its own meta.json names.
             ident = _identity(top, version_name(committed))
             made.update({version_name(committed): list(ident)} if ident else {})
@@ -123,9 +123,10 @@ def new_version_folder(folder: Path, committed: int | None) -> int:
     return version
 
 
-def _meta_is_mine(top: int) -> bool:
+def _mine(top: int, name: str) -> bool:
+    """`name` in the open folder `top` is the saving user's own (not followed if a link)."""
     try:
-        return os.stat(META, dir_fd=top, follow_symlinks=False).st_uid == os.geteuid()
+        return os.stat(name, dir_fd=top, follow_symlinks=False).st_uid == os.geteuid()
     except OSError:
         return False
 
